@@ -1,0 +1,248 @@
+// Python bindings: argument conversion, GIL release and exception mapping only.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "tutti/store.h"
+
+namespace py = pybind11;
+using namespace tutti;
+
+namespace {
+
+// A leaked reference: a static py::object would be released after the interpreter is gone.
+py::handle g_errors;
+
+[[noreturn]] void raise(const Status& s) {
+  const char* cls = "TuttiError";
+  switch (s.code()) {
+    case Code::kNotFound: cls = "NotFound"; break;
+    case Code::kCapacityExceeded: cls = "CapacityExceeded"; break;
+    case Code::kStorage: cls = "StorageError"; break;
+    case Code::kDevice: cls = "DeviceError"; break;
+    case Code::kConfig: cls = "ConfigError"; break;
+    case Code::kLayout: cls = "LayoutError"; break;
+    default: break;
+  }
+  PyErr_SetString(g_errors.attr(cls).ptr(), s.message().c_str());
+  throw py::error_already_set();
+}
+
+void ok(const Status& s) {
+  if (!s.ok()) raise(s);
+}
+
+using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
+using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+struct PyStore {
+  std::unique_ptr<Store> s;
+  Store& get() {
+    if (!s) raise({Code::kInvalid, "store is closed"});
+    return *s;
+  }
+};
+
+py::bytes to_bytes(const std::vector<uint8_t>& v) { return py::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "Tutti native core: file pool, index, extent map, gio_uring queues and host agent.";
+  g_errors = py::module_::import("tutti_cluster.errors").release();
+#ifdef TUTTI_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+  m.attr("MAX_IOCTX_PER_IOCB") = kMaxIoctxPerIocb;
+
+  m.def("checksum", [](py::buffer b) {
+    py::buffer_info i = b.request();
+    return checksum(i.ptr, static_cast<size_t>(i.size * i.itemsize) & ~size_t(3));
+  });
+
+  py::class_<LayerKV>(m, "LayerKVDesc")
+      .def(py::init([](std::vector<uint64_t> ptrs, uint64_t block_stride, uint64_t block_bytes, uint64_t num_blocks) {
+             if (ptrs.empty() || ptrs.size() > 2) raise({Code::kLayout, "a layer has 1 or 2 object pointers"});
+             LayerKV l;
+             l.nptr = static_cast<uint32_t>(ptrs.size());
+             for (size_t i = 0; i < ptrs.size(); ++i) l.ptr[i] = ptrs[i];
+             l.block_stride = block_stride;
+             l.block_bytes = block_bytes;
+             l.num_blocks = num_blocks;
+             return l;
+           }),
+           py::arg("ptrs"), py::arg("block_stride"), py::arg("block_bytes"), py::arg("num_blocks"));
+
+  py::class_<PyStore>(m, "Store")
+      .def_static(
+          "open",
+          [](std::vector<std::string> paths, std::vector<uint64_t> capacity, std::string instance, uint32_t unit_blocks,
+             uint32_t queue_depth, uint64_t staging_bytes, uint32_t max_requests, uint32_t io_sms, int direct,
+             std::string backend, int device, bool read_only, std::vector<LayerKV> layers, std::string desc) {
+            StoreOptions o;
+            o.paths = std::move(paths);
+            o.capacity = std::move(capacity);
+            o.instance = std::move(instance);
+            o.unit_blocks = unit_blocks;
+            o.queue_depth = queue_depth;
+            o.staging_bytes = staging_bytes;
+            o.max_requests = max_requests;
+            o.io_sms = io_sms;
+            o.direct = static_cast<DirectMode>(direct);
+            o.backend = std::move(backend);
+            o.device = device;
+            o.read_only = read_only;
+            auto* ps = new PyStore();
+            Status st;
+            {
+              py::gil_scoped_release nogil;
+              st = Store::open(o, layers, desc, &ps->s);
+            }
+            if (!st.ok()) {
+              delete ps;
+              raise(st);
+            }
+            return ps;
+          },
+          py::kw_only(), py::arg("paths"), py::arg("capacity"), py::arg("instance"), py::arg("unit_blocks"),
+          py::arg("queue_depth"), py::arg("staging_bytes"), py::arg("max_requests"), py::arg("io_sms"),
+          py::arg("direct"), py::arg("backend"), py::arg("device"), py::arg("read_only"), py::arg("layers"),
+          py::arg("desc"))
+      .def("init_queue", [](PyStore& p, uint32_t depth) {
+        Store& s = p.get();
+        py::gil_scoped_release nogil;
+        ok(s.init_queue(depth));
+      })
+      .def("lookup", [](PyStore& p, U64Array keys) {
+        Store& s = p.get();
+        return s.lookup(keys.data(), static_cast<uint32_t>(keys.size()));
+      })
+      .def("begin", [](PyStore& p, int op, U64Array keys, I64Array blocks) {
+        Store& s = p.get();
+        uint32_t id;
+        py::gil_scoped_release nogil;
+        ok(s.begin(static_cast<ReqOp>(op), keys.data(), static_cast<uint32_t>(keys.size()), blocks.data(),
+                   static_cast<uint64_t>(blocks.size()), &id));
+        return id;
+      })
+      .def("layer", [](PyStore& p, uint32_t layer, uint32_t req, uint64_t event) {
+        Store& s = p.get();
+        py::gil_scoped_release nogil;
+        ok(s.layer(layer, req, event));
+      }, py::arg("layer"), py::arg("request"), py::arg("event") = 0)
+      .def("wait_layer", [](PyStore& p, uint32_t layer, uint32_t req) {
+        Store& s = p.get();
+        py::gil_scoped_release nogil;
+        ok(s.wait_layer(layer, req));
+      })
+      .def("finish", [](PyStore& p, uint32_t req) {
+        Store& s = p.get();
+        RequestResult r;
+        {
+          py::gil_scoped_release nogil;
+          ok(s.finish(req, &r));
+        }
+        return py::make_tuple(r.units, r.failed_units, r.skipped_units, r.committed_units);
+      })
+      .def("get_iocb", [](PyStore& p, uint32_t n) {
+        std::vector<uint32_t> ids;
+        ok(p.get().get_iocb(n, &ids));
+        return ids;
+      })
+      .def("fill_iocb", [](PyStore& p, uint32_t id, int op, uint32_t layer, uint32_t request, uint32_t first, uint32_t count) {
+        Store& s = p.get();
+        if (count == 0 || count > kMaxIoctxPerIocb) raise({Code::kInvalid, "an IOCB holds 1 to 2048 IOCTXs"});
+        Iocb* b = s.iocb(id);
+        if (!b->in_use) raise({Code::kInvalid, "IOCB was not taken with get_iocb"});
+        b->op = static_cast<uint32_t>(op);
+        b->layer = layer;
+        b->request = request;
+        b->ctx_first = first;
+        b->ctx_count = count;
+      })
+      .def("issue_io", [](PyStore& p, std::vector<uint32_t> ids, uint32_t sms, uint64_t event) {
+        Store& s = p.get();
+        py::gil_scoped_release nogil;
+        ok(s.issue_io(ids.data(), static_cast<uint32_t>(ids.size()), sms, event));
+      }, py::arg("ids"), py::arg("sms") = 0, py::arg("event") = 0)
+      .def("wait_cqe", [](PyStore& p, uint32_t id) {
+        Store& s = p.get();
+        py::gil_scoped_release nogil;
+        ok(s.wait_cqe(id));
+        return s.iocb(id)->errors;
+      })
+      .def("put_iocb", [](PyStore& p, uint32_t id) { p.get().put_iocb(id); })
+      .def("read_unit", [](PyStore& p, uint64_t key) {
+        Store& s = p.get();
+        std::vector<uint8_t> out;
+        {
+          py::gil_scoped_release nogil;
+          ok(s.read_unit(key, &out));
+        }
+        return to_bytes(out);
+      })
+      .def("import_unit", [](PyStore& p, py::buffer data) {
+        Store& s = p.get();
+        py::buffer_info i = data.request();
+        uint64_t key;
+        py::gil_scoped_release nogil;
+        ok(s.import_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), &key));
+        return key;
+      })
+      .def("scatter_unit", [](PyStore& p, py::buffer data, I64Array blocks) {
+        Store& s = p.get();
+        py::buffer_info i = data.request();
+        py::gil_scoped_release nogil;
+        ok(s.scatter_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), blocks.data(),
+                          static_cast<uint64_t>(blocks.size())));
+      })
+      .def("pin", [](PyStore& p, U64Array keys, bool on) { p.get().pin(keys.data(), static_cast<uint32_t>(keys.size()), on); })
+      .def("remove", [](PyStore& p, uint64_t key) { return p.get().remove(key); })
+      .def("keys", [](PyStore& p) { return p.get().keys(); })
+      .def("drain_evicted", [](PyStore& p) { return p.get().drain_evicted(); })
+      .def("geometry", [](PyStore& p) {
+        const Geometry& g = p.get().geometry();
+        py::dict d;
+        d["num_layers"] = g.num_layers;
+        d["objs_per_layer"] = g.objs_per_layer;
+        d["unit_blocks"] = g.unit_blocks;
+        d["block_bytes"] = g.block_bytes;
+        d["obj_bytes"] = g.obj_bytes;
+        d["header_bytes"] = g.header_bytes;
+        d["slot_bytes"] = g.slot_bytes;
+        d["layout_id"] = g.layout_id;
+        return d;
+      })
+      .def("stats", [](PyStore& p) {
+        StoreStats s = p.get().stats();
+        py::dict d;
+        d["units"] = s.units;
+        d["pinned"] = s.pinned;
+        d["free_slots"] = s.free_slots;
+        d["total_slots"] = s.total_slots;
+        d["hits"] = s.hits;
+        d["lookups"] = s.lookups;
+        d["evictions"] = s.evictions;
+        d["checksum_failures"] = s.checksum_failures;
+        d["io_errors"] = s.io_errors;
+        d["bytes_read"] = s.bytes_read;
+        d["bytes_written"] = s.bytes_written;
+        d["agent_ops"] = s.agent_ops;
+        d["agent_cpu_s"] = s.agent_cpu_s;
+        d["kernel_cpu_s"] = s.kernel_cpu_s;
+        d["extent_map_bytes"] = s.extent_map_bytes;
+        d["slot_bytes"] = s.slot_bytes;
+        d["obj_bytes"] = s.obj_bytes;
+        d["direct_io"] = s.direct_io;
+        d["fixed_buffers"] = s.fixed_buffers;
+        d["backend"] = s.backend;
+        return d;
+      })
+      .def("close", [](PyStore& p) {
+        if (!p.s) return;
+        py::gil_scoped_release nogil;
+        p.s.reset();
+      });
+}

@@ -1,0 +1,69 @@
+// The device seam: staging memory and the I/O kernel. A host backend is always built; the CUDA
+// backend (native/src/cuda) implements the same interface. Everything else (layout, index, rings,
+// agent) is shared.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tutti/common.h"
+#include "tutti/gio_uring.h"
+#include "tutti/layout.h"
+
+namespace tutti {
+
+// Per-request state that the I/O kernel reads and writes.
+struct RequestView {
+  const Ioctx* ctx = nullptr;
+  const Extent* extents = nullptr;
+  const uint32_t* unit_slot = nullptr;      // slot of each unit
+  const uint64_t* keys = nullptr;
+  uint64_t* store_checksums = nullptr;      // [unit][obj], written by the kernel on store
+  uint8_t* unit_failed = nullptr;           // written by the kernel
+  uint32_t num_units = 0;
+  uint64_t commit_seq_base = 0;
+};
+
+// Everything an I/O kernel needs, set up once by the store.
+struct KernelContext {
+  Geometry geom;
+  std::string desc;
+  ExtentMap* extents = nullptr;
+  Iocb* iocbs = nullptr;
+  uint32_t num_iocbs = 0;
+  RequestView* requests = nullptr;               // indexed by request id
+  uint32_t max_requests = 0;
+  const uint64_t* slot_checksums = nullptr;      // [slot][obj], expected values for reads
+  uint8_t* staging = nullptr;                    // host address of the staging region
+  uint64_t chunk_bytes = 0;
+  uint32_t num_chunks = 0;
+  std::vector<QueuePair> queues;                 // one per kernel worker
+  Agent* agent = nullptr;
+  Doorbell* kernel_bell = nullptr;               // agent -> kernel (host backend)
+  Doorbell* done_bell = nullptr;                 // kernel -> engine, on every finished IOCB
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+  virtual bool host_agent_polls() const = 0;
+  // Page-aligned, populated host memory usable by io_uring and by the kernel.
+  virtual Status alloc_host(uint64_t bytes, void** ptr) = 0;
+  virtual void free_host(void* ptr, uint64_t bytes) = 0;
+  virtual Status start(KernelContext* ctx, uint32_t workers) = 0;
+  // Enqueues the I/O kernel for these IOCBs (issue_io). `event` orders it after the caller's stream
+  // on devices that have streams; 0 means "now".
+  virtual Status launch(const uint32_t* iocb_ids, uint32_t n, uint32_t sms, uint64_t event) = 0;
+  virtual void stop() = 0;
+  virtual double kernel_cpu_seconds() const = 0;
+};
+
+std::unique_ptr<Backend> make_host_backend();
+#ifdef TUTTI_WITH_CUDA
+std::unique_ptr<Backend> make_cuda_backend(int device, Status* status);
+#endif
+
+}  // namespace tutti

@@ -1,0 +1,65 @@
+// Shared basics of the Tutti native core: status values, alignment helpers, the object checksum.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+namespace tutti {
+
+// Error kinds; the bindings map each one onto one Python exception class.
+enum class Code : int {
+  kOk = 0,
+  kNotFound,          // unknown key or object
+  kCapacityExceeded,  // pool, staging or IOCB table full
+  kStorage,           // I/O failure, missing or read-only directory, ENOSPC
+  kDevice,            // device backend failure
+  kConfig,            // bad configuration
+  kLayout,            // wrong shape, dtype, layout or block id
+  kInvalid,           // other bad argument
+};
+
+// A status with a message: the error channel inside the core.
+class Status {
+ public:
+  Status() = default;
+  Status(Code code, std::string msg) : code_(code), msg_(std::move(msg)) {}
+  static Status Ok() { return {}; }
+  bool ok() const { return code_ == Code::kOk; }
+  Code code() const { return code_; }
+  const std::string& message() const { return msg_; }
+
+ private:
+  Code code_ = Code::kOk;
+  std::string msg_;
+};
+
+// Thrown only at API edges (the store facade); the bindings translate it.
+struct Error {
+  Status status;
+};
+
+inline void check(const Status& s) {
+  if (!s.ok()) throw Error{s};
+}
+
+std::string errno_message(const std::string& what, int err);
+
+constexpr uint64_t kAlign = 4096;  // O_DIRECT granularity
+inline constexpr uint64_t align_up(uint64_t v, uint64_t a = kAlign) { return (v + a - 1) / a * a; }
+
+// Object checksum: two position-weighted sums over 32-bit words,
+//   lo = sum(w_i), hi = sum(w_i * (2i + 1))   (mod 2^32 each),
+// which detects torn writes, stale data and byte corruption, and is cheap on SIMD CPUs and
+// trivially parallel on a GPU (each thread sums its own words; the sums add).
+// `n` must be a multiple of 4; `first_word` lets a range be summed in pieces.
+uint64_t checksum(const void* data, size_t n, uint64_t first_word = 0);
+// Combines partial checksums of consecutive pieces (pieces were summed with their first_word).
+inline uint64_t checksum_combine(uint64_t a, uint64_t b) {
+  uint32_t lo = static_cast<uint32_t>(a) + static_cast<uint32_t>(b);
+  uint32_t hi = static_cast<uint32_t>(a >> 32) + static_cast<uint32_t>(b >> 32);
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+}  // namespace tutti

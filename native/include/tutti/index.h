@@ -1,0 +1,41 @@
+// The CPU-side index: cache-unit key -> slot, with LRU order and pins.
+#pragma once
+
+#include <cstdint>
+#include <list>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace tutti {
+
+class Index {
+ public:
+  // Number of leading keys present; touches them (most recently used).
+  uint32_t lookup_prefix(const uint64_t* keys, uint32_t n);
+  bool contains(uint64_t key) const;
+  // Pins `key` and returns its slot; false when absent.
+  bool acquire(uint64_t key, uint32_t* slot);
+  bool pin(uint64_t key);
+  void unpin(uint64_t key);
+  // Inserts a committed unit. `seq` orders recovery inserts (older first = less recently used).
+  void insert(uint64_t key, uint32_t slot);
+  bool remove(uint64_t key, uint32_t* slot);
+  // Removes the least recently used unpinned entry.
+  bool evict_lru(uint64_t* key, uint32_t* slot);
+  size_t size() const;
+  size_t pinned() const;
+  std::vector<uint64_t> keys() const;
+
+ private:
+  struct Entry {
+    uint32_t slot;
+    uint32_t pins;
+    std::list<uint64_t>::iterator lru;
+  };
+  mutable std::mutex mu_;
+  std::unordered_map<uint64_t, Entry> map_;
+  std::list<uint64_t> lru_;  // front: most recently used
+};
+
+}  // namespace tutti

@@ -1,0 +1,147 @@
+// The store: file pool, index, extent map, gio_uring queues and agent, behind the engine API.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tutti/backend.h"
+#include "tutti/common.h"
+#include "tutti/gio_uring.h"
+#include "tutti/index.h"
+#include "tutti/layout.h"
+#include "tutti/pool.h"
+
+namespace tutti {
+
+struct StoreOptions {
+  std::vector<std::string> paths;
+  std::vector<uint64_t> capacity;  // bytes per path
+  std::string instance = "default";
+  uint32_t unit_blocks = 16;
+  uint32_t queue_depth = 64;       // io_uring depth of the agent
+  uint64_t staging_bytes = 64ull << 20;
+  uint32_t max_requests = 256;     // requests in flight
+  uint32_t io_workers = 1;         // kernel workers (thread blocks / host scatter threads)
+  uint32_t io_sms = 8;
+  uint64_t min_io_bytes = 256 << 10;
+  DirectMode direct = DirectMode::kAuto;
+  std::string backend = "cpu";     // "cpu" or "cuda"
+  int device = 0;
+  bool read_only = false;          // open existing pools for reading only (no agent)
+};
+
+struct RequestResult {
+  uint32_t units = 0;
+  std::vector<uint32_t> failed_units;
+  uint32_t skipped_units = 0;  // store: already present
+  std::vector<uint32_t> committed_units;  // store: made visible by this request
+};
+
+struct StoreStats {
+  uint64_t units = 0, pinned = 0, free_slots = 0, total_slots = 0;
+  uint64_t hits = 0, lookups = 0, evictions = 0, checksum_failures = 0, io_errors = 0;
+  uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
+  double agent_cpu_s = 0, kernel_cpu_s = 0;
+  uint64_t extent_map_bytes = 0, slot_bytes = 0, obj_bytes = 0;
+  bool direct_io = false, fixed_buffers = false;
+  std::string backend;
+};
+
+enum class ReqOp : uint32_t { kRetrieve = 1, kStore = 2 };
+
+class Store {
+ public:
+  // Opens the pool (creating it when needed) and rebuilds the index from the slot headers.
+  static Status open(const StoreOptions& opt, const std::vector<LayerKV>& layers, const std::string& desc,
+                     std::unique_ptr<Store>* out);
+  ~Store();
+
+  const Geometry& geometry() const { return geom_; }
+  // Sets up the IOCB table (`depth` IOCBs), staging, SQ/CQ pairs, the agent and the I/O kernel.
+  Status init_queue(uint32_t depth);
+  bool started() const { return started_; }
+  uint32_t lookup(const uint64_t* keys, uint32_t n);
+
+  // Engine API. begin_* takes the request's keys and block ids once (O(blocks)); the per-layer calls
+  // are O(1) on the host: each posts the layer's prepared IOCBs.
+  Status begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int64_t* block_ids, uint64_t n_blocks,
+               uint32_t* request);
+  Status layer(uint32_t layer, uint32_t request, uint64_t event);
+  Status wait_layer(uint32_t layer, uint32_t request);
+  Status finish(uint32_t request, RequestResult* out);
+
+  // gio_uring API.
+  Status get_iocb(uint32_t n, std::vector<uint32_t>* ids);
+  Status issue_io(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event);
+  Status wait_cqe(uint32_t iocb);
+  void put_iocb(uint32_t iocb);
+  Iocb* iocb(uint32_t id) { return &iocbs_[id]; }
+
+  // CPU paths for other nodes and replicas.
+  Status read_unit(uint64_t key, std::vector<uint8_t>* out);
+  Status import_unit(const uint8_t* data, uint64_t n, uint64_t* key);
+  Status scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks);
+
+  void pin(const uint64_t* keys, uint32_t n, bool on);
+  bool remove(uint64_t key);
+  std::vector<uint64_t> keys() const { return index_.keys(); }
+  StoreStats stats() const;
+  // Evicted keys since the last call (for the node daemon and cluster directory).
+  std::vector<uint64_t> drain_evicted();
+  void close();
+
+ private:
+  struct Request {
+    bool active = false;
+    ReqOp op{};
+    std::vector<uint64_t> keys;
+    std::vector<uint32_t> unit_slot;
+    std::vector<uint8_t> unit_present;  // retrieve: pinned; store: slot reserved
+    std::vector<uint8_t> unit_failed;
+    std::vector<Ioctx> ctx;
+    std::vector<Extent> extents;
+    std::vector<uint64_t> checksums;
+    std::vector<std::vector<uint32_t>> layer_iocbs;
+    std::vector<uint8_t> layer_issued;
+    uint32_t skipped = 0;
+  };
+  Store() = default;
+  Status recover();
+  Status alloc_slot(uint32_t* slot);
+  Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
+  Status post_layer(Request& r, uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
+                    std::vector<uint32_t>* iocbs);
+  void release_request(uint32_t id, Request& r);
+
+  StoreOptions opt_;
+  Geometry geom_;
+  std::string desc_;
+  FilePool pool_;
+  Index index_;
+  ExtentMap extents_;
+  std::unique_ptr<Backend> backend_;
+  Agent agent_;
+  Doorbell kernel_bell_, done_bell_;
+  KernelContext kctx_;
+  void* staging_ = nullptr;
+  uint64_t staging_bytes_ = 0;
+  void* queue_mem_ = nullptr;
+  uint64_t queue_bytes_ = 0;
+  std::vector<Iocb> iocbs_;
+  std::vector<uint32_t> free_iocbs_;
+  std::vector<Request> requests_;
+  std::vector<RequestView> views_;
+  std::vector<uint64_t> slot_checksums_;
+  std::vector<uint64_t> slot_key_;
+  uint64_t commit_seq_ = 1;
+  mutable std::mutex mu_;
+  std::vector<uint64_t> evicted_;
+  uint64_t lookups_ = 0, hits_ = 0, evictions_ = 0, checksum_failures_ = 0, io_errors_ = 0;
+  uint64_t bytes_read_ = 0, bytes_written_ = 0;
+  bool started_ = false;
+};
+
+}  // namespace tutti

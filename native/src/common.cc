@@ -1,0 +1,22 @@
+#include "tutti/common.h"
+
+#include <cstring>
+
+namespace tutti {
+
+std::string errno_message(const std::string& what, int err) { return what + ": " + std::strerror(err); }
+
+uint64_t checksum(const void* data, size_t n, uint64_t first_word) {
+  const uint32_t* w = static_cast<const uint32_t*>(data);
+  const size_t words = n / 4;
+  // Plain loops over 32-bit lanes: the compiler vectorises both sums.
+  uint32_t lo = 0, hi = 0;
+  uint32_t weight = static_cast<uint32_t>(2 * first_word + 1);
+  for (size_t i = 0; i < words; ++i) {
+    lo += w[i];
+    hi += w[i] * (weight + 2u * static_cast<uint32_t>(i));
+  }
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+}  // namespace tutti

@@ -1,0 +1,234 @@
+// The host backend: page-aligned mmap memory and a host thread that plays the I/O kernel (the CPU
+// stand-in for the GPU kernel on dedicated SMs). It runs the same protocol as the CUDA kernel: post
+// IOCTXs as SQEs, wait for their CQEs, verify and scatter (retrieve) or gather and checksum (store).
+#include <pthread.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "tutti/backend.h"
+
+namespace tutti {
+
+namespace {
+
+inline uint64_t make_tag(uint32_t iocb, uint32_t chunk, uint32_t ctx_off) {
+  return (static_cast<uint64_t>(iocb) << 32) | (static_cast<uint64_t>(chunk) << 12) | ctx_off;
+}
+
+class HostBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu"; }
+  bool host_agent_polls() const override { return false; }
+
+  Status alloc_host(uint64_t bytes, void** ptr) override {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) return {Code::kCapacityExceeded, errno_message("mmap staging", errno)};
+    *ptr = p;
+    return Status::Ok();
+  }
+  void free_host(void* ptr, uint64_t bytes) override { munmap(ptr, bytes); }
+
+  Status start(KernelContext* ctx, uint32_t workers) override {
+    (void)workers;  // one host worker: the CPU backend runs on small hosts
+    k_ = ctx;
+    launch_mem_.resize(ctx->num_iocbs);
+    launch_ = SpscRing<uint32_t>(&launch_ctl_, launch_mem_.data(), launch_mem_.size());
+    posted_.assign(ctx->num_iocbs, 0);
+    done_.assign(ctx->num_iocbs, 0);
+    for (uint32_t c = ctx->num_chunks; c-- > 0;) free_chunks_.push_back(c);
+    stop_ = false;
+    thread_ = std::thread([this] { run(); });
+    return Status::Ok();
+  }
+
+  Status launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) override {
+    (void)sms;
+    (void)event;  // host work is already ordered: the engine thread made the data before calling
+    for (uint32_t i = 0; i < n; ++i)
+      while (!launch_.push(ids[i])) std::this_thread::yield();
+    k_->kernel_bell->notify();
+    return Status::Ok();
+  }
+
+  void stop() override {
+    if (!thread_.joinable()) return;
+    stop_ = true;
+    k_->kernel_bell->notify();
+    thread_.join();
+  }
+
+  double kernel_cpu_seconds() const override { return static_cast<double>(cpu_ns_.load()) * 1e-9; }
+  ~HostBackend() override { stop(); }
+
+ private:
+  void run();
+  bool post(uint32_t id, SpscRing<Sqe>& sq);
+  void complete(const Cqe& c);
+  void finish_ctx(uint32_t id);
+
+  KernelContext* k_ = nullptr;
+  RingCtl launch_ctl_{};
+  std::vector<uint32_t> launch_mem_;
+  SpscRing<uint32_t> launch_;
+  std::vector<uint32_t> posted_, done_;
+  std::vector<uint32_t> free_chunks_;
+  std::deque<uint32_t> active_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::atomic<int64_t> cpu_ns_{0};
+};
+
+void HostBackend::run() {
+  SpscRing<Sqe> sq = k_->queues[0].sq_ring();
+  SpscRing<Cqe> cq = k_->queues[0].cq_ring();
+  clockid_t cid;
+  pthread_getcpuclockid(pthread_self(), &cid);
+  while (!stop_.load(std::memory_order_relaxed)) {
+    bool progress = false;
+    uint32_t id;
+    while (launch_.pop(&id)) {
+      posted_[id] = done_[id] = 0;
+      active_.push_back(id);
+      progress = true;
+    }
+    // Post as many IOCTXs as staging chunks allow, oldest IOCB first.
+    bool posted_any = false;
+    for (uint32_t a : active_) {
+      if (free_chunks_.empty()) break;
+      posted_any |= post(a, sq);
+    }
+    if (posted_any) {
+      k_->agent->kick();
+      progress = true;
+    }
+    Cqe c;
+    while (cq.pop(&c)) {
+      complete(c);
+      progress = true;
+    }
+    while (!active_.empty() && done_[active_.front()] == k_->iocbs[active_.front()].ctx_count) active_.pop_front();
+    if (progress) continue;
+    struct timespec ts;
+    clock_gettime(cid, &ts);
+    cpu_ns_.store(ts.tv_sec * 1000000000LL + ts.tv_nsec, std::memory_order_relaxed);
+    k_->kernel_bell->wait([&] { return stop_.load() || !cq.empty() || !launch_.empty(); }, 100000);
+  }
+}
+
+// Posts the IOCB's next IOCTXs; IOCTXs that need no I/O (a missing unit) complete at once.
+bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
+  Iocb& b = k_->iocbs[id];
+  RequestView& r = k_->requests[b.request];
+  const Geometry& g = k_->geom;
+  bool any = false;
+  while (posted_[id] < b.ctx_count && !free_chunks_.empty()) {
+    const uint32_t off = posted_[id];
+    const auto op = static_cast<IoOp>(b.op);
+    // Commit IOCBs walk units; layer IOCBs walk the request's IOCTX array.
+    const uint32_t idx = b.ctx_first + off;
+    const Ioctx& x = op == IoOp::kCommit ? r.ctx[idx * g.objs_per_layer] : r.ctx[idx];
+    const uint32_t unit = op == IoOp::kCommit ? idx : x.unit;
+    if (x.slot == UINT32_MAX || r.unit_failed[unit]) {
+      posted_[id]++;
+      finish_ctx(id);
+      continue;
+    }
+    const uint32_t chunk = free_chunks_.back();
+    uint8_t* buf = k_->staging + static_cast<uint64_t>(chunk) * k_->chunk_bytes;
+    Sqe s{};
+    s.tag = make_tag(id, chunk, off);
+    s.buf_offset = static_cast<uint64_t>(chunk) * k_->chunk_bytes;
+    s.path = static_cast<uint16_t>(x.path);
+    if (op == IoOp::kCommit) {
+      const uint64_t* sums = r.store_checksums + static_cast<uint64_t>(unit) * g.num_objs();
+      encode_header(g, k_->desc, r.keys[unit], r.commit_seq_base + unit, sums, buf);
+      s.file_offset = x.file_offset;
+      s.len = static_cast<uint32_t>(g.header_bytes);
+      s.op = static_cast<uint16_t>(IoOp::kWrite);
+    } else {
+      s.file_offset = x.file_offset + g.obj_offset(b.layer, x.obj);
+      s.len = static_cast<uint32_t>(g.obj_bytes);
+      s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kRead : IoOp::kWrite);
+      if (op == IoOp::kWrite) {
+        // Gather the unit's blocks into staging; the padding stays zero.
+        const LayerKV& l = k_->extents->layers()[b.layer];
+        for (uint32_t e = 0; e < x.extent_count; ++e) {
+          const Extent& ext = r.extents[x.extent_first + e];
+          uint8_t* dst = buf + static_cast<uint64_t>(ext.unit_offset_blocks) * g.block_bytes;
+          if (l.block_stride == g.block_bytes) {
+            std::memcpy(dst, k_->extents->addr(b.layer, x.obj, ext.first_block), ext.num_blocks * g.block_bytes);
+          } else {
+            for (uint32_t j = 0; j < ext.num_blocks; ++j)
+              std::memcpy(dst + j * g.block_bytes, k_->extents->addr(b.layer, x.obj, ext.first_block + j), g.block_bytes);
+          }
+        }
+        const uint64_t payload = g.payload_bytes();
+        if (payload < g.obj_bytes) std::memset(buf + payload, 0, g.obj_bytes - payload);
+        r.store_checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj] =
+            checksum(buf, g.obj_bytes);
+      }
+    }
+    if (!sq.push(s)) break;  // SQ full: retry after completions
+    free_chunks_.pop_back();
+    posted_[id]++;
+    any = true;
+  }
+  return any;
+}
+
+void HostBackend::complete(const Cqe& c) {
+  const uint32_t id = static_cast<uint32_t>(c.tag >> 32);
+  const uint32_t chunk = static_cast<uint32_t>((c.tag >> 12) & 0xfffff);
+  const uint32_t off = static_cast<uint32_t>(c.tag & 0xfff);
+  Iocb& b = k_->iocbs[id];
+  RequestView& r = k_->requests[b.request];
+  const Geometry& g = k_->geom;
+  const auto op = static_cast<IoOp>(b.op);
+  const uint32_t idx = b.ctx_first + off;
+  const Ioctx& x = op == IoOp::kCommit ? r.ctx[idx * g.objs_per_layer] : r.ctx[idx];
+  const uint32_t unit = op == IoOp::kCommit ? idx : x.unit;
+  const uint64_t want = op == IoOp::kCommit ? g.header_bytes : g.obj_bytes;
+  uint8_t* buf = k_->staging + static_cast<uint64_t>(chunk) * k_->chunk_bytes;
+  if (c.res != static_cast<int64_t>(want)) {
+    r.unit_failed[unit] = 1;
+    b.errors++;
+  } else if (op == IoOp::kRead) {
+    const uint64_t expect = k_->slot_checksums[static_cast<uint64_t>(x.slot) * g.num_objs() + b.layer * g.objs_per_layer + x.obj];
+    if (checksum(buf, g.obj_bytes) != expect) {
+      r.unit_failed[unit] = 2;  // a corrupt object is a miss, never wrong KV
+      b.errors++;
+    } else {
+      const LayerKV& l = k_->extents->layers()[b.layer];
+      for (uint32_t e = 0; e < x.extent_count; ++e) {
+        const Extent& ext = r.extents[x.extent_first + e];
+        const uint8_t* src = buf + static_cast<uint64_t>(ext.unit_offset_blocks) * g.block_bytes;
+        if (l.block_stride == g.block_bytes) {
+          std::memcpy(k_->extents->addr(b.layer, x.obj, ext.first_block), src, ext.num_blocks * g.block_bytes);
+        } else {
+          for (uint32_t j = 0; j < ext.num_blocks; ++j)
+            std::memcpy(k_->extents->addr(b.layer, x.obj, ext.first_block + j), src + j * g.block_bytes, g.block_bytes);
+        }
+      }
+    }
+  }
+  free_chunks_.push_back(chunk);
+  finish_ctx(id);
+}
+
+void HostBackend::finish_ctx(uint32_t id) {
+  Iocb& b = k_->iocbs[id];
+  if (++done_[id] == b.ctx_count) {
+    __atomic_store_n(&b.done_seq, b.issue_seq, __ATOMIC_RELEASE);
+    k_->done_bell->notify();
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_host_backend() { return std::make_unique<HostBackend>(); }
+
+}  // namespace tutti

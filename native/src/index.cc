@@ -1,0 +1,97 @@
+#include "tutti/index.h"
+
+namespace tutti {
+
+uint32_t Index::lookup_prefix(const uint64_t* keys, uint32_t n) {
+  std::lock_guard<std::mutex> g(mu_);
+  uint32_t i = 0;
+  for (; i < n; ++i) {
+    auto it = map_.find(keys[i]);
+    if (it == map_.end()) break;
+    lru_.splice(lru_.begin(), lru_, it->second.lru);
+  }
+  return i;
+}
+
+bool Index::contains(uint64_t key) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return map_.count(key) != 0;
+}
+
+bool Index::acquire(uint64_t key, uint32_t* slot) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = map_.find(key);
+  if (it == map_.end()) return false;
+  it->second.pins++;
+  lru_.splice(lru_.begin(), lru_, it->second.lru);
+  *slot = it->second.slot;
+  return true;
+}
+
+bool Index::pin(uint64_t key) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = map_.find(key);
+  if (it == map_.end()) return false;
+  it->second.pins++;
+  return true;
+}
+
+void Index::unpin(uint64_t key) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = map_.find(key);
+  if (it != map_.end() && it->second.pins > 0) it->second.pins--;
+}
+
+void Index::insert(uint64_t key, uint32_t slot) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = map_.find(key);
+  if (it != map_.end()) {
+    it->second.slot = slot;
+    return;
+  }
+  lru_.push_front(key);
+  map_.emplace(key, Entry{slot, 0, lru_.begin()});
+}
+
+bool Index::remove(uint64_t key, uint32_t* slot) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = map_.find(key);
+  if (it == map_.end()) return false;
+  *slot = it->second.slot;
+  lru_.erase(it->second.lru);
+  map_.erase(it);
+  return true;
+}
+
+bool Index::evict_lru(uint64_t* key, uint32_t* slot) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+    auto m = map_.find(*it);
+    if (m->second.pins != 0) continue;
+    *key = m->first;
+    *slot = m->second.slot;
+    lru_.erase(m->second.lru);
+    map_.erase(m);
+    return true;
+  }
+  return false;
+}
+
+size_t Index::size() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return map_.size();
+}
+
+size_t Index::pinned() const {
+  std::lock_guard<std::mutex> g(mu_);
+  size_t n = 0;
+  for (const auto& kv : map_) n += kv.second.pins != 0;
+  return n;
+}
+
+std::vector<uint64_t> Index::keys() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return {lru_.begin(), lru_.end()};
+}
+
+}  // namespace tutti

@@ -1,0 +1,166 @@
+#include "tutti/pool.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
+namespace tutti {
+
+FilePool::~FilePool() { close(); }
+
+void FilePool::close() {
+  for (PoolPath& p : paths_) {
+    // Unlock explicitly: io_uring may hold its registered file reference a little past close().
+    if (p.fd >= 0) {
+      ::flock(p.fd, LOCK_UN);
+      ::close(p.fd);
+    }
+    p.fd = -1;
+  }
+}
+
+static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_only) {
+  struct stat st;
+  if (::stat(p->dir.c_str(), &st) != 0) return {Code::kStorage, errno_message("storage path " + p->dir, errno)};
+  if (!S_ISDIR(st.st_mode)) return {Code::kStorage, "storage path " + p->dir + " is not a directory"};
+  if (!read_only && ::access(p->dir.c_str(), W_OK) != 0)
+    return {Code::kStorage, errno_message("storage path " + p->dir + " is not writable", errno)};
+  int flags = (read_only ? O_RDONLY : (O_RDWR | O_CREAT)) | O_CLOEXEC;
+  int fd = -1;
+  if (mode != DirectMode::kOff) {
+    fd = ::open(p->file.c_str(), flags | O_DIRECT, 0644);
+    if (fd >= 0) {
+      p->direct = true;
+    } else if (errno != EINVAL || mode == DirectMode::kOn) {
+      if (errno == EINVAL) return {Code::kStorage, "O_DIRECT refused by the file system of " + p->dir + " (direct_io=on)"};
+      return {Code::kStorage, errno_message("open " + p->file, errno)};
+    }
+  }
+  if (fd < 0) {
+    fd = ::open(p->file.c_str(), flags, 0644);  // tmpfs and friends refuse O_DIRECT
+    if (fd < 0) return {Code::kStorage, errno_message("open " + p->file, errno)};
+    p->direct = false;
+  }
+  p->fd = fd;
+  if (read_only) return Status::Ok();
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0)
+    return {Code::kConfig, "pool file " + p->file + " is in use by another process (one instance per process)"};
+  if (::fstat(fd, &st) != 0) return {Code::kStorage, errno_message("fstat " + p->file, errno)};
+  if (static_cast<uint64_t>(st.st_size) > bytes && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0)
+    return {Code::kStorage, errno_message("shrink " + p->file, errno)};
+  if (bytes > 0) {
+    int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+    if (rc == ENOSPC)
+      return {Code::kCapacityExceeded, "no space left on " + p->dir + " to preallocate " + std::to_string(bytes) + " bytes"};
+    if (rc != 0) return {Code::kStorage, errno_message("fallocate " + p->file, rc)};
+  }
+  return Status::Ok();
+}
+
+Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<uint64_t>& capacity,
+                      const std::string& instance, const Geometry& g, DirectMode mode, bool read_only) {
+  if (dirs.empty()) return {Code::kConfig, "no storage paths configured"};
+  if (capacity.size() != dirs.size()) return {Code::kConfig, "one capacity per storage path is required"};
+  if (instance.empty() || instance.find('/') != std::string::npos)
+    return {Code::kConfig, "instance name must be non-empty and contain no '/'"};
+  slot_bytes_ = g.slot_bytes;
+  num_slots_ = 0;
+  paths_.assign(dirs.size(), PoolPath{});
+  free_.assign(dirs.size(), {});
+  for (size_t i = 0; i < dirs.size(); ++i) {
+    PoolPath& p = paths_[i];
+    p.dir = dirs[i];
+    p.file = dirs[i] + "/tutti-" + instance + ".pool";
+    p.capacity = capacity[i];
+    uint64_t n = capacity[i] / g.slot_bytes;
+    if (read_only) {
+      struct stat st;
+      if (::stat(p.file.c_str(), &st) != 0) return {Code::kNotFound, errno_message("pool file " + p.file, errno)};
+      n = static_cast<uint64_t>(st.st_size) / g.slot_bytes;
+    }
+    if (n == 0 && !read_only)
+      return {Code::kConfig, "capacity of " + p.dir + " (" + std::to_string(capacity[i]) +
+                                 " bytes) is below one GPU file (" + std::to_string(g.slot_bytes) + " bytes)"};
+    Status s = open_one(&p, n * g.slot_bytes, mode, read_only);
+    if (!s.ok()) {
+      close();
+      return s;
+    }
+    p.first_slot = num_slots_;
+    p.num_slots = static_cast<uint32_t>(n);
+    num_slots_ += p.num_slots;
+  }
+  slot_path_.resize(num_slots_);
+  for (uint32_t i = 0; i < paths_.size(); ++i) {
+    for (uint32_t s = 0; s < paths_[i].num_slots; ++s) slot_path_[paths_[i].first_slot + s] = i;
+    // Highest index at the back so low slots are used first.
+    for (uint32_t s = paths_[i].num_slots; s-- > 0;) free_[i].push_back(paths_[i].first_slot + s);
+  }
+  return Status::Ok();
+}
+
+bool FilePool::alloc(uint32_t* slot) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (size_t tries = 0; tries < paths_.size(); ++tries) {
+    uint32_t p = next_path_;
+    next_path_ = (next_path_ + 1) % paths_.size();
+    if (!free_[p].empty()) {
+      *slot = free_[p].back();
+      free_[p].pop_back();
+      return true;
+    }
+  }
+  return false;
+}
+
+void FilePool::release(uint32_t slot) {
+  std::lock_guard<std::mutex> g(mu_);
+  free_[slot_path_[slot]].push_back(slot);
+}
+
+void FilePool::mark_used(uint32_t slot) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto& f = free_[slot_path_[slot]];
+  for (size_t i = 0; i < f.size(); ++i)
+    if (f[i] == slot) {
+      f.erase(f.begin() + static_cast<long>(i));
+      return;
+    }
+}
+
+uint32_t FilePool::free_slots() const {
+  std::lock_guard<std::mutex> g(mu_);
+  uint32_t n = 0;
+  for (const auto& f : free_) n += static_cast<uint32_t>(f.size());
+  return n;
+}
+
+Status FilePool::pread_all(uint32_t slot, uint64_t off, void* buf, uint64_t n) const {
+  const PoolPath& p = paths_[slot_path_[slot]];
+  uint64_t base = offset_of(slot) + off, done = 0;
+  while (done < n) {
+    ssize_t r = ::pread(p.fd, static_cast<uint8_t*>(buf) + done, n - done, static_cast<off_t>(base + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return {Code::kStorage, errno_message("read " + p.file, errno)};
+    if (r == 0) return {Code::kStorage, "short read from " + p.file};
+    done += static_cast<uint64_t>(r);
+  }
+  return Status::Ok();
+}
+
+Status FilePool::pwrite_all(uint32_t slot, uint64_t off, const void* buf, uint64_t n) const {
+  const PoolPath& p = paths_[slot_path_[slot]];
+  uint64_t base = offset_of(slot) + off, done = 0;
+  while (done < n) {
+    ssize_t r = ::pwrite(p.fd, static_cast<const uint8_t*>(buf) + done, n - done, static_cast<off_t>(base + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) return {Code::kStorage, errno_message("write " + p.file, errno)};
+    done += static_cast<uint64_t>(r);
+  }
+  return Status::Ok();
+}
+
+}  // namespace tutti

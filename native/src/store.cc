@@ -1,0 +1,612 @@
+#include "tutti/store.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+namespace tutti {
+
+namespace {
+
+constexpr uint32_t kNoSlot = UINT32_MAX;
+
+struct AlignedBuf {
+  explicit AlignedBuf(uint64_t n) : size(n) {
+    if (posix_memalign(&p, kAlign, align_up(n)) != 0) p = nullptr;
+    else std::memset(p, 0, align_up(n));
+  }
+  ~AlignedBuf() { std::free(p); }
+  uint8_t* data() { return static_cast<uint8_t*>(p); }
+  void* p = nullptr;
+  uint64_t size;
+};
+
+}  // namespace
+
+Status Store::open(const StoreOptions& opt, const std::vector<LayerKV>& layers, const std::string& desc,
+                   std::unique_ptr<Store>* out) {
+  std::unique_ptr<Store> s(new Store());
+  s->opt_ = opt;
+  s->desc_ = desc;
+  Status st = make_geometry(layers, opt.unit_blocks, desc, &s->geom_);
+  if (!st.ok()) return st;
+  if (!opt.read_only) {
+    st = s->extents_.init(layers);
+    if (!st.ok()) return st;
+  }
+  st = s->pool_.open(opt.paths, opt.capacity, opt.instance, s->geom_, opt.direct, opt.read_only);
+  if (!st.ok()) return st;
+  s->slot_checksums_.assign(static_cast<uint64_t>(s->pool_.num_slots()) * s->geom_.num_objs(), 0);
+  s->slot_key_.assign(s->pool_.num_slots(), 0);
+  st = s->recover();
+  if (!st.ok()) return st;
+  *out = std::move(s);
+  return Status::Ok();
+}
+
+// Rebuilds the index from the slot headers: only units whose header verifies come back.
+Status Store::recover() {
+  const Geometry& g = geom_;
+  AlignedBuf buf(g.header_bytes);
+  if (!buf.p) return {Code::kCapacityExceeded, "out of memory"};
+  struct Found {
+    uint64_t seq, key;
+    uint32_t slot;
+  };
+  std::vector<Found> found;
+  std::vector<uint64_t> sums(g.num_objs());
+  for (uint32_t slot = 0; slot < pool_.num_slots(); ++slot) {
+    Status st = pool_.pread_all(slot, 0, buf.data(), g.header_bytes);
+    if (!st.ok()) return st;
+    uint64_t key, seq;
+    if (!decode_header(g, buf.data(), &key, &seq, sums.data())) continue;
+    std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * g.num_objs()], sums.data(), sums.size() * 8);
+    found.push_back({seq, key, slot});
+  }
+  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.seq < b.seq; });
+  std::vector<uint8_t> used(pool_.num_slots(), 0);
+  for (const Found& f : found) {
+    uint32_t old;
+    if (index_.remove(f.key, &old)) used[old] = 0;  // an older copy of the same unit
+    index_.insert(f.key, f.slot);
+    slot_key_[f.slot] = f.key;
+    used[f.slot] = 1;
+    commit_seq_ = std::max(commit_seq_, f.seq + 1);
+  }
+  for (uint32_t slot = pool_.num_slots(); slot-- > 0;)
+    if (used[slot]) pool_.mark_used(slot);
+  return Status::Ok();
+}
+
+Status Store::init_queue(uint32_t depth) {
+  if (started_) return {Code::kInvalid, "queues already initialised"};
+  if (opt_.read_only) return {Code::kInvalid, "store opened read-only"};
+  if (depth == 0) return {Code::kConfig, "queue depth must be positive"};
+  const Geometry& g = geom_;
+  if (opt_.backend == "cpu") {
+    backend_ = make_host_backend();
+  } else if (opt_.backend == "cuda") {
+#ifdef TUTTI_WITH_CUDA
+    Status st;
+    backend_ = make_cuda_backend(opt_.device, &st);
+    if (!st.ok()) return st;
+#else
+    return {Code::kDevice, "backend 'cuda' requested but this build has no CUDA support"};
+#endif
+  } else {
+    return {Code::kConfig, "unknown backend '" + opt_.backend + "'"};
+  }
+  const uint64_t chunk = std::max(g.obj_bytes, g.header_bytes);
+  uint32_t chunks = static_cast<uint32_t>(opt_.staging_bytes / chunk);
+  if (chunks < 2)
+    return {Code::kConfig, "staging_bytes (" + std::to_string(opt_.staging_bytes) + ") must hold at least two objects of " +
+                               std::to_string(chunk) + " bytes"};
+  const uint32_t workers = std::max<uint32_t>(1, opt_.io_workers);
+  chunks -= chunks % workers;
+  staging_bytes_ = static_cast<uint64_t>(chunks) * chunk;
+  Status st = backend_->alloc_host(staging_bytes_, &staging_);
+  if (!st.ok()) return st;
+  // One SQ/CQ pair per kernel worker, each deep enough for all of that worker's chunks.
+  const uint64_t ring_depth = chunks / workers + 1;
+  const uint64_t per_q = 2 * sizeof(RingCtl) + ring_depth * (sizeof(Sqe) + sizeof(Cqe));
+  queue_bytes_ = align_up(per_q * workers);
+  st = backend_->alloc_host(queue_bytes_, &queue_mem_);
+  if (!st.ok()) return st;
+  std::memset(queue_mem_, 0, queue_bytes_);
+  std::vector<QueuePair> qs;
+  uint8_t* p = static_cast<uint8_t*>(queue_mem_);
+  for (uint32_t w = 0; w < workers; ++w) {
+    QueuePair q;
+    q.depth = ring_depth;
+    q.sq_ctl = reinterpret_cast<RingCtl*>(p);
+    q.cq_ctl = reinterpret_cast<RingCtl*>(p + sizeof(RingCtl));
+    q.sq = reinterpret_cast<Sqe*>(p + 2 * sizeof(RingCtl));
+    q.cq = reinterpret_cast<Cqe*>(p + 2 * sizeof(RingCtl) + ring_depth * sizeof(Sqe));
+    qs.push_back(q);
+    p += per_q;
+  }
+  iocbs_.assign(depth, Iocb{});
+  for (uint32_t i = depth; i-- > 0;) free_iocbs_.push_back(i);
+  requests_.assign(opt_.max_requests, Request{});
+  views_.assign(opt_.max_requests, RequestView{});
+
+  Agent::Options ao;
+  ao.depth = opt_.queue_depth;
+  for (uint32_t i = 0; i < pool_.num_paths(); ++i) ao.fds.push_back(pool_.path(i).fd);
+  ao.staging = staging_;
+  ao.staging_bytes = staging_bytes_;
+  ao.poll_rings = backend_->host_agent_polls();
+  st = agent_.start(ao, qs, &kernel_bell_);
+  if (!st.ok()) return st;
+
+  kctx_.geom = g;
+  kctx_.desc = desc_;
+  kctx_.extents = &extents_;
+  kctx_.iocbs = iocbs_.data();
+  kctx_.num_iocbs = depth;
+  kctx_.requests = views_.data();
+  kctx_.max_requests = opt_.max_requests;
+  kctx_.slot_checksums = slot_checksums_.data();
+  kctx_.staging = static_cast<uint8_t*>(staging_);
+  kctx_.chunk_bytes = chunk;
+  kctx_.num_chunks = chunks;
+  kctx_.queues = qs;
+  kctx_.agent = &agent_;
+  kctx_.kernel_bell = &kernel_bell_;
+  kctx_.done_bell = &done_bell_;
+  st = backend_->start(&kctx_, workers);
+  if (!st.ok()) return st;
+  started_ = true;
+  return Status::Ok();
+}
+
+Store::~Store() { close(); }
+
+void Store::close() {
+  if (started_) {
+    for (uint32_t i = 0; i < requests_.size(); ++i)
+      if (requests_[i].active) {
+        RequestResult r;
+        finish(i, &r);
+      }
+    backend_->stop();
+    agent_.stop();
+    backend_->free_host(staging_, staging_bytes_);
+    backend_->free_host(queue_mem_, queue_bytes_);
+    started_ = false;
+  }
+  pool_.close();
+}
+
+uint32_t Store::lookup(const uint64_t* keys, uint32_t n) {
+  uint32_t hit = index_.lookup_prefix(keys, n);
+  std::lock_guard<std::mutex> g(mu_);
+  lookups_ += n;
+  hits_ += hit;
+  return hit;
+}
+
+// Invalidates a slot's header before it goes back to the free list, so that a crash while the slot is
+// rewritten can never bring the old key back over new data.
+static Status invalidate(const FilePool& pool, const Geometry& g, uint32_t slot) {
+  AlignedBuf zero(g.header_bytes);
+  if (!zero.p) return {Code::kCapacityExceeded, "out of memory"};
+  return pool.pwrite_all(slot, 0, zero.data(), g.header_bytes);
+}
+
+Status Store::alloc_slot(uint32_t* slot) {
+  if (pool_.alloc(slot)) return Status::Ok();
+  uint64_t key;
+  if (!index_.evict_lru(&key, slot))
+    return {Code::kCapacityExceeded, "every GPU file is pinned or in use; nothing can be evicted"};
+  evictions_++;
+  evicted_.push_back(key);
+  return invalidate(pool_, geom_, *slot);
+}
+
+Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int64_t* block_ids, uint64_t n_blocks,
+                    uint32_t* request) {
+  if (!started_) return {Code::kInvalid, "store is closed or read-only"};
+  const Geometry& g = geom_;
+  if (n_blocks != static_cast<uint64_t>(n_units) * g.unit_blocks)
+    return {Code::kLayout, "got " + std::to_string(n_blocks) + " block ids for " + std::to_string(n_units) +
+                               " units of " + std::to_string(g.unit_blocks) + " blocks"};
+  std::lock_guard<std::mutex> lk(mu_);
+  uint32_t id = 0;
+  while (id < requests_.size() && requests_[id].active) ++id;
+  if (id == requests_.size()) return {Code::kCapacityExceeded, "too many requests in flight"};
+  Request& r = requests_[id];
+  r = Request{};
+  r.op = op;
+  r.keys.assign(keys, keys + n_units);
+  r.unit_slot.assign(n_units, kNoSlot);
+  r.unit_present.assign(n_units, 0);
+  r.unit_failed.assign(n_units, 0);
+  std::vector<std::pair<uint32_t, uint32_t>> unit_ext(n_units);
+  for (uint32_t u = 0; u < n_units; ++u) {
+    uint32_t first = static_cast<uint32_t>(r.extents.size());
+    Status st = extents_.build(block_ids + static_cast<uint64_t>(u) * g.unit_blocks, g.unit_blocks, &r.extents);
+    if (!st.ok()) return st;
+    unit_ext[u] = {first, static_cast<uint32_t>(r.extents.size()) - first};
+  }
+  for (uint32_t u = 0; u < n_units; ++u) {
+    if (op == ReqOp::kRetrieve) {
+      if (index_.acquire(keys[u], &r.unit_slot[u])) r.unit_present[u] = 1;
+      else r.unit_failed[u] = 1;  // evicted since lookup: a miss
+    } else {
+      bool dup = index_.contains(keys[u]) || std::find(keys, keys + u, keys[u]) != keys + u;
+      if (dup) {
+        r.skipped++;
+        continue;
+      }
+      Status st = alloc_slot(&r.unit_slot[u]);
+      if (!st.ok()) {
+        if (st.code() != Code::kCapacityExceeded) {
+          release_request(id, r);
+          return st;
+        }
+        r.unit_failed[u] = 1;
+        r.unit_slot[u] = kNoSlot;
+        continue;
+      }
+      r.unit_present[u] = 1;
+    }
+  }
+  r.ctx.reserve(static_cast<uint64_t>(n_units) * g.objs_per_layer);
+  for (uint32_t u = 0; u < n_units; ++u) {
+    const uint32_t slot = r.unit_slot[u];
+    for (uint32_t o = 0; o < g.objs_per_layer; ++o) {
+      Ioctx x{};
+      x.slot = slot;
+      x.unit = u;
+      x.obj = o;
+      if (slot != kNoSlot) {
+        x.path = pool_.path_of(slot);
+        x.file_offset = pool_.offset_of(slot);
+      }
+      x.extent_first = unit_ext[u].first;
+      x.extent_count = unit_ext[u].second;
+      r.ctx.push_back(x);
+    }
+  }
+  if (op == ReqOp::kStore) r.checksums.assign(static_cast<uint64_t>(n_units) * g.num_objs(), 0);
+  r.layer_iocbs.assign(g.num_layers, {});
+  r.layer_issued.assign(g.num_layers, 0);
+  RequestView& v = views_[id];
+  v.ctx = r.ctx.data();
+  v.extents = r.extents.data();
+  v.unit_slot = r.unit_slot.data();
+  v.keys = r.keys.data();
+  v.store_checksums = r.checksums.data();
+  v.unit_failed = r.unit_failed.data();
+  v.num_units = n_units;
+  v.commit_seq_base = commit_seq_;
+  commit_seq_ += n_units;
+  r.active = true;
+  *request = id;
+  return Status::Ok();
+}
+
+Status Store::get_iocb(uint32_t n, std::vector<uint32_t>* ids) {
+  if (free_iocbs_.size() < n) return {Code::kCapacityExceeded, "IOCB table exhausted (init_queue depth)"};
+  for (uint32_t i = 0; i < n; ++i) {
+    uint32_t id = free_iocbs_.back();
+    free_iocbs_.pop_back();
+    iocbs_[id].in_use = 1;
+    ids->push_back(id);
+  }
+  return Status::Ok();
+}
+
+void Store::put_iocb(uint32_t id) {
+  iocbs_[id].in_use = 0;
+  free_iocbs_.push_back(id);
+}
+
+Status Store::issue_io(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) {
+  for (uint32_t i = 0; i < n; ++i) {
+    Iocb& b = iocbs_[ids[i]];
+    if (!b.in_use || b.ctx_count == 0 || b.ctx_count > kMaxIoctxPerIocb)
+      return {Code::kInvalid, "IOCB " + std::to_string(ids[i]) + " is not filled"};
+    b.errors = 0;
+    b.issue_seq++;
+  }
+  return backend_->launch(ids, n, sms ? sms : opt_.io_sms, event);
+}
+
+Status Store::wait_cqe(uint32_t id) {
+  if (id >= iocbs_.size()) return {Code::kInvalid, "no such IOCB"};
+  Iocb& b = iocbs_[id];
+  auto done = [&] { return __atomic_load_n(&b.done_seq, __ATOMIC_ACQUIRE) == b.issue_seq; };
+  for (int spin = 0; spin < 2000 && !done(); ++spin) __builtin_ia32_pause();
+  while (!done()) done_bell_.wait(done, 10000);
+  return Status::Ok();
+}
+
+Status Store::post_layer(Request& r, uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
+                         std::vector<uint32_t>* out) {
+  const uint32_t n = (count + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb;
+  std::vector<uint32_t> ids;
+  Status st = get_iocb(n, &ids);
+  if (!st.ok()) return st;
+  for (uint32_t i = 0; i < n; ++i) {
+    Iocb& b = iocbs_[ids[i]];
+    b.op = op;
+    b.layer = layer;
+    b.request = id;
+    b.ctx_first = first + i * kMaxIoctxPerIocb;
+    b.ctx_count = std::min(kMaxIoctxPerIocb, count - i * kMaxIoctxPerIocb);
+  }
+  out->insert(out->end(), ids.begin(), ids.end());
+  (void)r;
+  return issue_io(ids.data(), n, 0, 0);
+}
+
+Status Store::layer(uint32_t layer, uint32_t id, uint64_t event) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no such request"};
+  Request& r = requests_[id];
+  if (layer >= geom_.num_layers)
+    return {Code::kLayout, "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(geom_.num_layers) + ")"};
+  if (r.layer_issued[layer]) return {Code::kInvalid, "layer " + std::to_string(layer) + " already issued for this request"};
+  r.layer_issued[layer] = 1;
+  if (r.ctx.empty()) return Status::Ok();
+  (void)event;
+  const uint32_t op = static_cast<uint32_t>(r.op == ReqOp::kRetrieve ? IoOp::kRead : IoOp::kWrite);
+  return post_layer(r, id, op, layer, 0, static_cast<uint32_t>(r.ctx.size()), &r.layer_iocbs[layer]);
+}
+
+Status Store::wait_layer(uint32_t layer, uint32_t id) {
+  std::vector<uint32_t> ids;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no such request"};
+    Request& r = requests_[id];
+    if (layer >= geom_.num_layers) return {Code::kLayout, "layer " + std::to_string(layer) + " out of range"};
+    if (!r.layer_issued[layer]) return {Code::kInvalid, "layer " + std::to_string(layer) + " was not issued"};
+    ids = r.layer_iocbs[layer];
+  }
+  for (uint32_t b : ids) wait_cqe(b);
+  return Status::Ok();
+}
+
+void Store::release_request(uint32_t id, Request& r) {
+  for (uint32_t l = 0; l < r.layer_iocbs.size(); ++l)
+    for (uint32_t b : r.layer_iocbs[l]) put_iocb(b);
+  if (r.op == ReqOp::kRetrieve) {
+    for (uint32_t u = 0; u < r.keys.size(); ++u)
+      if (r.unit_present[u]) index_.unpin(r.keys[u]);
+  } else {
+    for (uint32_t u = 0; u < r.keys.size(); ++u)
+      if (r.unit_present[u] && r.unit_slot[u] != kNoSlot) pool_.release(r.unit_slot[u]);
+  }
+  views_[id] = RequestView{};
+  r = Request{};
+}
+
+Status Store::finish(uint32_t id, RequestResult* out) {
+  std::vector<std::vector<uint32_t>> layer_ids;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no such request"};
+    layer_ids = requests_[id].layer_iocbs;
+  }
+  for (auto& ids : layer_ids)
+    for (uint32_t b : ids) wait_cqe(b);
+  std::lock_guard<std::mutex> lk(mu_);
+  Request& r = requests_[id];
+  const Geometry& g = geom_;
+  const uint32_t n = static_cast<uint32_t>(r.keys.size());
+  out->units = n;
+  out->skipped_units = r.skipped;
+  out->failed_units.clear();
+  out->committed_units.clear();
+  bool all_layers = std::all_of(r.layer_issued.begin(), r.layer_issued.end(), [](uint8_t v) { return v != 0; });
+  for (uint32_t u = 0; u < n; ++u) {
+    if (r.unit_failed[u] == 2) checksum_failures_++;
+    else if (r.unit_failed[u] == 1 && r.unit_slot[u] != kNoSlot) io_errors_++;
+  }
+  if (r.op == ReqOp::kStore && n > 0) {
+    if (!all_layers)
+      for (uint32_t u = 0; u < n; ++u) r.unit_failed[u] |= r.unit_present[u];  // incomplete: never visible
+    // Commit after write: the headers go out only now that every object of the unit is on storage.
+    std::vector<uint32_t> commit_ids;
+    Status st = Status::Ok();
+    for (uint32_t first = 0; first < n && st.ok(); first += kMaxIoctxPerIocb) {
+      std::vector<uint32_t> ids;
+      st = get_iocb(1, &ids);
+      if (!st.ok()) break;
+      Iocb& b = iocbs_[ids[0]];
+      b.op = static_cast<uint32_t>(IoOp::kCommit);
+      b.layer = 0;
+      b.request = id;
+      b.ctx_first = first;
+      b.ctx_count = std::min(kMaxIoctxPerIocb, n - first);
+      commit_ids.push_back(ids[0]);
+      st = issue_io(ids.data(), 1, 0, 0);
+    }
+    for (uint32_t b : commit_ids) {
+      wait_cqe(b);
+      put_iocb(b);
+    }
+    if (!st.ok())
+      for (uint32_t u = 0; u < n; ++u) r.unit_failed[u] |= r.unit_present[u];
+    for (uint32_t u = 0; u < n; ++u) {
+      if (!r.unit_present[u]) continue;
+      const uint32_t slot = r.unit_slot[u];
+      if (r.unit_failed[u] || index_.contains(r.keys[u])) {
+        invalidate(pool_, g, slot);
+        continue;  // released below
+      }
+      std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * g.num_objs()], &r.checksums[static_cast<uint64_t>(u) * g.num_objs()],
+                  g.num_objs() * sizeof(uint64_t));
+      slot_key_[slot] = r.keys[u];
+      index_.insert(r.keys[u], slot);
+      r.unit_present[u] = 0;  // now owned by the index
+      out->committed_units.push_back(u);
+      bytes_written_ += g.slot_bytes;
+    }
+  } else if (r.op == ReqOp::kRetrieve) {
+    for (uint32_t u = 0; u < n; ++u) {
+      if (!r.unit_present[u]) continue;
+      if (r.unit_failed[u]) {
+        // Drop the damaged unit: unpin, remove, invalidate, free.
+        index_.unpin(r.keys[u]);
+        r.unit_present[u] = 0;
+        uint32_t slot;
+        if (index_.remove(r.keys[u], &slot)) {
+          invalidate(pool_, g, slot);
+          pool_.release(slot);
+          evicted_.push_back(r.keys[u]);
+        }
+      } else {
+        bytes_read_ += g.payload_bytes() * g.num_objs();
+      }
+    }
+  }
+  for (uint32_t u = 0; u < n; ++u)
+    if (r.unit_failed[u]) out->failed_units.push_back(u);
+  release_request(id, r);
+  return Status::Ok();
+}
+
+Status Store::verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const {
+  const Geometry& g = geom_;
+  if (n != g.slot_bytes)
+    return {Code::kLayout, "unit is " + std::to_string(n) + " bytes, this layout's GPU file is " + std::to_string(g.slot_bytes)};
+  sums->assign(g.num_objs(), 0);
+  uint64_t seq;
+  if (!decode_header(g, data, key, &seq, sums->data())) return {Code::kNotFound, "unit header invalid or of another layout"};
+  for (uint32_t o = 0; o < g.num_objs(); ++o)
+    if (checksum(data + g.header_bytes + static_cast<uint64_t>(o) * g.obj_bytes, g.obj_bytes) != (*sums)[o])
+      return {Code::kNotFound, "unit object " + std::to_string(o) + " fails its checksum"};
+  return Status::Ok();
+}
+
+Status Store::read_unit(uint64_t key, std::vector<uint8_t>* out) {
+  uint32_t slot;
+  if (!index_.acquire(key, &slot)) return {Code::kNotFound, "unit not in store"};
+  AlignedBuf buf(geom_.slot_bytes);
+  Status st = buf.p ? pool_.pread_all(slot, 0, buf.data(), geom_.slot_bytes) : Status{Code::kCapacityExceeded, "out of memory"};
+  index_.unpin(key);
+  if (!st.ok()) return st;
+  uint64_t k;
+  std::vector<uint64_t> sums;
+  st = verify_unit(buf.data(), geom_.slot_bytes, &k, &sums);
+  if (st.ok() && k != key) st = {Code::kNotFound, "unit slot holds another key"};
+  if (!st.ok()) return st;
+  out->assign(buf.data(), buf.data() + geom_.slot_bytes);
+  return Status::Ok();
+}
+
+Status Store::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
+  std::vector<uint64_t> sums;
+  Status st = verify_unit(data, n, key, &sums);
+  if (!st.ok()) return st;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (index_.contains(*key)) return Status::Ok();
+  uint32_t slot;
+  st = alloc_slot(&slot);
+  if (!st.ok()) return st;
+  AlignedBuf buf(n);
+  if (!buf.p) {
+    pool_.release(slot);
+    return {Code::kCapacityExceeded, "out of memory"};
+  }
+  std::memcpy(buf.data(), data, n);
+  // Objects first, header last: commit after write.
+  const uint64_t hb = geom_.header_bytes;
+  st = pool_.pwrite_all(slot, hb, buf.data() + hb, n - hb);
+  if (st.ok()) {
+    // Renumber the commit so that recovery orders it as the newest.
+    uint64_t seq = commit_seq_++;
+    encode_header(geom_, desc_, *key, seq, sums.data(), buf.data());
+    st = pool_.pwrite_all(slot, 0, buf.data(), hb);
+  }
+  if (!st.ok()) {
+    invalidate(pool_, geom_, slot);
+    pool_.release(slot);
+    return st;
+  }
+  std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * geom_.num_objs()], sums.data(), sums.size() * 8);
+  slot_key_[slot] = *key;
+  index_.insert(*key, slot);
+  bytes_written_ += n;
+  return Status::Ok();
+}
+
+Status Store::scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks) {
+  if (!started_) return {Code::kInvalid, "store is closed or read-only"};
+  if (backend_->name() != "cpu") return {Code::kDevice, "scatter_unit from host memory needs the cpu backend here"};
+  const Geometry& g = geom_;
+  if (n_blocks != g.unit_blocks) return {Code::kLayout, "scatter_unit needs exactly one unit of block ids"};
+  uint64_t key;
+  std::vector<uint64_t> sums;
+  Status st = verify_unit(data, n, &key, &sums);
+  if (!st.ok()) return st;
+  std::vector<Extent> ext;
+  st = extents_.build(block_ids, g.unit_blocks, &ext);
+  if (!st.ok()) return st;
+  for (uint32_t l = 0; l < g.num_layers; ++l)
+    for (uint32_t o = 0; o < g.objs_per_layer; ++o) {
+      const uint8_t* src = data + g.obj_offset(l, o);
+      for (const Extent& e : ext)
+        for (uint32_t j = 0; j < e.num_blocks; ++j)
+          std::memcpy(extents_.addr(l, o, e.first_block + j), src + (e.unit_offset_blocks + j) * g.block_bytes, g.block_bytes);
+    }
+  return Status::Ok();
+}
+
+void Store::pin(const uint64_t* keys, uint32_t n, bool on) {
+  for (uint32_t i = 0; i < n; ++i) {
+    if (on) index_.pin(keys[i]);
+    else index_.unpin(keys[i]);
+  }
+}
+
+bool Store::remove(uint64_t key) {
+  std::lock_guard<std::mutex> lk(mu_);
+  uint32_t slot;
+  if (!index_.remove(key, &slot)) return false;
+  invalidate(pool_, geom_, slot);
+  pool_.release(slot);
+  return true;
+}
+
+std::vector<uint64_t> Store::drain_evicted() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<uint64_t> out;
+  out.swap(evicted_);
+  return out;
+}
+
+StoreStats Store::stats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  StoreStats s;
+  s.units = index_.size();
+  s.pinned = index_.pinned();
+  s.free_slots = pool_.free_slots();
+  s.total_slots = pool_.num_slots();
+  s.hits = hits_;
+  s.lookups = lookups_;
+  s.evictions = evictions_;
+  s.checksum_failures = checksum_failures_;
+  s.io_errors = io_errors_;
+  s.bytes_read = bytes_read_;
+  s.bytes_written = bytes_written_;
+  s.agent_ops = agent_.ops();
+  s.agent_cpu_s = agent_.cpu_seconds();
+  s.kernel_cpu_s = backend_ ? backend_->kernel_cpu_seconds() : 0;
+  s.extent_map_bytes = extents_.memory_bytes();
+  s.slot_bytes = geom_.slot_bytes;
+  s.obj_bytes = geom_.obj_bytes;
+  s.direct_io = pool_.num_paths() > 0 && pool_.path(0).direct;
+  s.fixed_buffers = agent_.fixed_buffers();
+  s.backend = backend_ ? backend_->name() : "none";
+  return s;
+}
+
+}  // namespace tutti

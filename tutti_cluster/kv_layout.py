@@ -1,0 +1,131 @@
+"""Turns an engine's paged KV tensors into per-layer descriptors for the extent map.
+
+A descriptor (:class:`LayerKV`) says where object ``kv`` (K = 0, V = 1) of block ``b`` lives:
+``ptrs[kv] + b * block_stride``, ``block_bytes`` contiguous bytes. The layouts vLLM hands over:
+
+- ``kv_first``: one tensor per layer, ``[2, num_blocks, ...]`` (FlashAttention order, and the
+  CPU backend's ``[2, num_blocks, heads, block_size, head_size]``);
+- ``block_first``: ``[num_blocks, 2, ...]`` (FlashInfer order);
+- ``kv_tuple``: a ``(K, V)`` pair of ``[num_blocks, ...]`` tensors;
+- ``interleaved``: ``[num_blocks, ...]`` with K and V interleaved inside each block (one object);
+- ``mla``: ``[num_blocks, block_size, latent]`` (one object per block).
+
+A cross-layer tensor with blocks outermost (``[num_blocks, layers, 2, ...]``) is handled by
+:func:`layers_from_cross_layer_tensor`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Literal
+
+import numpy as np
+
+from tutti_cluster.errors import LayoutError
+
+Layout = Literal["auto", "kv_first", "block_first", "kv_tuple", "interleaved", "mla"]
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """Where one layer's KV objects live."""
+
+    ptrs: tuple[int, ...]
+    block_stride: int
+    block_bytes: int
+    num_blocks: int
+    device: str = "cpu"
+    dtype: str = ""
+    block_shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.ptrs) not in (1, 2):
+            raise LayoutError("a layer has one or two object pointers")
+        if self.block_bytes <= 0 or self.num_blocks <= 0:
+            raise LayoutError("block_bytes and num_blocks must be positive")
+
+
+def _info(t: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int, str, str]:
+    """(data pointer, shape, strides in elements, element size, dtype name, device) of a tensor."""
+    if isinstance(t, np.ndarray):
+        es = t.itemsize
+        return (t.__array_interface__["data"][0], t.shape, tuple(s // es for s in t.strides), es, str(t.dtype), "cpu")
+    if hasattr(t, "data_ptr") and hasattr(t, "stride"):
+        dev = str(t.device)
+        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.element_size(), str(t.dtype).replace("torch.", ""),
+                "cuda" if dev.startswith("cuda") else dev)
+    raise LayoutError(f"KV cache must be a torch tensor or numpy array, not {type(t).__name__}")
+
+
+def _contiguous_tail(shape: tuple[int, ...], strides: tuple[int, ...], start: int) -> bool:
+    expect = 1
+    for d in range(len(shape) - 1, start - 1, -1):
+        if shape[d] != 1 and strides[d] != expect:
+            return False
+        expect *= shape[d]
+    return True
+
+
+def layer_kv_from_tensor(t: Any, layout: Layout = "auto") -> LayerKV:
+    """Describes one layer's KV cache tensor (or ``(K, V)`` pair) in ``layout``."""
+    if isinstance(t, (tuple, list)):
+        if layout not in ("auto", "kv_tuple") or len(t) != 2:
+            raise LayoutError("a (K, V) pair needs layout 'kv_tuple'")
+        k, v = (_info(x) for x in t)
+        if k[1] != v[1] or k[4] != v[4] or k[2] != v[2]:
+            raise LayoutError("K and V tensors differ in shape, dtype or strides")
+        ptr, shape, strides, es, dtype, dev = k
+        if len(shape) < 2 or not _contiguous_tail(shape, strides, 1):
+            raise LayoutError("each block of K and V must be contiguous")
+        return LayerKV((k[0], v[0]), strides[0] * es, prod(shape[1:]) * es, shape[0], dev, dtype, tuple(shape[1:]))
+    ptr, shape, strides, es, dtype, dev = _info(t)
+    if layout == "auto":
+        if len(shape) >= 3 and shape[0] == 2 and shape[1] != 2:
+            layout = "kv_first"
+        elif len(shape) >= 3 and shape[1] == 2 and shape[0] != 2:
+            layout = "block_first"
+        else:
+            raise LayoutError(f"cannot infer the KV layout of shape {shape}; name it (kv_first, block_first, ...)")
+    if layout == "kv_first":
+        if len(shape) < 3 or shape[0] != 2 or not _contiguous_tail(shape, strides, 2):
+            raise LayoutError(f"kv_first needs [2, num_blocks, ...] with contiguous blocks, got {shape}")
+        return LayerKV((ptr, ptr + strides[0] * es), strides[1] * es, prod(shape[2:]) * es, shape[1], dev, dtype,
+                       tuple(shape[2:]))
+    if layout == "block_first":
+        if len(shape) < 3 or shape[1] != 2 or not _contiguous_tail(shape, strides, 2):
+            raise LayoutError(f"block_first needs [num_blocks, 2, ...] with contiguous blocks, got {shape}")
+        return LayerKV((ptr, ptr + strides[1] * es), strides[0] * es, prod(shape[2:]) * es, shape[0], dev, dtype,
+                       tuple(shape[2:]))
+    if layout in ("interleaved", "mla"):
+        if len(shape) < 2 or not _contiguous_tail(shape, strides, 1):
+            raise LayoutError(f"{layout} needs [num_blocks, ...] with contiguous blocks, got {shape}")
+        return LayerKV((ptr,), strides[0] * es, prod(shape[1:]) * es, shape[0], dev, dtype, tuple(shape[1:]))
+    raise LayoutError(f"unknown KV layout {layout!r}")
+
+
+def layers_from_cross_layer_tensor(t: Any, num_layers: int) -> list[LayerKV]:
+    """Descriptors for one tensor holding every layer, blocks outermost: ``[num_blocks, layers, 2, ...]``."""
+    ptr, shape, strides, es, dtype, dev = _info(t)
+    if len(shape) < 4 or shape[1] != num_layers or shape[2] != 2 or not _contiguous_tail(shape, strides, 3):
+        raise LayoutError(f"expected [num_blocks, {num_layers}, 2, ...] with contiguous objects, got {shape}")
+    return [
+        LayerKV((ptr + l * strides[1] * es, ptr + (l * strides[1] + strides[2]) * es), strides[0] * es,
+                prod(shape[3:]) * es, shape[0], dev, dtype, tuple(shape[3:]))
+        for l in range(num_layers)
+    ]
+
+
+def describe(layers: Sequence[LayerKV]) -> str:
+    """Shape and dtype text stored in every GPU file header."""
+    l0 = layers[0]
+    for i, l in enumerate(layers):
+        if (len(l.ptrs), l.block_bytes, l.num_blocks, l.dtype, l.block_shape) != (
+            len(l0.ptrs), l0.block_bytes, l0.num_blocks, l0.dtype, l0.block_shape
+        ):
+            raise LayoutError(f"layer {i} differs from layer 0 in shape, dtype, block count or layout")
+        if l.device != l0.device:
+            raise LayoutError(f"layer {i} is on {l.device}, layer 0 on {l0.device}")
+    shape = ",".join(str(d) for d in l0.block_shape) or str(l0.block_bytes)
+    return f"{l0.dtype or 'bytes'}[{shape}]x{len(l0.ptrs)}"

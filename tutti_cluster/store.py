@@ -1,0 +1,312 @@
+"""`TuttiStore`: the engine-facing store of one GPU (or CPU) process.
+
+Life cycle::
+
+    store = TuttiStore(TuttiConfig(paths=["/mnt/nvme0"]))
+    store.register_kv_caches(kv_caches, block_tokens=16)       # opens the pool, rebuilds the index
+    hit = store.lookup(keys)                                    # leading units present
+    req = store.begin_retrieve(keys[:hit], block_ids)           # once per request: O(blocks)
+    for layer in range(num_layers):
+        store.retrieve_layer(layer, req)                        # O(1) host work, asynchronous
+        store.wait_layer(layer, req)                            # before the layer's attention
+    result = store.finish(req)                                  # failed units are misses
+
+Stores mirror it with ``begin_store``/``store_layer``. A unit becomes visible (``lookup``) only after
+every one of its objects and then its header are on storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tutti_cluster import _native
+from tutti_cluster.config import TuttiConfig, load_config
+from tutti_cluster.errors import ConfigError, DeviceError, LayoutError, TuttiError
+from tutti_cluster.keys import Key, key_array, to_key
+from tutti_cluster.kv_layout import Layout, LayerKV, describe, layer_kv_from_tensor
+
+log = logging.getLogger(__name__)
+
+_RETRIEVE, _STORE = 1, 2
+_DIRECT = {"auto": 0, "on": 1, "off": 2}
+
+
+@dataclass
+class RequestResult:
+    """Outcome of one request. ``failed_units`` were not moved: treat them (and what follows) as misses."""
+
+    units: int
+    failed_units: list[int] = field(default_factory=list)
+    skipped_units: int = 0
+    committed_units: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_units
+
+
+def _block_array(block_ids: Any) -> np.ndarray:
+    a = np.asarray(block_ids)
+    if a.ndim != 1:
+        raise LayoutError(f"block_ids must be one-dimensional, got shape {a.shape}")
+    if a.size and a.dtype.kind not in "iu":
+        raise LayoutError(f"block_ids must be integers, got {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class TuttiStore:
+    """One store instance: a share of the node's file pool, its index, queues and agent."""
+
+    def __init__(self, config: TuttiConfig | None = None, **overrides: Any) -> None:
+        self.config = config.model_copy(update=overrides) if config is not None else load_config(**overrides)
+        self._native: Any = None
+        self._ops: dict[int, int] = {}
+        self._keys: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self.block_tokens = 0
+        self.num_layers = 0
+        self.device = "cpu"
+        self.on_commit: Callable[[int], None] | None = None
+        self.on_evict: Callable[[int], None] | None = None
+
+    # ---- setup -------------------------------------------------------------------------------
+    def register_kv_caches(
+        self, kv_caches: Sequence[Any], *, block_tokens: int, layout: Layout = "auto", read_only: bool = False
+    ) -> None:
+        """Registers the engine's per-layer paged KV tensors (or :class:`LayerKV` descriptors).
+
+        Builds the extent map, opens (creating and preallocating) the pool files, rebuilds the index
+        from their headers and starts the queues. ``read_only`` opens existing pools for lookups and
+        ``read_unit`` only (no queues, no writes), as the node daemon does.
+        """
+        if self._native is not None:
+            raise ConfigError("KV caches are already registered")
+        if not kv_caches:
+            raise LayoutError("no KV cache layers given")
+        if block_tokens <= 0:
+            raise LayoutError("block_tokens must be positive")
+        if self.config.unit_tokens % block_tokens:
+            raise ConfigError(f"unit_tokens ({self.config.unit_tokens}) must be a multiple of block_tokens ({block_tokens})")
+        layers = [l if isinstance(l, LayerKV) else layer_kv_from_tensor(l, layout) for l in kv_caches]
+        desc = describe(layers)
+        device = layers[0].device
+        backend = self.config.backend
+        if backend == "auto":
+            backend = "cuda" if device == "cuda" else "cpu"
+        if backend == "cuda" and not _native.has_cuda:
+            raise DeviceError("backend 'cuda' requested but this build has no CUDA support")
+        if (backend == "cuda") != (device == "cuda"):
+            raise DeviceError(f"backend '{backend}' cannot move KV tensors that live on {device}")
+        unit_blocks = self.config.unit_tokens // block_tokens
+        obj = unit_blocks * layers[0].block_bytes
+        if obj < self.config.min_io_bytes:
+            log.warning("objects are %d bytes, below min_io_bytes=%d: raise unit_tokens for larger I/Os",
+                        obj, self.config.min_io_bytes)
+        paths = [str(p) for p in self.config.storage_paths()]
+        if not self.config.paths:
+            self.config.storage_paths()[0].mkdir(parents=True, exist_ok=True)  # embedded default only
+        descs = [_native.LayerKVDesc(list(l.ptrs), l.block_stride, l.block_bytes, l.num_blocks) for l in layers]
+        nat = _native.Store.open(
+            paths=paths, capacity=self.config.capacity_bytes(), instance=self.config.instance,
+            unit_blocks=unit_blocks, queue_depth=self.config.queue_depth,
+            staging_bytes=self.config.staging_mb << 20, max_requests=self.config.max_requests,
+            io_sms=self.config.io_sms, direct=_DIRECT[self.config.direct_io], backend=backend,
+            device=self.config.device, read_only=read_only, layers=descs, desc=desc,
+        )
+        if not read_only:
+            try:
+                nat.init_queue(self.config.iocb_depth)
+            except TuttiError:
+                nat.close()
+                raise
+        self._native = nat
+        self.block_tokens = block_tokens
+        self.num_layers = len(layers)
+        self.device = device
+        self._layers = layers
+        log.info("store %s: %d layers, %s, %d blocks/unit, GPU file %d bytes, backend %s",
+                 self.config.instance, len(layers), desc, unit_blocks, nat.geometry()["slot_bytes"], backend)
+
+    @property
+    def _n(self) -> Any:
+        if self._native is None:
+            raise TuttiError("register_kv_caches() first (or the store is closed)")
+        return self._native
+
+    @property
+    def unit_blocks(self) -> int:
+        """KV blocks per cache unit."""
+        return int(self._n.geometry()["unit_blocks"])
+
+    @property
+    def unit_tokens(self) -> int:
+        return self.config.unit_tokens
+
+    def geometry(self) -> dict[str, int]:
+        """Sizes of a GPU file: objects, header, slot."""
+        return dict(self._n.geometry())
+
+    # ---- lookups -------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """Number of leading cache units of ``keys`` present in this store."""
+        return int(self._n.lookup(key_array(keys)))
+
+    def contains(self, key: Key) -> bool:
+        return self.lookup([key]) == 1
+
+    # ---- engine API ----------------------------------------------------------------------------
+    def begin_retrieve(self, keys: Sequence[Key], block_ids: Any) -> int:
+        """Hands a request's unit keys and destination block ids over once; returns its handle."""
+        return self._begin(_RETRIEVE, keys, block_ids)
+
+    def begin_store(self, keys: Sequence[Key], block_ids: Any) -> int:
+        """Reserves GPU files for the units not yet stored; returns the request handle."""
+        return self._begin(_STORE, keys, block_ids)
+
+    def _begin(self, op: int, keys: Sequence[Key], block_ids: Any) -> int:
+        k = key_array(keys)
+        req = int(self._n.begin(op, k, _block_array(block_ids)))
+        with self._lock:
+            self._ops[req] = op
+            self._keys[req] = k
+        self._drain_evicted()
+        return req
+
+    def _check(self, req: int, op: int) -> None:
+        have = self._ops.get(req)
+        if have is None:
+            raise TuttiError(f"no request {req} in flight")
+        if have != op:
+            raise TuttiError(f"request {req} is a {'retrieve' if have == _RETRIEVE else 'store'} request")
+
+    def retrieve_layer(self, layer: int, req: int, event: int = 0) -> None:
+        """Starts moving ``layer`` of the request from storage into its KV blocks (asynchronous)."""
+        self._check(req, _RETRIEVE)
+        self._n.layer(layer, req, event)
+
+    def store_layer(self, layer: int, req: int, event: int = 0) -> None:
+        """Starts writing ``layer`` of the request's KV blocks to its GPU files (asynchronous)."""
+        self._check(req, _STORE)
+        self._n.layer(layer, req, event)
+
+    def wait_layer(self, layer: int, req: int) -> None:
+        """Blocks until ``layer`` of the request has moved."""
+        if req not in self._ops:
+            raise TuttiError(f"no request {req} in flight")
+        self._n.wait_layer(layer, req)
+
+    def finish(self, req: int) -> RequestResult:
+        """Completes a request: commits stored units, unpins retrieved ones, reports failures."""
+        if req not in self._ops:
+            raise TuttiError(f"no request {req} in flight")
+        units, failed, skipped, committed = self._n.finish(req)
+        with self._lock:
+            self._ops.pop(req, None)
+            keys = self._keys.pop(req)
+        if self.on_commit is not None:
+            for u in committed:
+                self.on_commit(int(keys[u]))
+        self._drain_evicted()
+        return RequestResult(int(units), list(failed), int(skipped), list(committed))
+
+    def retrieve(self, keys: Sequence[Key], block_ids: Any) -> RequestResult:
+        """Retrieves every layer of a request and waits for it."""
+        req = self.begin_retrieve(keys, block_ids)
+        for layer in range(self.num_layers):
+            self.retrieve_layer(layer, req)
+        return self.finish(req)
+
+    def store(self, keys: Sequence[Key], block_ids: Any) -> RequestResult:
+        """Stores every layer of a request and commits it."""
+        req = self.begin_store(keys, block_ids)
+        for layer in range(self.num_layers):
+            self.store_layer(layer, req)
+        return self.finish(req)
+
+    # ---- gio_uring -----------------------------------------------------------------------------
+    def get_iocb(self, n: int) -> list[int]:
+        """Takes ``n`` free IOCBs from the table made by ``init_queue`` (at registration)."""
+        return list(self._n.get_iocb(n))
+
+    def fill_iocb(self, iocb: int, *, op: str, layer: int, req: int, first: int, count: int) -> None:
+        """Points an IOCB at IOCTXs ``[first, first + count)`` of request ``req`` (op: read|write)."""
+        codes = {"read": 1, "write": 2}
+        if op not in codes:
+            raise TuttiError(f"op must be one of {sorted(codes)}")
+        self._n.fill_iocb(iocb, codes[op], layer, req, first, count)
+
+    def issue_io(self, iocbs: Sequence[int], sms: int = 0, event: int = 0) -> None:
+        """Enqueues the I/O kernel for these IOCBs on ``sms`` SMs (0: the configured io_sms)."""
+        self._n.issue_io(list(iocbs), sms, event)
+
+    def wait_cqe(self, iocb: int) -> int:
+        """Waits for an IOCB; returns how many of its IOCTXs failed."""
+        return int(self._n.wait_cqe(iocb))
+
+    def put_iocb(self, iocb: int) -> None:
+        self._n.put_iocb(iocb)
+
+    # ---- CPU paths: replicas and remote reads ---------------------------------------------------
+    def read_unit(self, key: Key) -> bytes:
+        """The whole GPU file of ``key`` (header and objects), read on the CPU and verified."""
+        return bytes(self._n.read_unit(to_key(key)))
+
+    def import_unit(self, data: bytes | bytearray | memoryview) -> int:
+        """Commits a GPU file (as :meth:`read_unit` returns it) into this store; returns its key."""
+        key = int(self._n.import_unit(data))
+        if self.on_commit is not None:
+            self.on_commit(key)
+        self._drain_evicted()
+        return key
+
+    def scatter_unit(self, data: bytes | bytearray | memoryview, block_ids: Any) -> None:
+        """Verifies a GPU file's bytes and scatters them into one unit's KV blocks."""
+        self._n.scatter_unit(data, _block_array(block_ids))
+
+    # ---- capacity ----------------------------------------------------------------------------
+    def pin(self, keys: Sequence[Key]) -> None:
+        """Protects units from eviction (counted: pin twice, unpin twice)."""
+        self._n.pin(key_array(keys), True)
+
+    def unpin(self, keys: Sequence[Key]) -> None:
+        self._n.pin(key_array(keys), False)
+
+    def remove(self, key: Key) -> bool:
+        """Drops a unit; returns whether it was present."""
+        k = to_key(key)
+        gone = bool(self._n.remove(k))
+        if gone and self.on_evict is not None:
+            self.on_evict(k)
+        return gone
+
+    def keys(self) -> list[int]:
+        """Keys present, most recently used first."""
+        return [int(k) for k in self._n.keys()]
+
+    def _drain_evicted(self) -> None:
+        evicted = self._n.drain_evicted()
+        if self.on_evict is not None:
+            for k in evicted:
+                self.on_evict(int(k))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and sizes of this instance."""
+        return dict(self._n.stats())
+
+    def close(self) -> None:
+        """Finishes requests in flight, stops the queues and releases the pool files."""
+        if self._native is not None:
+            self._native.close()
+            self._native = None
+
+    def __enter__(self) -> "TuttiStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
