@@ -132,11 +132,11 @@ PYBIND11_MODULE(_native, m) {
         py::gil_scoped_release nogil;
         ok(s.layer(layer, req, event));
       }, py::arg("layer"), py::arg("request"), py::arg("event") = 0)
-      .def("wait_layer", [](PyStore& p, uint32_t layer, uint32_t req) {
+      .def("wait_layer", [](PyStore& p, uint32_t layer, uint32_t req, uint64_t stream) {
         Store& s = p.get();
         py::gil_scoped_release nogil;
-        ok(s.wait_layer(layer, req));
-      })
+        ok(s.wait_layer(layer, req, stream));
+      }, py::arg("layer"), py::arg("request"), py::arg("stream") = 0)
       .def("finish", [](PyStore& p, uint32_t req) {
         Store& s = p.get();
         RequestResult r;

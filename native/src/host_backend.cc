@@ -144,7 +144,7 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
     s.buf_offset = static_cast<uint64_t>(chunk) * k_->chunk_bytes;
     s.path = static_cast<uint16_t>(x.path);
     if (op == IoOp::kCommit) {
-      const uint64_t* sums = r.store_checksums + static_cast<uint64_t>(unit) * g.num_objs();
+      const uint64_t* sums = r.checksums + static_cast<uint64_t>(unit) * g.num_objs();
       encode_header(g, k_->desc, r.keys[unit], r.commit_seq_base + unit, sums, buf);
       s.file_offset = x.file_offset;
       s.len = static_cast<uint32_t>(g.header_bytes);
@@ -168,7 +168,7 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
         }
         const uint64_t payload = g.payload_bytes();
         if (payload < g.obj_bytes) std::memset(buf + payload, 0, g.obj_bytes - payload);
-        r.store_checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj] =
+        r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj] =
             checksum(buf, g.obj_bytes);
       }
     }
@@ -197,7 +197,7 @@ void HostBackend::complete(const Cqe& c) {
     r.unit_failed[unit] = 1;
     b.errors++;
   } else if (op == IoOp::kRead) {
-    const uint64_t expect = k_->slot_checksums[static_cast<uint64_t>(x.slot) * g.num_objs() + b.layer * g.objs_per_layer + x.obj];
+    const uint64_t expect = r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj];
     if (checksum(buf, g.obj_bytes) != expect) {
       r.unit_failed[unit] = 2;  // a corrupt object is a miss, never wrong KV
       b.errors++;

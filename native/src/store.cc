@@ -149,7 +149,6 @@ Status Store::init_queue(uint32_t depth) {
   kctx_.num_iocbs = depth;
   kctx_.requests = views_.data();
   kctx_.max_requests = opt_.max_requests;
-  kctx_.slot_checksums = slot_checksums_.data();
   kctx_.staging = static_cast<uint8_t*>(staging_);
   kctx_.chunk_bytes = chunk;
   kctx_.num_chunks = chunks;
@@ -272,7 +271,13 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
       r.ctx.push_back(x);
     }
   }
-  if (op == ReqOp::kStore) r.checksums.assign(static_cast<uint64_t>(n_units) * g.num_objs(), 0);
+  // Retrieve: the expected checksum of every object; store: filled in by the kernel.
+  r.checksums.assign(static_cast<uint64_t>(n_units) * g.num_objs(), 0);
+  if (op == ReqOp::kRetrieve)
+    for (uint32_t u = 0; u < n_units; ++u)
+      if (r.unit_slot[u] != kNoSlot)
+        std::memcpy(&r.checksums[static_cast<uint64_t>(u) * g.num_objs()],
+                    &slot_checksums_[static_cast<uint64_t>(r.unit_slot[u]) * g.num_objs()], g.num_objs() * sizeof(uint64_t));
   r.layer_iocbs.assign(g.num_layers, {});
   r.layer_issued.assign(g.num_layers, 0);
   RequestView& v = views_[id];
@@ -280,11 +285,16 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   v.extents = r.extents.data();
   v.unit_slot = r.unit_slot.data();
   v.keys = r.keys.data();
-  v.store_checksums = r.checksums.data();
+  v.checksums = r.checksums.data();
   v.unit_failed = r.unit_failed.data();
   v.num_units = n_units;
   v.commit_seq_base = commit_seq_;
   commit_seq_ += n_units;
+  Status st = backend_->begin_request(id, &v);
+  if (!st.ok()) {
+    release_request(id, r);
+    return st;
+  }
   r.active = true;
   *request = id;
   return Status::Ok();
@@ -359,7 +369,7 @@ Status Store::layer(uint32_t layer, uint32_t id, uint64_t event) {
   return post_layer(r, id, op, layer, 0, static_cast<uint32_t>(r.ctx.size()), &r.layer_iocbs[layer]);
 }
 
-Status Store::wait_layer(uint32_t layer, uint32_t id) {
+Status Store::wait_layer(uint32_t layer, uint32_t id, uint64_t stream) {
   std::vector<uint32_t> ids;
   {
     std::lock_guard<std::mutex> lk(mu_);
@@ -369,6 +379,7 @@ Status Store::wait_layer(uint32_t layer, uint32_t id) {
     if (!r.layer_issued[layer]) return {Code::kInvalid, "layer " + std::to_string(layer) + " was not issued"};
     ids = r.layer_iocbs[layer];
   }
+  if (stream != 0 && backend_->stream_wait(ids.data(), static_cast<uint32_t>(ids.size()), stream)) return Status::Ok();
   for (uint32_t b : ids) wait_cqe(b);
   return Status::Ok();
 }
@@ -404,6 +415,9 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   out->skipped_units = r.skipped;
   out->failed_units.clear();
   out->committed_units.clear();
+  Status est = backend_->end_request(id, &views_[id]);
+  if (!est.ok())
+    for (uint32_t u = 0; u < n; ++u) r.unit_failed[u] |= r.unit_present[u];
   bool all_layers = std::all_of(r.layer_issued.begin(), r.layer_issued.end(), [](uint8_t v) { return v != 0; });
   for (uint32_t u = 0; u < n; ++u) {
     if (r.unit_failed[u] == 2) checksum_failures_++;

@@ -20,7 +20,7 @@ struct RequestView {
   const Extent* extents = nullptr;
   const uint32_t* unit_slot = nullptr;      // slot of each unit
   const uint64_t* keys = nullptr;
-  uint64_t* store_checksums = nullptr;      // [unit][obj], written by the kernel on store
+  uint64_t* checksums = nullptr;            // [unit][obj]: expected on retrieve, written by the kernel on store
   uint8_t* unit_failed = nullptr;           // written by the kernel
   uint32_t num_units = 0;
   uint64_t commit_seq_base = 0;
@@ -35,7 +35,6 @@ struct KernelContext {
   uint32_t num_iocbs = 0;
   RequestView* requests = nullptr;               // indexed by request id
   uint32_t max_requests = 0;
-  const uint64_t* slot_checksums = nullptr;      // [slot][obj], expected values for reads
   uint8_t* staging = nullptr;                    // host address of the staging region
   uint64_t chunk_bytes = 0;
   uint32_t num_chunks = 0;
@@ -59,6 +58,26 @@ class Backend {
   virtual Status launch(const uint32_t* iocb_ids, uint32_t n, uint32_t sms, uint64_t event) = 0;
   virtual void stop() = 0;
   virtual double kernel_cpu_seconds() const = 0;
+  // Called by the engine thread when a request starts and before its result is read: a device
+  // backend mirrors the request's arrays to the device and copies the kernel's outputs back.
+  virtual Status begin_request(uint32_t id, RequestView* view) {
+    (void)id;
+    (void)view;
+    return Status::Ok();
+  }
+  virtual Status end_request(uint32_t id, RequestView* view) {
+    (void)id;
+    (void)view;
+    return Status::Ok();
+  }
+  // Makes `stream` wait for these IOCBs without blocking the host. Returns false when the backend
+  // has no streams, and the caller then waits on the host (wait_cqe).
+  virtual bool stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) {
+    (void)ids;
+    (void)n;
+    (void)stream;
+    return false;
+  }
 };
 
 std::unique_ptr<Backend> make_host_backend();

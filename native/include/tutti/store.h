@@ -70,7 +70,8 @@ class Store {
   Status begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int64_t* block_ids, uint64_t n_blocks,
                uint32_t* request);
   Status layer(uint32_t layer, uint32_t request, uint64_t event);
-  Status wait_layer(uint32_t layer, uint32_t request);
+  // Waits for a layer: on the host, or, with a device `stream`, by making that stream wait.
+  Status wait_layer(uint32_t layer, uint32_t request, uint64_t stream = 0);
   Status finish(uint32_t request, RequestResult* out);
 
   // gio_uring API.
