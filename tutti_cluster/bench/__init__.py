@@ -1,0 +1,9 @@
+"""``tutti bench``: tutti's retrieve and store bandwidth and host CPU per layer call for the
+Llama-3-8B KV shape, beside the per-block and per-chunk baselines (and kvikio on CUDA) and the
+storage and host-to-GPU limits measured in the same run.  See docs/BENCH.md."""
+
+from __future__ import annotations
+
+from tutti_cluster.bench.runner import main
+
+__all__ = ["main"]

@@ -1,0 +1,9 @@
+"""Benchmark-specific errors, inside the project's hierarchy."""
+
+from __future__ import annotations
+
+from tutti_cluster.errors import TuttiError
+
+
+class BenchVerificationError(TuttiError):
+    """A system under test put wrong bytes into the KV cache (its figures must not be reported)."""

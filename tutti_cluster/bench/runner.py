@@ -1,0 +1,414 @@
+"""``tutti bench``: tutti against the per-block, per-chunk (and, on CUDA, kvikio) baselines and the
+same-run hardware limits, on the configured storage paths.
+
+Flow: check room; measure the storage (and host-to-GPU) limits; then for each prefix length and
+each system, ``repeat`` rounds of store -> clear the KV blocks -> evict caches -> retrieve into a
+new random block permutation -> verify every byte.  Figures are medians over the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tutti_cluster.bench import fsutil, limits as limits_mod, machine
+from tutti_cluster.bench.baselines import CHUNK_TOKENS, KvikioBaseline, PerBlockBaseline, PerChunkBaseline
+from tutti_cluster.bench.common import BenchSystem, OpTiming, Round
+from tutti_cluster.bench.kvdata import LLAMA3_8B, KVData, KVShape
+from tutti_cluster.errors import CapacityExceeded, ConfigError, DeviceError
+
+logger = logging.getLogger(__name__)
+
+SYSTEMS = ("tutti", "per-block", "per-chunk", "kvikio")
+DEFAULT_PREFIXES = (16 << 10, 32 << 10, 64 << 10, 128 << 10)
+QUICK_PREFIXES = (4 << 10, 16 << 10)
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def parse_tokens(text: str) -> int:
+    """``"16K"`` -> 16384, ``"512"`` -> 512."""
+    t = text.strip().upper()
+    try:
+        if t.endswith("K"):
+            return int(t[:-1]) << 10
+        if t.endswith("M"):
+            return int(t[:-1]) << 20
+        return int(t)
+    except ValueError:
+        raise ConfigError(f"not a token count: {text!r} (use e.g. 16K or 16384)") from None
+
+
+def _split(values: Sequence[str] | None) -> list[str]:
+    return [v for item in values or () for v in item.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tutti bench",
+        description="Retrieve/store bandwidth and host CPU per layer call of tutti, beside the per-block "
+        "(vLLM file offload) and per-chunk (LMCache disk) baselines and the same-run storage limits, "
+        "for the Llama-3-8B KV shape.",
+    )
+    p.add_argument("--quick", action="store_true", help="small prefixes (4K,16K), one round: under a minute")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
+    p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG plot")
+    p.add_argument("--prefix-tokens", nargs="+", metavar="N", help="prefix lengths, e.g. 16K,32K,64K,128K")
+    p.add_argument("--paths", nargs="+", metavar="DIR", help="storage directories (overrides TUTTI_PATHS)")
+    p.add_argument("--capacity-gb", nargs="+", type=float, metavar="GB",
+                   help="tutti pool capacity per path (default: sized to the prefix)")
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="also sync and drop the kernel's page cache before each read pass (needs root)")
+    p.add_argument("--systems", nargs="+", metavar="NAME", help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--repeat", type=int, metavar="N", help="rounds per prefix and system (default 1)")
+    p.add_argument("--baseline-threads", type=int, default=16, metavar="N", help="baselines' thread pools")
+    p.add_argument("--limit-gb", type=float, metavar="GB",
+                   help="bytes for the storage-limit files (default 4, --quick 0.5)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+@dataclass
+class Sample:
+    gbps: float
+    cpu_us_per_layer: float
+    host_core_s_per_gb: float
+
+
+@dataclass
+class Plan:
+    """Everything a run needs, resolved and checked before any work starts."""
+
+    dirs: list[Path]
+    prefixes: list[int]
+    systems: list[str]
+    repeat: int
+    device: torch.device
+    limit_bytes: int
+    limit_threads: list[int]
+    staging_bytes: int
+    baseline_threads: int
+    drop_caches: bool
+    capacity_gb: list[float] | None
+    cfg: Any
+    seed: int = 0
+    shape: KVShape = LLAMA3_8B
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "cuda":
+        raise DeviceError("--device cuda: no CUDA device is available to torch")
+    return torch.device("cpu")
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Validate the arguments against the config; raises ConfigError/DeviceError on bad input."""
+    from tutti_cluster.config import load_config
+
+    overrides: dict[str, Any] = {}
+    if args.paths:
+        overrides["paths"] = _split(args.paths)
+    if args.capacity_gb:
+        overrides["capacity_gb"] = args.capacity_gb
+    cfg = load_config(**overrides)
+    dirs = cfg.storage_paths()
+    if not cfg.paths:
+        dirs[0].mkdir(parents=True, exist_ok=True)  # the embedded default's storage directory
+    for d in dirs:
+        if not d.is_dir():
+            raise ConfigError(f"storage path {d} is not a directory")
+        if not os.access(d, os.W_OK):
+            raise ConfigError(f"storage path {d} is not writable")
+    shape = LLAMA3_8B
+    prefixes = [parse_tokens(t) for t in _split(args.prefix_tokens)] or list(
+        QUICK_PREFIXES if args.quick else DEFAULT_PREFIXES
+    )
+    unit = max(CHUNK_TOKENS, cfg.unit_tokens)
+    for n in prefixes:
+        if n <= 0 or n % CHUNK_TOKENS or n % cfg.unit_tokens:
+            raise ConfigError(
+                f"prefix of {n} tokens: must be a positive multiple of {CHUNK_TOKENS} (chunk) and of "
+                f"unit_tokens={cfg.unit_tokens}, e.g. {unit}"
+            )
+    systems = _split(args.systems) or list(SYSTEMS)
+    for s in systems:
+        if s not in SYSTEMS:
+            raise ConfigError(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    repeat = args.repeat if args.repeat is not None else 1
+    if repeat < 1:
+        raise ConfigError("--repeat must be at least 1")
+    if args.baseline_threads < 1:
+        raise ConfigError("--baseline-threads must be at least 1")
+    device = _resolve_device(args.device)
+    limit_gb = args.limit_gb if args.limit_gb is not None else (0.5 if args.quick else 4.0)
+    if limit_gb <= 0:
+        raise ConfigError("--limit-gb must be positive")
+    return Plan(
+        dirs=dirs,
+        prefixes=sorted(set(prefixes)),
+        systems=[s for s in SYSTEMS if s in systems],
+        repeat=repeat,
+        device=device,
+        limit_bytes=int(limit_gb * GIB),
+        limit_threads=sorted({8, 12, 16, min(cfg.queue_depth, 64)}),
+        staging_bytes=cfg.staging_mb * MIB,
+        baseline_threads=args.baseline_threads,
+        drop_caches=args.drop_caches,
+        capacity_gb=list(args.capacity_gb) if args.capacity_gb else None,
+        cfg=cfg,
+        seed=args.seed,
+        shape=shape,
+    )
+
+
+def check_room(plan: Plan) -> None:
+    """Fail early, with the numbers, when the paths or memory cannot hold the run."""
+    from tutti_cluster.bench.tutti_system import pool_bytes_per_path
+
+    max_bytes = plan.shape.prefix_bytes(max(plan.prefixes))
+    n = len(plan.dirs)
+    if plan.capacity_gb:
+        caps = plan.capacity_gb * n if len(plan.capacity_gb) == 1 else plan.capacity_gb
+        pool = [int(c * GIB) for c in caps]
+    else:
+        pool = [pool_bytes_per_path(max_bytes, n)] * n
+    # Phases run one after another and each frees its files: the peak is the largest of them.
+    per_path = [max(plan.limit_bytes // n, -(-max_bytes // n), p) + 64 * MIB for p in pool]
+    by_fs: dict[int, list[int]] = {}
+    tmpfs_bytes = 0
+    for d, need in zip(plan.dirs, per_path):
+        by_fs.setdefault(os.stat(d).st_dev, []).append(need)
+        if fsutil.fs_type(d) in ("tmpfs", "ramfs"):
+            tmpfs_bytes += need
+    for d in plan.dirs:
+        dev = os.stat(d).st_dev
+        need = sum(by_fs.get(dev, []))
+        by_fs.pop(dev, None)
+        free = shutil.disk_usage(d).free
+        if need and free < need:
+            raise CapacityExceeded(
+                f"{d}: {free / GIB:.1f} GiB free, the benchmark needs {need / GIB:.1f} GiB there "
+                f"(prefix of {max(plan.prefixes)} tokens = {max_bytes / GIB:.1f} GiB of KV); "
+                "pass smaller --prefix-tokens or more --paths"
+            )
+    kv_bytes = max_bytes + 2 * max_bytes // plan.shape.layers  # tensors + pool + verify buffer
+    staging = plan.baseline_threads * (CHUNK_TOKENS // plan.shape.block_tokens) * plan.shape.block_bytes
+    host_need = tmpfs_bytes + staging + max(plan.staging_bytes, 64 * MIB) + GIB
+    if plan.device.type == "cuda":
+        free_dev, _ = torch.cuda.mem_get_info(plan.device)
+        dev_need = kv_bytes + staging + GIB
+        if free_dev < dev_need:
+            raise CapacityExceeded(
+                f"GPU has {free_dev / GIB:.1f} GiB free, the benchmark needs {dev_need / GIB:.1f} GiB; "
+                "pass smaller --prefix-tokens"
+            )
+    else:
+        host_need += kv_bytes
+    avail = machine.meminfo_bytes("MemAvailable")
+    if avail and avail < host_need:
+        raise CapacityExceeded(
+            f"{avail / GIB:.1f} GiB of memory available, the benchmark needs {host_need / GIB:.1f} GiB "
+            f"(KV tensors{' and tmpfs files' if tmpfs_bytes else ''} for a {max(plan.prefixes)}-token "
+            "prefix); pass smaller --prefix-tokens"
+        )
+
+
+class _Progress:
+    """tqdm progress bar over the run's steps (stderr)."""
+
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc="tutti bench", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def step(self, text: str) -> None:
+        self._bar.set_postfix_str(text, refresh=False)
+        self._bar.update(1)
+
+    def note(self, text: str) -> None:
+        self._bar.write(text, file=sys.stdout)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _measure(fn: Callable[[Round], OpTiming], rnd: Round, nbytes: int, layers: int) -> Sample:
+    p0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
+    timing = fn(rnd)
+    wall = time.perf_counter() - w0
+    engine_total = time.thread_time() - t0
+    process = time.process_time() - p0
+    gb = nbytes / 1e9
+    return Sample(
+        gbps=gb / wall,
+        cpu_us_per_layer=timing.engine_cpu_s / layers * 1e6,
+        host_core_s_per_gb=max(0.0, process - engine_total) / gb,
+    )
+
+
+def _make_system(name: str, plan: Plan, kv: KVData, work: list[Path]) -> BenchSystem:
+    if name == "tutti":
+        from tutti_cluster.bench.tutti_system import TuttiSystem
+
+        return TuttiSystem(kv, plan.cfg, work, plan.capacity_gb, plan.seed)
+    if name == "per-block":
+        return PerBlockBaseline(kv, work, plan.baseline_threads)
+    if name == "per-chunk":
+        return PerChunkBaseline(kv, work, plan.baseline_threads)
+    return KvikioBaseline(kv, work, threads=8)
+
+
+def run(plan: Plan) -> dict[str, Any]:
+    """Run the benchmark; returns the report (the JSON object).  Cleans up its files."""
+    check_room(plan)
+    work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
+    systems: dict[str, BenchSystem] = {}
+    page_cache: set[str] = set()
+    samples: dict[tuple[str, str, int], list[Sample]] = {}
+    progress: _Progress | None = None
+    try:
+        for w in work:
+            w.mkdir()
+        direct = {w: fsutil.probe_direct_io(w) for w in work}
+        for w, ok in direct.items():
+            if not ok:
+                print(f"note: O_DIRECT refused on {w.parent} ({fsutil.fs_type(w)}): buffered I/O there")
+        info = machine.describe(plan.dirs, {d: direct[w] for d, w in zip(plan.dirs, work)}, plan.device)
+        n_max = max(plan.prefixes) // plan.shape.block_tokens
+        kv = KVData(plan.shape, n_max, plan.device, seed=plan.seed)
+        for name in plan.systems:
+            try:
+                systems[name] = _make_system(name, plan, kv, work)
+            except ImportError as e:
+                plan.skipped[name] = str(e)
+        steps = 2 * len(plan.limit_threads) + 1 + (plan.device.type == "cuda")
+        steps += len(plan.prefixes) * plan.repeat * 2 * len(systems)
+        progress = _Progress(steps)
+        lim = limits_mod.measure_storage(
+            work, direct, plan.limit_bytes, plan.limit_threads, plan.staging_bytes, plan.device, progress.step
+        )
+        for tokens in plan.prefixes:
+            n = tokens // plan.shape.block_tokens
+            nbytes = plan.shape.prefix_bytes(tokens)
+            for name, system in systems.items():
+                for r in range(plan.repeat):
+                    rnd = Round(tokens, n, kv.place(n), kv.permutation(n), tag=f"{tokens}-{r}")
+                    label = f"{name} {tokens // 1024}K"
+                    s = _measure(system.store, rnd, nbytes, plan.shape.layers)
+                    if "store" in system.ops:
+                        samples.setdefault((name, "store", tokens), []).append(s)
+                    progress.step(f"{label} store")
+                    kv.clear(n)
+                    system.before_read(rnd)
+                    if plan.drop_caches:
+                        page_cache.add(fsutil.drop_caches())
+                    s = _measure(system.retrieve, rnd, nbytes, plan.shape.layers)
+                    kv.verify(n, rnd.retrieve_ids, name)
+                    samples.setdefault((name, "retrieve", tokens), []).append(s)
+                    system.end_round(rnd)
+                    progress.step(f"{label} retrieve")
+        tutti = systems.get("tutti")
+        if tutti is not None and getattr(tutti, "stats", None):
+            info["tutti_stats"] = _jsonable(tutti.stats)
+    finally:
+        if progress is not None:
+            progress.close()
+        for system in systems.values():
+            try:
+                system.close()
+            except Exception:  # noqa: BLE001 - cleanup must go on
+                logger.warning("closing %s failed", system.name, exc_info=True)
+        for w in work:
+            shutil.rmtree(w, ignore_errors=True)
+    info["page_cache"] = (
+        "own files evicted (fadvise DONTNEED) before each read pass; drop_caches: "
+        + (", ".join(sorted(page_cache)) if page_cache else "not requested")
+    )
+    info["limit_read_gbps_by_threads"] = lim.read_by_threads
+    info["limit_write_gbps_by_threads"] = lim.write_by_threads
+    info["limit_buffer_bytes"] = lim.buffer_bytes
+    info["skipped"] = plan.skipped
+    results = []
+    for (name, op, tokens), ss in samples.items():
+        results.append(
+            {
+                "system": name,
+                "op": op,
+                "prefix_tokens": tokens,
+                "gbps": round(statistics.median(s.gbps for s in ss), 3),
+                "cpu_us_per_layer": round(statistics.median(s.cpu_us_per_layer for s in ss), 2),
+                "host_core_s_per_gb": round(statistics.median(s.host_core_s_per_gb for s in ss), 4),
+                "bytes": plan.shape.prefix_bytes(tokens),
+                "rounds": len(ss),
+                "verified": True,
+            }
+        )
+    return {"machine": info, "limits": {k: round(v, 3) for k, v in lim.as_json().items()}, "results": results}
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human-readable table printed at the end of a run."""
+    lim = report["limits"]
+    head = f"{'system':<10} {'op':<8} {'prefix':>7} {'GB/s':>8} {'x limit':>8} {'cpu us/layer':>13} {'core-s/GB':>10}"
+    lines = [head, "-" * len(head)]
+    order = {s: i for i, s in enumerate(SYSTEMS)}
+    for r in sorted(report["results"], key=lambda r: (r["op"] != "retrieve", r["prefix_tokens"], order[r["system"]])):
+        ref = lim["storage_read_gbps"] if r["op"] == "retrieve" else lim["storage_write_gbps"]
+        lines.append(
+            f"{r['system']:<10} {r['op']:<8} {r['prefix_tokens'] // 1024:>6}K {r['gbps']:>8.2f} "
+            f"{r['gbps'] / ref:>8.2f} {r['cpu_us_per_layer']:>13.1f} {r['host_core_s_per_gb']:>10.3f}"
+        )
+    parts = [f"storage read {lim['storage_read_gbps']:.2f} GB/s", f"write {lim['storage_write_gbps']:.2f} GB/s"]
+    if "h2d_gbps" in lim:
+        parts.append(f"host-to-GPU {lim['h2d_gbps']:.2f} GB/s")
+    lines.append("limits (same run): " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``tutti bench``; returns the process exit status."""
+    args = build_parser().parse_args(argv)
+    plan = make_plan(args)
+    m = plan
+    print(
+        f"tutti bench: Llama-3-8B KV ({m.shape.layers} layers, {m.shape.kv_heads} KV heads, head "
+        f"{m.shape.head_size}, bf16, {m.shape.block_tokens}-token blocks, {m.shape.object_bytes // 1024} KiB "
+        f"objects) on {', '.join(map(str, m.dirs))}, device {m.device}, prefixes "
+        f"{', '.join(f'{p // 1024}K' for p in m.prefixes)}, {m.repeat} round(s)"
+    )
+    report = run(plan)
+    print(format_table(report))
+    for name, why in plan.skipped.items():
+        print(f"{name}: skipped ({why})")
+    print(report["machine"]["page_cache"])
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        from tutti_cluster.bench.plot import plot
+
+        plot(report, args.plot, title=f"tutti bench on {', '.join(map(str, m.dirs))} ({m.device.type})")
+        print(f"wrote {args.plot}")
+    return 0

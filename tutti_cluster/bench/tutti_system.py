@@ -1,0 +1,163 @@
+"""tutti itself, driven through the public TuttiStore API exactly as an engine drives it."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tutti_cluster.bench import fsutil
+from tutti_cluster.bench.common import OpTiming, Round
+from tutti_cluster.bench.errors import BenchVerificationError
+from tutti_cluster.bench.kvdata import KVData
+from tutti_cluster.config import TuttiConfig, load_config
+
+logger = logging.getLogger(__name__)
+
+# Room left in the pool beyond one prefix: headers, rounding to whole units per path.
+_POOL_SLACK = 1.10
+_POOL_EXTRA_BYTES = 256 << 20
+
+
+def pool_bytes_per_path(prefix_bytes: int, n_paths: int) -> int:
+    """Pool capacity per path that holds one prefix of ``prefix_bytes`` with room to spare."""
+    return int(prefix_bytes * _POOL_SLACK / n_paths) + _POOL_EXTRA_BYTES
+
+
+class TuttiSystem:
+    """One TuttiStore per prefix length, on its own sub-directory of each path.
+
+    ``store``: ``begin_store`` once, ``store_layer`` per layer, ``wait_layer`` per layer, ``finish``.
+    ``retrieve``: ``begin_retrieve`` once, ``retrieve_layer`` for every layer, then ``wait_layer``
+    per layer, ``finish``.  ``engine_cpu_s`` is the calling thread's CPU time inside the
+    ``store_layer``/``retrieve_layer`` calls only.
+    """
+
+    name = "tutti"
+    ops: tuple[str, ...] = ("store", "retrieve")
+
+    def __init__(
+        self, kv: KVData, cfg: TuttiConfig, dirs: Sequence[Path], capacity_gb: list[float] | None, seed: int
+    ) -> None:
+        self.kv = kv
+        self._base_cfg = cfg
+        self._dirs = [d / "tutti" for d in dirs]
+        self._capacity_gb = capacity_gb
+        self._rng = np.random.default_rng(seed ^ 0x7A77)
+        self._store: Any = None
+        self._n_blocks = 0
+        self._instances = 0
+        self._keys: dict[str, list[int]] = {}
+        self.stats: dict[str, Any] = {}
+
+    def _open(self, n_blocks: int) -> None:
+        """(Re)open a store sized for ``n_blocks``-block prefixes, with the KV tensors registered."""
+        from tutti_cluster import TuttiStore
+
+        self._close_store()
+        for d in self._dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        prefix_bytes = n_blocks * self.kv.shape.block_bytes
+        caps = self._capacity_gb or [pool_bytes_per_path(prefix_bytes, len(self._dirs)) / (1 << 30)]
+        self._instances += 1
+        fields = self._base_cfg.model_dump()
+        fields.update(
+            paths=self._dirs,
+            capacity_gb=caps,
+            instance=f"bench{self._instances}",
+            backend="cuda" if self.kv.device.type == "cuda" else "cpu",
+        )
+        if self.kv.device.type == "cuda" and self.kv.device.index is not None:
+            fields["device"] = self.kv.device.index
+        cfg = load_config(**fields)
+        store = TuttiStore(cfg)
+        try:
+            store.register_kv_caches(self.kv.layers, block_tokens=self.kv.shape.block_tokens)
+        except BaseException:
+            store.close()
+            raise
+        self._store = store
+        self._n_blocks = n_blocks
+
+    def _keys_for(self, rnd: Round) -> list[int]:
+        unit_blocks = int(self._store.unit_blocks)
+        if rnd.n_blocks % unit_blocks:
+            raise ValueError(f"a prefix of {rnd.n_blocks} blocks is not a whole number of {unit_blocks}-block units")
+        keys = [int(k) for k in self._rng.integers(1, 2**63 - 1, size=rnd.n_blocks // unit_blocks)]
+        self._keys[rnd.tag] = keys
+        return keys
+
+    def _sync(self) -> None:
+        if self.kv.device.type == "cuda":
+            torch.cuda.synchronize(self.kv.device)
+
+    def store(self, rnd: Round) -> OpTiming:
+        if self._store is None or self._n_blocks != rnd.n_blocks:
+            self._open(rnd.n_blocks)
+        store = self._store
+        keys = self._keys_for(rnd)
+        ids = rnd.store_ids.tolist()
+        layers = self.kv.shape.layers
+        engine_cpu = 0
+        h = store.begin_store(keys, ids)
+        for layer in range(layers):
+            t0 = time.thread_time_ns()
+            store.store_layer(layer, h)
+            engine_cpu += time.thread_time_ns() - t0
+        for layer in range(layers):
+            store.wait_layer(layer, h)
+        res = store.finish(h)
+        self._sync()
+        if res.failed_units:
+            raise BenchVerificationError(f"tutti: store of {len(res.failed_units)} of {len(keys)} units failed")
+        return OpTiming(engine_cpu_s=engine_cpu / 1e9)
+
+    def before_read(self, rnd: Round) -> None:
+        # Reads are O_DIRECT where the file system allows it; evicting the pool files also covers
+        # a path that fell back to buffered I/O (on tmpfs this is a no-op: memory is the storage).
+        fsutil.evict(p for d in self._dirs for p in d.iterdir() if p.is_file())
+
+    def retrieve(self, rnd: Round) -> OpTiming:
+        store = self._store
+        keys = self._keys[rnd.tag]
+        hit = store.lookup(keys)
+        if hit != len(keys):
+            raise BenchVerificationError(f"tutti: lookup found {hit} of {len(keys)} stored units")
+        ids = rnd.retrieve_ids.tolist()
+        layers = self.kv.shape.layers
+        engine_cpu = 0
+        h = store.begin_retrieve(keys, ids)
+        for layer in range(layers):
+            t0 = time.thread_time_ns()
+            store.retrieve_layer(layer, h)
+            engine_cpu += time.thread_time_ns() - t0
+        for layer in range(layers):
+            store.wait_layer(layer, h)
+        res = store.finish(h)
+        self._sync()
+        if res.failed_units:
+            raise BenchVerificationError(f"tutti: {len(res.failed_units)} of {len(keys)} units failed to load")
+        return OpTiming(engine_cpu_s=engine_cpu / 1e9)
+
+    def end_round(self, rnd: Round) -> None:
+        self._keys.pop(rnd.tag, None)
+        try:
+            self.stats = dict(self._store.stats())
+        except Exception:  # noqa: BLE001 - stats are informational only
+            logger.debug("store stats unavailable", exc_info=True)
+
+    def _close_store(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        for d in self._dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        self._close_store()
