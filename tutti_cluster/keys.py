@@ -21,8 +21,8 @@ def to_key(k: Key) -> int:
     """Maps an engine key onto the store's 64-bit key."""
     if isinstance(k, bool):
         raise LayoutError("a key must be int or bytes, not bool")
-    if isinstance(k, int):
-        return k & _MASK
+    if isinstance(k, (int, np.integer)):
+        return int(k) & _MASK
     if isinstance(k, (bytes, bytearray, memoryview)):
         return int.from_bytes(hashlib.blake2b(bytes(k), digest_size=8).digest(), "little")
     raise LayoutError(f"a key must be int or bytes, not {type(k).__name__}")

@@ -48,9 +48,7 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
   if (read_only) return Status::Ok();
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0)
     return {Code::kConfig, "pool file " + p->file + " is in use by another process (one instance per process)"};
-  if (::fstat(fd, &st) != 0) return {Code::kStorage, errno_message("fstat " + p->file, errno)};
-  if (static_cast<uint64_t>(st.st_size) > bytes && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0)
-    return {Code::kStorage, errno_message("shrink " + p->file, errno)};
+  // A larger existing file is left as it is (never truncated): its tail is simply not used.
   if (bytes > 0) {
     int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
     if (rc == ENOSPC)

@@ -62,7 +62,17 @@ Status Store::recover() {
     Status st = pool_.pread_all(slot, 0, buf.data(), g.header_bytes);
     if (!st.ok()) return st;
     uint64_t key, seq;
-    if (!decode_header(g, buf.data(), &key, &seq, sums.data())) continue;
+    if (!decode_header(g, buf.data(), &key, &seq, sums.data())) {
+      HeaderFixed h;
+      std::memcpy(&h, buf.data(), sizeof(h));
+      // A committed unit of another model or layout: refuse rather than overwrite it.
+      if (h.magic == kHeaderMagic && h.layout_id != g.layout_id) {
+        std::string other(h.desc, strnlen(h.desc, kDescBytes));
+        return {Code::kLayout, "pool file " + pool_.path(pool_.path_of(slot)).file + " holds units of another layout (" +
+                                   other + ", this store is " + desc_ + "); use another instance name or path"};
+      }
+      continue;
+    }
     std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * g.num_objs()], sums.data(), sums.size() * 8);
     found.push_back({seq, key, slot});
   }

@@ -1,0 +1,101 @@
+"""Shared fixtures: small KV caches and stores on temporary directories."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tutti_cluster import TuttiConfig, TuttiStore
+
+# A small model shape: 4 layers, 16-token blocks, 2 heads of 32 (uint16 stands in for bf16).
+LAYERS, BLOCKS, BLOCK_TOKENS, HEADS, HEAD = 4, 96, 16, 2, 32
+UNIT_TOKENS = 64  # 4 blocks per unit
+
+
+def make_kv(layout: str = "kv_first", layers: int = LAYERS, blocks: int = BLOCKS, seed: int = 0) -> list:
+    rng = np.random.default_rng(seed)
+    shapes = {
+        "kv_first": (2, blocks, BLOCK_TOKENS, HEADS, HEAD),
+        "block_first": (blocks, 2, BLOCK_TOKENS, HEADS, HEAD),
+        "interleaved": (blocks, BLOCK_TOKENS, HEADS, 2 * HEAD),
+        "mla": (blocks, BLOCK_TOKENS, 2 * HEAD),
+    }
+    if layout == "kv_tuple":
+        return [tuple(rng.integers(0, 65535, (blocks, BLOCK_TOKENS, HEADS, HEAD), dtype=np.uint16) for _ in range(2))
+                for _ in range(layers)]
+    return [rng.integers(0, 65535, shapes[layout], dtype=np.uint16) for _ in range(layers)]
+
+
+def objects(kv_layer, layout: str) -> list:
+    """The per-block objects of one layer: [kv][block] -> array."""
+    if layout == "kv_first":
+        return [kv_layer[0], kv_layer[1]]
+    if layout == "block_first":
+        return [kv_layer[:, 0], kv_layer[:, 1]]
+    if layout == "kv_tuple":
+        return list(kv_layer)
+    return [kv_layer]
+
+
+def zero(kv: list) -> None:
+    for layer in kv:
+        for t in layer if isinstance(layer, tuple) else (layer,):
+            t[...] = 0
+
+
+def snapshot(kv: list) -> list:
+    return [tuple(t.copy() for t in l) if isinstance(l, tuple) else l.copy() for l in kv]
+
+
+def assert_units_equal(src: list, src_blocks, dst: list, dst_blocks, layout: str, units: list[int], unit_blocks: int) -> None:
+    for l in range(len(src)):
+        a, b = objects(src[l], layout), objects(dst[l], layout)
+        for o in range(len(a)):
+            for u in units:
+                for j in range(unit_blocks):
+                    i = u * unit_blocks + j
+                    np.testing.assert_array_equal(a[o][src_blocks[i]], b[o][dst_blocks[i]],
+                                                  err_msg=f"layer {l} obj {o} unit {u} block {j}")
+
+
+@pytest.fixture
+def store_dirs(tmp_path: Path) -> list[Path]:
+    dirs = [tmp_path / f"ssd{i}" for i in range(2)]
+    for d in dirs:
+        d.mkdir()
+    return dirs
+
+
+def open_store(dirs: list[Path], kv: list, layout: str = "kv_first", **kw) -> TuttiStore:
+    cfg = dict(paths=dirs, capacity_gb=0.02, unit_tokens=UNIT_TOKENS, staging_mb=2, min_io_bytes=4096)
+    cfg.update(kw)
+    s = TuttiStore(TuttiConfig(**cfg))
+    s.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout=layout)
+    return s
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[callable]:
+    """Mounts small tmpfs file systems (root only) to cause full and read-only disks for real."""
+    mounts: list[Path] = []
+
+    def mount(size: str = "1m", ro: bool = False) -> Path:
+        d = tmp_path / f"mnt{len(mounts)}"
+        d.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): needs root with mount rights")
+        mounts.append(d)
+        return d
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    for d in mounts:
+        subprocess.run(["umount", "-l", str(d)], check=False)

@@ -1,0 +1,266 @@
+"""The single-node store on the CPU backend: round trips, hits, paths, capacity, recovery."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import (BLOCKS, UNIT_TOKENS, assert_units_equal, make_kv, open_store, snapshot, zero)
+from tutti_cluster import TuttiConfig, TuttiStore
+from tutti_cluster.keys import chain_keys, to_key
+from tutti_cluster.kv_layout import layers_from_cross_layer_tensor
+
+LAYOUTS = ["kv_first", "block_first", "kv_tuple", "interleaved", "mla"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_random_permutations(store_dirs, layout):
+    kv = make_kv(layout, seed=1)
+    rng = np.random.default_rng(7)
+    with open_store(store_dirs, kv, layout) as s:
+        ub = s.unit_blocks
+        keys = [rng.integers(1 << 62) for _ in range(10)]
+        src_blocks = rng.permutation(BLOCKS)[: len(keys) * ub]
+        res = s.store(keys, src_blocks)
+        assert res.ok and res.committed_units == list(range(10))
+        assert s.lookup(keys) == 10
+        want = snapshot(kv)
+        zero(kv)
+        dst_blocks = rng.permutation(BLOCKS)[: len(keys) * ub]
+        res = s.retrieve(keys, dst_blocks)
+        assert res.ok, res
+        assert_units_equal(want, src_blocks, kv, dst_blocks, layout, list(range(10)), ub)
+        # Blocks outside the request stay untouched (zero).
+        untouched = sorted(set(range(BLOCKS)) - set(dst_blocks.tolist()))
+        first = kv[0][0] if isinstance(kv[0], tuple) else kv[0]
+        axis_blocks = first if layout != "kv_first" else first[0]
+        if layout in ("block_first",):
+            axis_blocks = first[:, 0]
+        assert not np.any(axis_blocks[untouched])
+
+
+def test_layer_by_layer_and_bytes_keys(store_dirs):
+    kv = make_kv(seed=2)
+    with open_store(store_dirs, kv) as s:
+        keys = [f"unit-{i}".encode() for i in range(6)]
+        blocks = np.arange(6 * s.unit_blocks)[::-1].copy()
+        req = s.begin_store(keys, blocks)
+        for layer in reversed(range(s.num_layers)):  # any order
+            s.store_layer(layer, req)
+            s.wait_layer(layer, req)
+        assert s.finish(req).ok
+        want = snapshot(kv)
+        zero(kv)
+        req = s.begin_retrieve(keys, blocks)
+        for layer in range(s.num_layers):
+            s.retrieve_layer(layer, req)
+        for layer in range(s.num_layers):
+            s.wait_layer(layer, req)
+        assert s.finish(req).ok
+        for l in range(s.num_layers):
+            np.testing.assert_array_equal(want[l][:, blocks], kv[l][:, blocks])
+
+
+def test_cross_layer_tensor(store_dirs):
+    rng = np.random.default_rng(3)
+    big = rng.integers(0, 65535, (BLOCKS, 4, 2, 16, 2, 32), dtype=np.uint16)
+    layers = layers_from_cross_layer_tensor(big, 4)
+    with open_store(store_dirs, layers) as s:
+        keys = [11, 12, 13]
+        blocks = rng.permutation(BLOCKS)[: 3 * s.unit_blocks]
+        assert s.store(keys, blocks).ok
+        want = big.copy()
+        big[...] = 0
+        assert s.retrieve(keys, blocks).ok
+        np.testing.assert_array_equal(want[blocks], big[blocks])
+
+
+def test_partial_hits_and_prefix_lookup(store_dirs):
+    kv = make_kv(seed=4)
+    with open_store(store_dirs, kv) as s:
+        tokens = list(range(10 * UNIT_TOKENS + 5))
+        keys = chain_keys(tokens, UNIT_TOKENS)
+        assert len(keys) == 10
+        assert s.lookup(keys) == 0
+        assert s.store(keys[:4], np.arange(4 * s.unit_blocks)).ok
+        assert s.lookup(keys) == 4
+        assert s.store(keys[6:8], np.arange(2 * s.unit_blocks)).ok
+        assert s.lookup(keys) == 4  # a gap ends the hit prefix
+        # A second store of present units skips them.
+        res = s.store(keys[:5], np.arange(5 * s.unit_blocks))
+        assert res.skipped_units == 4 and res.committed_units == [4]
+        assert s.lookup(keys) == 5
+        # Retrieving a key that is absent is a miss for that unit only.
+        res = s.retrieve([keys[0], 999, keys[1]], np.arange(3 * s.unit_blocks))
+        assert res.failed_units == [1]
+
+
+def test_units_stripe_round_robin_over_paths(tmp_path):
+    dirs = [tmp_path / f"p{i}" for i in range(3)]
+    for d in dirs:
+        d.mkdir()
+    kv = make_kv(seed=5)
+    with open_store(dirs, kv, capacity_gb=[0.004, 0.004, 0.004]) as s:
+        keys = list(range(1, 10))
+        assert s.store(keys, np.arange(9 * s.unit_blocks)).ok
+        slot = s.geometry()["slot_bytes"]
+    counts = []
+    for d in dirs:
+        data = (d / "tutti-default.pool").read_bytes()
+        counts.append(sum(data[i : i + 8] == b"VKNUTTI1"[::-1] or data[i:i+8] == (0x31495454554e4b56).to_bytes(8, "little")
+                          for i in range(0, len(data), slot)))
+    assert counts == [3, 3, 3]
+
+
+def test_lru_eviction_and_pins(tmp_path):
+    d = tmp_path / "ssd"
+    d.mkdir()
+    kv = make_kv(seed=6)
+    probe = open_store([d], kv, capacity_gb=1.0)
+    slot = probe.geometry()["slot_bytes"]
+    probe.close()
+    (d / "tutti-default.pool").unlink()
+    cap_gb = 6 * slot / (1 << 30)  # room for exactly six units
+    evicted: list[int] = []
+    with open_store([d], kv, capacity_gb=cap_gb) as s:
+        s.on_evict = evicted.append
+        ub = s.unit_blocks
+        assert s.stats()["total_slots"] == 6
+        assert s.store([1, 2, 3, 4, 5, 6], np.arange(6 * ub)).ok
+        s.pin([1])
+        s.lookup([2])  # 2 becomes most recently used
+        assert s.store([7, 8], np.arange(2 * ub)).ok
+        assert sorted(evicted) == [3, 4]  # LRU, skipping pinned 1 and touched 2
+        assert s.lookup([1]) == 1 and s.lookup([2]) == 1 and s.lookup([3]) == 0
+        # With everything pinned nothing can be evicted: the new units fail, the process goes on.
+        s.pin([2, 5, 6, 7, 8])
+        res = s.store([9], np.arange(ub))
+        assert res.failed_units == [0]
+        assert s.lookup([9]) == 0
+        s.unpin([1, 2, 5, 6, 7, 8])
+        s.unpin([1])
+        assert s.store([9], np.arange(ub)).ok
+
+
+def test_restart_recovers_every_committed_unit(store_dirs):
+    kv = make_kv(seed=8)
+    rng = np.random.default_rng(8)
+    keys = list(range(100, 112))
+    with open_store(store_dirs, kv) as s:
+        src = rng.permutation(BLOCKS)[: 12 * s.unit_blocks]
+        assert s.store(keys, src).ok
+        s.remove(keys[0])
+    want = snapshot(kv)
+    zero(kv)
+    with open_store(store_dirs, kv) as s:
+        assert s.lookup(keys) == 0 and s.lookup(keys[1:]) == 11
+        dst = rng.permutation(BLOCKS)[: 12 * s.unit_blocks]
+        res = s.retrieve(keys[1:], dst[s.unit_blocks :])
+        assert res.ok
+        assert_units_equal(want, src[s.unit_blocks :], kv, dst[s.unit_blocks :], "kv_first", list(range(11)), s.unit_blocks)
+
+
+def test_corrupt_object_is_a_miss_never_wrong_kv(store_dirs):
+    kv = make_kv(seed=9)
+    with open_store(store_dirs, kv) as s:
+        ub = s.unit_blocks
+        g = s.geometry()
+        keys = [1, 2, 3, 4]
+        assert s.store(keys, np.arange(4 * ub)).ok
+    # Flip bytes inside the third object of the first slot of path 0 (unit with key 1 or 3).
+    pool = store_dirs[0] / "tutti-default.pool"
+    with open(pool, "r+b") as f:
+        f.seek(g["header_bytes"] + 2 * g["obj_bytes"] + 100)
+        f.write(b"\xff\x00\xff\x00")
+    want = snapshot(kv)
+    zero(kv)
+    with open_store(store_dirs, kv) as s:
+        res = s.retrieve(keys, np.arange(4 * ub) + 40)
+        assert len(res.failed_units) == 1
+        bad = res.failed_units[0]
+        # Every object that reached the failed unit's blocks was verified: each block holds the true
+        # data or is untouched (zero); the corrupt object (layer 1, K) never lands.
+        src = np.arange(bad * ub, (bad + 1) * ub)
+        dst = src + 40
+        assert not kv[1][0][dst].any()
+        for l in range(len(kv)):
+            for o in range(2):
+                for a, b in zip(src, dst):
+                    assert not kv[l][o][b].any() or np.array_equal(kv[l][o][b], want[l][o][a])
+        assert s.stats()["checksum_failures"] == 1
+        assert s.lookup([keys[bad]]) == 0  # dropped from the index
+        good = [k for i, k in enumerate(keys) if i != bad]
+        assert s.retrieve(good, np.arange(3 * ub)).ok
+
+
+def test_read_import_scatter_unit(tmp_path, store_dirs):
+    kv = make_kv(seed=10)
+    other = tmp_path / "other"
+    other.mkdir()
+    with open_store(store_dirs, kv) as a:
+        ub = a.unit_blocks
+        assert a.store([42], np.arange(ub)).ok
+        data = a.read_unit(42)
+        assert len(data) == a.geometry()["slot_bytes"]
+        want = snapshot(kv)
+        kv2 = make_kv(seed=11)
+        with open_store([other], kv2) as b:
+            assert b.import_unit(data) == 42
+            assert b.lookup([42]) == 1
+            b.scatter_unit(data, np.arange(ub) + 10)
+            for l in range(len(kv)):
+                np.testing.assert_array_equal(want[l][:, :ub], kv2[l][:, 10 : 10 + ub])
+            zero(kv2)
+            assert b.retrieve([42], np.arange(ub) + 20).ok
+            for l in range(len(kv)):
+                np.testing.assert_array_equal(want[l][:, :ub], kv2[l][:, 20 : 20 + ub])
+
+
+def test_gio_uring_api(store_dirs):
+    kv = make_kv(seed=12)
+    with open_store(store_dirs, kv, iocb_depth=8) as s:
+        ub = s.unit_blocks
+        assert s.store([5, 6], np.arange(2 * ub)).ok
+        want = snapshot(kv)
+        zero(kv)
+        req = s.begin_retrieve([5, 6], np.arange(2 * ub))
+        for layer in range(s.num_layers):
+            (iocb,) = s.get_iocb(1)
+            s.fill_iocb(iocb, op="read", layer=layer, req=req, first=0, count=4)
+            s.issue_io([iocb], sms=8)
+            assert s.wait_cqe(iocb) == 0
+            s.put_iocb(iocb)
+        s.finish(req)
+        for l in range(len(kv)):
+            np.testing.assert_array_equal(want[l][:, : 2 * ub], kv[l][:, : 2 * ub])
+        from tutti_cluster.errors import CapacityExceeded
+        with pytest.raises(CapacityExceeded):
+            s.get_iocb(9)
+
+
+def test_key_mapping():
+    assert to_key(5) == 5
+    assert to_key(-1) == (1 << 64) - 1
+    assert to_key(b"abc") == to_key(bytearray(b"abc")) != to_key(b"abd")
+    assert chain_keys(list(range(130)), 64) == chain_keys(list(range(128)), 64)
+    assert chain_keys(list(range(128)), 64, b"rank1") != chain_keys(list(range(128)), 64)
+
+
+def test_config_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TUTTI_PATHS", f"{tmp_path}/a, {tmp_path}/b")
+    monkeypatch.setenv("TUTTI_CAPACITY_GB", "1,2")
+    monkeypatch.setenv("TUTTI_UNIT_TOKENS", "512")
+    cfg = TuttiConfig()
+    assert [str(p) for p in cfg.paths] == [f"{tmp_path}/a", f"{tmp_path}/b"]
+    assert cfg.capacity_bytes() == [1 << 30, 2 << 30]
+    assert cfg.unit_tokens == 512
+    assert TuttiConfig(unit_tokens=128).unit_tokens == 128  # arguments win over the environment
+    assert not cfg.cluster_mode
+
+
+def test_embedded_default_uses_data_dir(tmp_path):
+    kv = make_kv(seed=13)
+    s = TuttiStore(TuttiConfig(data_dir=tmp_path / "node", capacity_gb=0.01, unit_tokens=UNIT_TOKENS, staging_mb=2))
+    s.register_kv_caches(kv, block_tokens=16)
+    assert (tmp_path / "node" / "store" / "tutti-default.pool").exists()
+    s.close()
