@@ -1,0 +1,365 @@
+"""Real etcd and mooncake_master processes on 127.0.0.1 free ports, for cluster tests.
+
+Nothing here is a fake: `EtcdServer` runs Debian's `etcd` binary and `MooncakeMaster` runs the
+`mooncake_master` console script from PyPI `mooncake-transfer-engine-non-cuda`. Each test module
+imports the fixtures it needs (``from cluster_fixtures import etcd_server, ...``); a module whose
+components are missing is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
+    """Block until 127.0.0.1:port accepts connections; raise if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+
+
+def mooncake_master_bin() -> str | None:
+    """Path of the mooncake_master console script next to this interpreter, or on PATH."""
+    cand = Path(sys.executable).with_name("mooncake_master")
+    if cand.exists():
+        return str(cand)
+    return shutil.which("mooncake_master")
+
+
+class EtcdServer:
+    """One etcd member on 127.0.0.1 free ports; `stop()`/`start()` restart it on the same ports.
+
+    `start(wipe=True)` starts from an empty data directory, as a replaced etcd pod would.
+    """
+
+    def __init__(self, workdir: Path, max_txn_ops: int = 4096) -> None:
+        self.workdir = workdir
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.max_txn_ops = max_txn_ops
+        self.proc: subprocess.Popen | None = None
+        self.log_path = workdir / "etcd.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self, wipe: bool = False) -> None:
+        data = self.workdir / "etcd-data"
+        if wipe and data.exists():
+            shutil.rmtree(data)
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        cmd = [
+            ETCD_BIN, "--name", "tutti-test", "--data-dir", str(data),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"tutti-test={peer}",
+            # One lookup batch of up to 4096 keys is one transaction.
+            "--max-txn-ops", str(self.max_txn_ops),
+            "--log-level", "warn",
+        ]
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        wait_port(self.client_port, proc=self.proc)
+        # The client port opens before the member has elected itself leader; wait for a write.
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 20.0) -> None:
+        import http.client
+        import json
+
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.client_port, timeout=2)
+                conn.request("GET", "/health")
+                last = conn.getresponse().read().decode()
+                conn.close()
+                if json.loads(last).get("health") == "true":
+                    return
+            except (OSError, ValueError) as exc:
+                last = str(exc)
+            time.sleep(0.1)
+        raise TimeoutError(f"etcd not healthy: {last}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+class MooncakeMaster:
+    """`mooncake_master` on a free RPC port (its metrics port is moved off the default too)."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = mooncake_master_bin()
+        if binary is None:
+            raise FileNotFoundError("mooncake_master not installed")
+        self.binary = binary
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log_path = workdir / "mooncake_master.log"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [
+            self.binary, "--rpc_address=127.0.0.1", f"--rpc_port={self.port}",
+            f"--metrics_port={self.metrics_port}", "--enable_metric_reporting=false",
+        ]
+        log = open(self.log_path, "ab")
+        # The console script execs the binary, so this PID is the server's.
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        wait_port(self.port, proc=self.proc)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+
+def require_etcd() -> None:
+    if not os.path.exists(ETCD_BIN):
+        pytest.skip("Debian etcd-server is not installed (no etcd binary)")
+    try:
+        import grpc  # noqa: F401
+    except ImportError:
+        pytest.skip("grpcio is not installed (the directory's etcd client needs it)")
+
+
+def require_mooncake() -> None:
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except Exception as exc:
+        pytest.skip(f"mooncake-transfer-engine-non-cuda unusable (needs libibverbs1): {exc}")
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A fresh etcd for one test (tests restart and wipe it)."""
+    require_etcd()
+    srv = EtcdServer(tmp_path)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def mooncake_master(tmp_path: Path) -> Iterator[MooncakeMaster]:
+    require_mooncake()
+    master = MooncakeMaster(tmp_path)
+    master.start()
+    try:
+        yield master
+    finally:
+        master.stop()
+
+
+def scratch_dir(prefix: str = "tutti-cluster-") -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+# -- a cluster node as a separate process ------------------------------------------------------------
+# `python cluster_fixtures.py node <config-json>` runs one node: the node daemon (NodeDaemon, cluster
+# mode) and one engine store attached to it through the daemon socket, driven by JSON-lines commands
+# on stdin. KV data is a pure function of the unit key, so any node can check any other node's bytes.
+
+NODE_LAYERS = 4
+NODE_BLOCKS = 64
+NODE_BLOCK_BYTES = 16384
+NODE_BLOCK_TOKENS = 16
+
+
+def unit_payload(key: int, layer: int, unit_blocks: int):  # -> np.ndarray [2, unit_blocks, block_bytes]
+    import numpy as np
+
+    rng = np.random.default_rng([key & 0xFFFFFFFF, key >> 32, layer])
+    return rng.integers(0, 256, size=(2, unit_blocks, NODE_BLOCK_BYTES), dtype=np.uint8)
+
+
+def _node_main(cfg_json: str) -> None:
+    import json as _json
+    import logging
+
+    import numpy as np
+
+    from tutti_cluster import TuttiConfig, TuttiStore
+    from tutti_cluster.cluster.client import ClusterClient
+    from tutti_cluster.daemon import DaemonLink, NodeDaemon
+
+    logging.basicConfig(level=logging.WARNING)
+    opts = _json.loads(cfg_json)
+    cfg = TuttiConfig(**opts["config"])
+    daemon = NodeDaemon(cfg).start()
+    kv = [np.zeros((2, NODE_BLOCKS, NODE_BLOCK_BYTES), dtype=np.uint8) for _ in range(NODE_LAYERS)]
+    store = TuttiStore(cfg)
+    store.register_kv_caches(kv, block_tokens=NODE_BLOCK_TOKENS, layout="kv_first")
+    link = DaemonLink(cfg)
+    link.attach(store)
+    client = ClusterClient(store, cfg, timeout_s=float(opts.get("timeout_s", 3.0)))
+    ub = store.unit_blocks
+
+    def reply(obj: dict) -> None:
+        sys.stdout.write(_json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    reply({"ready": True, "stage": daemon.stage.address if daemon.stage else None, "pid": os.getpid()})
+    for line in sys.stdin:
+        msg = _json.loads(line)
+        op = msg["op"]
+        try:
+            if op == "store":
+                keys = [int(k) for k in msg["keys"]]
+                for i, k in enumerate(keys):
+                    for layer in range(NODE_LAYERS):
+                        kv[layer][:, i * ub:(i + 1) * ub] = unit_payload(k, layer, ub)
+                res = store.store(keys, list(range(len(keys) * ub)))
+                link.flush()
+                reply({"ok": True, "units": res.units, "failed": list(res.failed_units)})
+            elif op == "lookup":
+                t0 = time.monotonic()
+                n = client.lookup([int(k) for k in msg["keys"]])
+                reply({"ok": True, "hits": n, "local": store.lookup([int(k) for k in msg["keys"]]),
+                       "seconds": time.monotonic() - t0})
+            elif op == "fetch":
+                keys = [int(k) for k in msg["keys"]]
+                for layer in range(NODE_LAYERS):
+                    kv[layer][:] = 0
+                t0 = time.monotonic()
+                n = client.lookup(keys)
+                local = store.lookup(keys)
+                res = store.retrieve(keys[:local], list(range(local * ub))) if local else None
+                placed = client.retrieve_remote(keys[local:n], list(range(local * ub, n * ub)),
+                                                keep_replica=bool(msg.get("keep", False)))
+                secs = time.monotonic() - t0
+                exact = []
+                for i, k in enumerate(keys[:local + placed]):
+                    exact.append(all(np.array_equal(kv[layer][:, i * ub:(i + 1) * ub], unit_payload(k, layer, ub))
+                                     for layer in range(NODE_LAYERS)))
+                link.flush()
+                reply({"ok": True, "lookup": n, "local": local, "placed": placed, "exact": exact,
+                       "local_units": res.units if res else 0, "seconds": secs})
+            elif op == "stats":
+                reply({"ok": True, "daemon": daemon.stats(), "client": client.stats, "store": store.stats()})
+            elif op == "exit":
+                reply({"ok": True})
+                break
+            else:
+                reply({"ok": False, "error": f"unknown op {op}"})
+        except Exception as exc:  # reported to the test, which decides
+            reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    link.close()
+    store.close()
+    daemon.stop()
+
+
+class NodeProcess:
+    """Test handle of one node process (daemon + engine store), see `_node_main`."""
+
+    def __init__(self, name: str, etcd: str, workdir: Path, lease_ttl_s: int = 3, capacity_gb: float = 0.05,
+                 paths: list[str] | None = None, timeout_s: float = 3.0) -> None:
+        self.name = name
+        self.workdir = workdir / name
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if paths is None:
+            store_dir = self.workdir / "ssd"
+            store_dir.mkdir(exist_ok=True)
+            paths = [str(store_dir)]
+        self.config = {"paths": paths, "capacity_gb": capacity_gb, "unit_tokens": 64,
+                       "data_dir": str(self.workdir), "etcd": etcd, "node_id": name,
+                       "lease_ttl_s": lease_ttl_s, "instance": "engine0"}
+        self.timeout_s = timeout_s
+        self.log = open(self.workdir / "node.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "node", json.dumps({"config": self.config, "timeout_s": timeout_s})],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=str(self.workdir))
+        first = self._read(60.0)
+        if not first.get("ready"):
+            raise RuntimeError(f"node {name} did not start: {first}")
+        self.pid = int(first["pid"])
+
+    def _read(self, timeout: float) -> dict:
+        import select
+
+        assert self.proc.stdout is not None
+        r, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not r:
+            raise TimeoutError(f"node {self.name} did not answer within {timeout} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"node {self.name} exited (see {self.workdir / 'node.log'})")
+        return json.loads(line)
+
+    def call(self, timeout: float = 60.0, **msg) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(timeout=10, op="exit")
+                self.proc.wait(10)
+            except Exception:
+                self.kill()
+        self.log.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "node":
+        _node_main(sys.argv[2])
+    else:
+        sys.exit("usage: cluster_fixtures.py node <json>")

@@ -1,0 +1,156 @@
+"""Engine side of cluster mode: local-first lookup and remote fetch into the engine's KV blocks.
+
+:class:`ClusterClient` wraps an engine's :class:`~tutti_cluster.TuttiStore`:
+
+- ``lookup(keys)``: the local store first; for the keys after the local hit prefix, one etcd
+  transaction (:meth:`EtcdDirectory.lookup`) gives the owners of the remote hit prefix.
+- ``retrieve_remote(keys, block_ids)``: for each run of keys held by one owner, a stage stream
+  (:class:`~tutti_cluster.cluster.stage.StageStream`) has the owner read the units from its SSD into
+  its registered arena, our Transfer Engine pulls each into our registered arena, and
+  ``store.scatter_unit`` places it into the KV blocks (the store's normal scatter path, checksums
+  verified). With ``keep_replica`` the unit is also committed locally (``store.import_unit``).
+
+Nothing here raises for a cluster fault (etcd down, owner dead, transfer failure): lookups then
+report fewer hits and retrieve_remote places fewer units, and the engine recomputes the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections import OrderedDict
+from typing import Any, Sequence
+
+from tutti_cluster.cluster.directory import EtcdDirectory
+from tutti_cluster.errors import ConfigError, TuttiError
+
+log = logging.getLogger(__name__)
+
+
+class ClusterClient:
+    """Cluster lookups and remote fetches for one engine store (see the module docstring)."""
+
+    def __init__(self, store: Any, config: Any = None, *, directory: EtcdDirectory | None = None,
+                 arena_bytes: int = 0, window: int = 2, timeout_s: float = 5.0, host: str = "127.0.0.1") -> None:
+        self.store = store
+        self.config = config if config is not None else store.config
+        if directory is None:
+            if not self.config.etcd:
+                raise ConfigError("ClusterClient needs etcd endpoints (TUTTI_ETCD)")
+            node_id = self.config.node_id or socket.gethostname()
+            directory = EtcdDirectory(",".join(self.config.etcd), node_id, self.config.lease_ttl_s)
+        self.directory = directory
+        self.window = window
+        self.timeout_s = timeout_s
+        self.host = host
+        self.arena_bytes = arena_bytes
+        self._transfer: Any = None
+        self._owners: OrderedDict[int, list[str]] = OrderedDict()  # from the last lookups
+        self.stats = {"remote_lookups": 0, "remote_hits": 0, "remote_units": 0, "remote_bytes": 0,
+                      "remote_failures": 0, "replicas_kept": 0}
+
+    @property
+    def transfer(self) -> Any:
+        """Our Transfer Engine, started on the first remote fetch."""
+        if self._transfer is None:
+            from tutti_cluster.cluster.transfer import TransferNode
+
+            slot = int(self.store.geometry()["slot_bytes"]) if callable(getattr(self.store, "geometry", None)) else 0
+            arena = self.arena_bytes or max(2 * slot, 64 << 20)
+            self._transfer = TransferNode(self.host, self.config.protocol, arena, slot_bytes=slot)
+        return self._transfer
+
+    def lookup(self, keys: Sequence[Any]) -> int:
+        """Leading units available: the local hit prefix, extended by the cluster directory."""
+        from tutti_cluster.keys import to_key
+
+        ks = [to_key(k) for k in keys]
+        n = self.store.lookup(ks)
+        if n == len(ks):
+            return n
+        self.stats["remote_lookups"] += 1
+        # Other instances on this node count too: their units come through our own daemon.
+        owners = self.directory.lookup(ks[n:], prefix=True, exclude_self=False)
+        for k, o in zip(ks[n:], owners):
+            self._owners[k] = o
+            self._owners.move_to_end(k)
+        while len(self._owners) > 1 << 16:
+            self._owners.popitem(last=False)
+        self.stats["remote_hits"] += len(owners)
+        return n + len(owners)
+
+    def retrieve_remote(self, keys: Sequence[Any], block_ids: Sequence[int], keep_replica: bool = False) -> int:
+        """Fetch units held by other nodes into ``block_ids`` (``unit_blocks`` ids per key, in order).
+
+        Returns how many leading units were placed; the caller recomputes the others.
+        """
+        from tutti_cluster.cluster.stage import StageStream
+        from tutti_cluster.keys import to_key
+
+        ks = [to_key(k) for k in keys]
+        ub = int(self.store.unit_blocks)
+        if len(block_ids) != len(ks) * ub:
+            raise ConfigError(f"{len(block_ids)} block ids for {len(ks)} units of {ub} blocks")
+        missing = [k for k in ks if k not in self._owners]
+        if missing:
+            found = self.directory.lookup(missing, prefix=False, exclude_self=False)
+            for k, o in zip(missing, found):
+                self._owners[k] = o
+        placed = 0
+        while placed < len(ks):
+            owners = self._owners.get(ks[placed]) or []
+            if not owners:
+                break
+            owner = owners[0]
+            run = placed
+            while run < len(ks) and owner in (self._owners.get(ks[run]) or []):
+                run += 1
+            rec = self.directory.node(owner)
+            if rec is None or not rec.stage:
+                self._forget(owner)
+                continue  # try another replica of the same unit, if any
+            try:
+                transfer = self.transfer
+            except TuttiError as exc:
+                log.warning("remote fetch unavailable: %s", exc)
+                break
+            stream = StageStream(transfer, rec.stage, rec.segment, ks[placed:run], self.window, self.timeout_s)
+            got = 0
+            for key, view in stream:
+                i = placed + got
+                try:
+                    self.store.scatter_unit(view, block_ids[i * ub:(i + 1) * ub])
+                    if keep_replica:
+                        self.store.import_unit(view)
+                        self.stats["replicas_kept"] += 1
+                except TuttiError as exc:
+                    # A unit that fails verification is a miss, never wrong data.
+                    log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
+                    stream.error = str(exc)
+                    break
+                got += 1
+            self.stats["remote_units"] += got
+            self.stats["remote_bytes"] += stream.bytes
+            placed += got
+            if placed < run:
+                self.stats["remote_failures"] += 1
+                log.info("remote fetch from %s stopped after %d of %d units: %s", owner, got, run - (placed - got),
+                         stream.error or stream.miss)
+                self._forget(owner, ks[placed:run])
+                if stream.error:
+                    self.directory.forget_node(owner)
+                if not (self._owners.get(ks[placed]) or []):
+                    break
+        return placed
+
+    def _forget(self, owner: str, keys: Sequence[int] | None = None) -> None:
+        """Stop using ``owner`` for ``keys`` (all cached keys when None)."""
+        for k in (keys if keys is not None else list(self._owners)):
+            o = self._owners.get(k)
+            if o and owner in o:
+                o.remove(owner)
+
+    def close(self) -> None:
+        if self._transfer is not None:
+            self._transfer.close()
+            self._transfer = None

@@ -1,0 +1,378 @@
+"""Cluster directory of cache-unit replicas, kept in etcd under the ``tutti/`` prefix.
+
+Layout (all keys bound to the owning node's lease, so a dead node's entries vanish with its lease):
+
+- ``tutti/n/<node_id>``: JSON node record ``{"node_id", "segment", "stage", "pid"}``: the node's
+  Transfer Engine segment name (``host:rpc_port``, Mooncake P2P handshake) and the address of its
+  stage endpoint (see :mod:`tutti_cluster.cluster.stage`).
+- ``tutti/u/<key as 16 hex digits>/<node_id>``: empty value; one per replica of a cache unit.
+
+A lookup of N keys is one etcd transaction of N range reads (one per key prefix), so one round trip;
+batches above ``max_txn_ops`` (etcd's ``--max-txn-ops``, 128 by default) are split into several
+transactions, and a prefix lookup stops at the first chunk that ends in a miss.
+
+The etcd client is :mod:`tutti_cluster.cluster.etcd` (gRPC, no protobuf package needed).
+
+Every call that talks to etcd is best effort with a deadline: when etcd is unreachable a lookup
+reports misses and a registration is remembered and replayed by the keepalive thread once etcd is
+back (also after etcd lost its data: a lease that the server no longer knows is replaced and all
+local replicas are written again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from tutti_cluster.cluster.etcd import EtcdClient, op_delete, op_put, op_range, prefix_end
+from tutti_cluster.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "tutti/"
+NODE_PREFIX = PREFIX + "n/"
+UNIT_PREFIX = PREFIX + "u/"
+
+
+def unit_key(key: int, node_id: str = "") -> str:
+    """The etcd key of a replica of cache unit ``key`` on ``node_id`` (or the prefix of all replicas)."""
+    return f"{UNIT_PREFIX}{key & 0xFFFFFFFFFFFFFFFF:016x}/{node_id}"
+
+
+def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
+    """``"host:port,host:port"`` (an ``http://`` scheme is allowed) to a list of (host, port)."""
+    out: list[tuple[str, int]] = []
+    for part in endpoints.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "://" in part:
+            part = part.split("://", 1)[1]
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ConfigError(f"etcd endpoint {part!r} is not host:port")
+        out.append((host, int(port)))
+    if not out:
+        raise ConfigError("no etcd endpoint given")
+    return out
+
+
+@dataclass
+class DirectoryStats:
+    """Counters (never log lines) for the hot paths."""
+
+    lookups: int = 0
+    lookup_keys: int = 0
+    lookup_errors: int = 0
+    registered: int = 0
+    unregistered: int = 0
+    put_errors: int = 0
+    resyncs: int = 0
+    lease_renewals: int = 0
+    leases_granted: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    segment: str
+    stage: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"node_id": self.node_id, "segment": self.segment, "stage": self.stage, **self.extra})
+
+    @staticmethod
+    def from_json(raw: bytes | str) -> "NodeRecord":
+        d = json.loads(raw)
+        return NodeRecord(d["node_id"], d.get("segment", ""), d.get("stage", ""),
+                          {k: v for k, v in d.items() if k not in ("node_id", "segment", "stage")})
+
+
+class EtcdDirectory:
+    """The replica directory of one node.
+
+    Read-only users (an engine process that only looks up) call :meth:`connect` and :meth:`lookup`;
+    the node daemon also calls :meth:`start` (lease, node record, keepalive thread),
+    :meth:`register` and :meth:`unregister`.
+
+    Contracts: no method raises because etcd is down or slow; each gives up after ``timeout_s`` and
+    records the failure in :attr:`stats`. Registrations made while etcd is away are replayed.
+    """
+
+    def __init__(self, endpoints: str, node_id: str, lease_ttl_s: int = 10, timeout_s: float = 2.0,
+                 max_txn_ops: int = 4096) -> None:
+        if not node_id or "/" in node_id:
+            raise ConfigError(f"node_id must be non-empty and contain no '/': {node_id!r}")
+        if lease_ttl_s < 2:
+            raise ConfigError(f"lease_ttl_s must be at least 2 seconds, got {lease_ttl_s}")
+        if max_txn_ops < 1:
+            raise ConfigError("max_txn_ops must be positive")
+        self.endpoints = parse_endpoints(endpoints)
+        self.node_id = node_id
+        self.lease_ttl_s = int(lease_ttl_s)
+        self.timeout_s = timeout_s
+        self.max_txn_ops = max_txn_ops
+        self.stats = DirectoryStats()
+        self._client: EtcdClient | None = None
+        self._ep_index = 0
+        self._lock = threading.RLock()      # guards _local, _lease, _dirty, _record
+        self._local: set[int] = set()
+        self._lease: int | None = None
+        self._record: NodeRecord | None = None
+        self._dirty = False
+        self._pending_deletes: set[int] = set()  # evictions etcd did not take yet
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nodes: dict[str, NodeRecord] = {}
+        self._nodes_at = 0.0
+
+    # -- connection -------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Create the gRPC channel (lazy: succeeds even when etcd is down)."""
+        host, port = self.endpoints[self._ep_index % len(self.endpoints)]
+        self._client = EtcdClient(f"{host}:{port}", timeout_s=self.timeout_s)
+
+    def _rotate(self) -> None:
+        """After a failure, move to the next endpoint (a multi-member etcd keeps serving)."""
+        if len(self.endpoints) > 1:
+            self._ep_index += 1
+            if self._client is not None:
+                self._client.close()
+            self.connect()
+
+    @property
+    def client(self) -> EtcdClient:
+        if self._client is None:
+            self.connect()
+        assert self._client is not None
+        return self._client
+
+    # -- node lifecycle ---------------------------------------------------------------------------
+    def start(self, record: NodeRecord) -> None:
+        """Publish this node under a fresh lease and start the keepalive thread.
+
+        Does not fail when etcd is down: the keepalive thread keeps trying and publishes the node
+        and every registered replica once etcd answers.
+        """
+        if record.node_id != self.node_id:
+            raise ConfigError("node record belongs to another node")
+        with self._lock:
+            self._record = record
+            self._dirty = True
+        self._resync()
+        self._thread = threading.Thread(target=self._keepalive_loop, name="tutti-etcd-keepalive", daemon=True)
+        self._thread.start()
+
+    def stop(self, revoke: bool = True) -> None:
+        """Stop the keepalive; with ``revoke`` the node's entries disappear at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + 1)
+        if revoke and self._lease is not None:
+            try:
+                self.client.lease_revoke(self._lease)
+            except Exception as exc:
+                log.info("could not revoke lease on stop (entries expire with the TTL): %s", exc)
+        if self._client is not None:
+            try:
+                self._client.close()
+            except Exception:
+                pass
+            self._client = None
+
+    def _grant(self) -> int:
+        lease = self.client.lease_grant(self.lease_ttl_s)
+        self.stats.leases_granted += 1
+        log.info("node %s holds etcd lease %x (ttl %d s)", self.node_id, lease, self.lease_ttl_s)
+        return lease
+
+    def _resync(self) -> bool:
+        """(Re)write the node record and every local replica under a valid lease. True on success."""
+        with self._lock:
+            if self._record is None:
+                return False
+            keys = sorted(self._local)
+            deletes = sorted(self._pending_deletes)
+            record = self._record
+        try:
+            if self._lease is None:
+                self._lease = self._grant()
+            lease = self._lease
+            self.client.put((NODE_PREFIX + self.node_id).encode(), record.to_json().encode(), lease=lease)
+            self._delete_keys(deletes)
+            self._put_keys(keys, lease)
+        except Exception as exc:
+            self.stats.put_errors += 1
+            log.debug("directory resync failed: %s", exc)
+            self._rotate()
+            return False
+        with self._lock:
+            # Keys registered during the resync were written by register() itself (or set _dirty).
+            self._dirty = False
+            self._pending_deletes.difference_update(deletes)
+        self.stats.resyncs += 1
+        log.info("node %s published with %d replicas", self.node_id, len(keys))
+        return True
+
+    def _keepalive_loop(self) -> None:
+        period = max(0.5, self.lease_ttl_s / 3.0)
+        while not self._stop.wait(period):
+            try:
+                if self._lease is None:
+                    self._resync()
+                    continue
+                ttl = self.client.lease_keepalive(self._lease)
+                self.stats.lease_renewals += 1
+                if ttl <= 0:
+                    # The server no longer knows the lease (it expired while we were cut off, or
+                    # etcd lost its data): take a new one and write everything again.
+                    log.warning("etcd lease %x is gone; re-registering node %s", self._lease, self.node_id)
+                    self._lease = None
+                    self._resync()
+                elif self._dirty:
+                    self._resync()
+            except Exception as exc:
+                log.debug("lease keepalive failed: %s", exc)
+                with self._lock:
+                    self._dirty = True
+                self._rotate()
+
+    # -- replicas ---------------------------------------------------------------------------------
+    def _put_keys(self, keys: Sequence[int], lease: int) -> None:
+        for i in range(0, len(keys), self.max_txn_ops):
+            chunk = keys[i:i + self.max_txn_ops]
+            self.client.txn([op_put(unit_key(k, self.node_id).encode(), b"", lease) for k in chunk])
+
+    def _delete_keys(self, keys: Sequence[int]) -> None:
+        for i in range(0, len(keys), self.max_txn_ops):
+            chunk = keys[i:i + self.max_txn_ops]
+            self.client.txn([op_delete(unit_key(k, self.node_id).encode()) for k in chunk])
+
+    def register(self, keys: Iterable[int]) -> bool:
+        """Record local replicas of ``keys``; True if etcd has them now, False if queued for replay."""
+        ks = [int(k) & 0xFFFFFFFFFFFFFFFF for k in keys]
+        if not ks:
+            return True
+        with self._lock:
+            self._local.update(ks)
+            self._pending_deletes.difference_update(ks)
+            lease = self._lease
+            if lease is None or self._dirty:
+                self._dirty = True
+                return False
+        try:
+            self._put_keys(ks, lease)
+            self.stats.registered += len(ks)
+            return True
+        except Exception as exc:
+            self.stats.put_errors += 1
+            log.debug("register of %d keys deferred: %s", len(ks), exc)
+            with self._lock:
+                self._dirty = True
+            return False
+
+    def unregister(self, keys: Iterable[int]) -> bool:
+        """Drop local replicas of ``keys`` (eviction); True if etcd has dropped them too.
+
+        When etcd is away the deletion is queued and replayed with the next resync (or the entries
+        expire with the lease, whichever comes first).
+        """
+        ks = [int(k) & 0xFFFFFFFFFFFFFFFF for k in keys]
+        if not ks:
+            return True
+        with self._lock:
+            self._local.difference_update(ks)
+        try:
+            self._delete_keys(ks)
+            self.stats.unregistered += len(ks)
+            return True
+        except Exception as exc:
+            self.stats.put_errors += 1
+            log.debug("unregister of %d keys failed: %s", len(ks), exc)
+            with self._lock:
+                self._dirty = True
+                self._pending_deletes.update(ks)
+            return False
+
+    def local_keys(self) -> set[int]:
+        with self._lock:
+            return set(self._local)
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[int], prefix: bool = True, exclude_self: bool = True) -> list[list[str]]:
+        """Owners of each key (node ids), in one transaction per ``max_txn_ops`` keys.
+
+        With ``prefix`` the result stops after the first key without an owner (callers want the hit
+        prefix); otherwise one list per key. On any etcd failure the keys not yet answered count as
+        misses: a lookup never raises for a cluster fault.
+        """
+        ks = [int(k) & 0xFFFFFFFFFFFFFFFF for k in keys]
+        self.stats.lookups += 1
+        self.stats.lookup_keys += len(ks)
+        out: list[list[str]] = []
+        if not ks:
+            return out
+        for i in range(0, len(ks), self.max_txn_ops):
+            chunk = ks[i:i + self.max_txn_ops]
+            ops = []
+            for k in chunk:
+                start = unit_key(k).encode()
+                ops.append(op_range(start, prefix_end(start), keys_only=True))
+            try:
+                responses = self.client.txn(ops)
+            except Exception as exc:
+                self.stats.lookup_errors += 1
+                log.debug("directory lookup failed (treated as misses): %s", exc)
+                self._rotate()
+                break
+            stop = False
+            for kvs in responses:
+                owners = []
+                for kv in kvs or ():
+                    node = kv.key.decode().rsplit("/", 1)[1]
+                    if exclude_self and node == self.node_id:
+                        continue
+                    owners.append(node)
+                if prefix and not owners:
+                    stop = True
+                    break
+                out.append(owners)
+            if stop:
+                break
+        if not prefix:
+            out.extend([] for _ in range(len(ks) - len(out)))
+        return out
+
+    def node(self, node_id: str, max_age_s: float = 30.0) -> NodeRecord | None:
+        """The record of ``node_id`` (cached; refreshed when unknown or older than ``max_age_s``)."""
+        rec = self._nodes.get(node_id)
+        if rec is not None and time.monotonic() - self._nodes_at < max_age_s:
+            return rec
+        self.refresh_nodes()
+        return self._nodes.get(node_id)
+
+    def refresh_nodes(self) -> dict[str, NodeRecord]:
+        """Read all node records (one range read); on failure keep the cached ones."""
+        try:
+            nodes = {}
+            for kv in self.client.get_prefix(NODE_PREFIX.encode()):
+                rec = NodeRecord.from_json(kv.value)
+                nodes[rec.node_id] = rec
+            self._nodes = nodes
+            self._nodes_at = time.monotonic()
+        except Exception as exc:
+            self.stats.lookup_errors += 1
+            log.debug("node records unavailable: %s", exc)
+        return dict(self._nodes)
+
+    def forget_node(self, node_id: str) -> None:
+        """Drop a cached node record (its stage endpoint failed)."""
+        self._nodes.pop(node_id, None)

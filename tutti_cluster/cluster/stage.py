@@ -1,0 +1,268 @@
+"""Stage endpoint: a tiny TCP JSON-lines protocol that asks an owner node to stage cache units.
+
+The bytes never travel over this socket: the owner copies each unit into a slot of its registered
+arena and answers with the slot address; the requester pulls the bytes with the Transfer Engine
+(one-sided read) and answers ``done`` so the owner can reuse the slot. With a window of W slots the
+owner reads unit i+1 from its SSD while unit i is on the wire.
+
+Protocol (one stream per connection, requests and answers are single JSON lines)::
+
+    -> {"op": "stage", "keys": [k0, k1, ...], "window": W}
+    <- {"key": k0, "addr": A, "len": N}            one per unit, in key order
+    -> {"op": "done", "addr": A}                   requester has pulled A
+    <- {"key": kj, "miss": "reason"}               unit j is absent/corrupt/busy: the stream ends
+    <- {"end": true}                               after the last unit or a miss
+    -> {"op": "ping"}  <- {"pong": true}
+
+Slots not returned when the connection closes (the requester died) are reclaimed at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from tutti_cluster.cluster.transfer import TransferNode
+from tutti_cluster.errors import TuttiError
+
+log = logging.getLogger(__name__)
+
+# read_unit(key) -> the unit's bytes (read_unit format), or None when the node does not hold it.
+UnitReader = Callable[[int], "bytes | None"]
+
+MAX_LINE = 16 << 20  # a stage request of 4096 keys is ~100 KiB; anything far larger is an error
+
+
+@dataclass
+class StageStats:
+    streams: int = 0
+    units_staged: int = 0
+    bytes_staged: int = 0
+    misses: int = 0
+    reclaimed_slots: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class StageServer:
+    """Serves stage requests on ``host:port`` (port 0 picks one) from a background thread."""
+
+    def __init__(self, transfer: TransferNode, read_unit: UnitReader, host: str = "127.0.0.1", port: int = 0,
+                 max_window: int = 4, slot_timeout_s: float = 10.0, idle_timeout_s: float = 30.0) -> None:
+        self.transfer = transfer
+        self.read_unit = read_unit
+        self.max_window = max(1, max_window)
+        self.slot_timeout_s = slot_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.stats = StageStats()
+        self._slot_lock = threading.Lock()
+        outer = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                outer._serve_connection(self.connection, self.rfile, self.wfile)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = Server((host, port), Handler)
+        self.address = f"{host}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tutti-stage", daemon=True)
+
+    def start(self) -> "StageServer":
+        self._thread.start()
+        log.info("stage endpoint on %s", self.address)
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    # -- one connection ---------------------------------------------------------------------------
+    def _serve_connection(self, conn: socket.socket, rfile, wfile) -> None:  # type: ignore[no-untyped-def]
+        outstanding: set[int] = set()
+        credit = threading.Semaphore(0)
+        wlock = threading.Lock()
+        stream: threading.Thread | None = None
+        closed = threading.Event()
+
+        def send(obj: dict) -> None:
+            with wlock:
+                wfile.write(json.dumps(obj).encode() + b"\n")
+                wfile.flush()
+
+        def run_stream(keys: list[int], window: int) -> None:
+            self.stats.streams += 1
+            for _ in range(window):
+                credit.release()
+            try:
+                for k in keys:
+                    if not credit.acquire(timeout=self.idle_timeout_s) or closed.is_set():
+                        return
+                    reason = self._stage_one(k, outstanding, send)
+                    if reason is not None:
+                        self.stats.misses += 1
+                        send({"key": k, "miss": reason})
+                        break
+                send({"end": True})
+            except OSError:
+                pass  # requester went away; slots are reclaimed below
+
+        conn.settimeout(self.idle_timeout_s)
+        try:
+            while True:
+                line = rfile.readline(MAX_LINE)
+                if not line:
+                    break
+                msg = json.loads(line)
+                op = msg.get("op")
+                if op == "done":
+                    addr = int(msg["addr"])
+                    if addr in outstanding:
+                        outstanding.discard(addr)
+                        self.transfer.release(addr)
+                        credit.release()
+                elif op == "stage":
+                    if stream is not None and stream.is_alive():
+                        send({"error": "a stream is already running on this connection"})
+                        continue
+                    keys = [int(k) & 0xFFFFFFFFFFFFFFFF for k in msg.get("keys", [])]
+                    window = max(1, min(int(msg.get("window", 2)), self.max_window))
+                    stream = threading.Thread(target=run_stream, args=(keys, window), daemon=True)
+                    stream.start()
+                elif op == "ping":
+                    send({"pong": True})
+                else:
+                    send({"error": f"unknown op {op!r}"})
+        except (OSError, ValueError, KeyError) as exc:
+            log.debug("stage connection ended: %s", exc)
+        finally:
+            closed.set()
+            credit.release()  # wake a stream blocked on credit so it sees `closed`
+            if stream is not None:
+                stream.join(self.slot_timeout_s + 1)
+            for addr in list(outstanding):
+                outstanding.discard(addr)
+                self.transfer.release(addr)
+                self.stats.reclaimed_slots += 1
+
+    def _stage_one(self, key: int, outstanding: set[int], send: Callable[[dict], None]) -> str | None:
+        """Read ``key`` into a free slot and announce it; returns a miss reason or None."""
+        try:
+            data = self.read_unit(key)
+        except TuttiError as exc:
+            return f"unreadable: {exc}"
+        if data is None:
+            return "not found"
+        n = len(data)
+        with self._slot_lock:
+            if self.transfer.slot_bytes < n:
+                try:
+                    self.transfer.configure(n)
+                except TuttiError as exc:
+                    return f"staging: {exc}"
+        addr = self.transfer.acquire(self.slot_timeout_s)
+        if addr is None:
+            return "busy"
+        self.transfer.put(addr, data)
+        outstanding.add(addr)
+        self.stats.units_staged += 1
+        self.stats.bytes_staged += n
+        send({"key": key, "addr": addr, "len": n})
+        return None
+
+
+class StageStream:
+    """Requester side of one stage stream. Iterate to get ``(key, view)`` pairs in key order.
+
+    Each view is a slot of the requester's own arena holding the unit's bytes; it is valid until the
+    next iteration step (the slot is then reused). The iteration ends early at the owner's first
+    miss or at any fault (connection refused or dropped, transfer failure, timeout): the caller
+    treats the rest as misses. Faults are counted in ``error`` and never raised.
+    """
+
+    def __init__(self, transfer: TransferNode, stage_addr: str, segment: str, keys: Sequence[int],
+                 window: int = 2, timeout_s: float = 5.0) -> None:
+        self.transfer = transfer
+        self.stage_addr = stage_addr
+        self.segment = segment
+        self.keys = [int(k) & 0xFFFFFFFFFFFFFFFF for k in keys]
+        self.window = window
+        self.timeout_s = timeout_s
+        self.error: str | None = None
+        self.miss: str | None = None
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[int, memoryview]]:
+        host, _, port = self.stage_addr.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+        except OSError as exc:
+            self.error = f"connect {self.stage_addr}: {exc}"
+            return
+        local: int | None = None
+        try:
+            sock.settimeout(self.timeout_s)
+            rfile = sock.makefile("rb")
+            sock.sendall(json.dumps({"op": "stage", "keys": self.keys, "window": self.window}).encode() + b"\n")
+            expected = iter(self.keys)
+            while True:
+                line = rfile.readline(MAX_LINE)
+                if not line:
+                    self.error = "owner closed the stream"
+                    return
+                msg = json.loads(line)
+                if msg.get("end"):
+                    return
+                if "error" in msg:
+                    self.error = str(msg["error"])
+                    return
+                key = int(msg["key"])
+                if key != next(expected, None):
+                    self.error = "owner answered out of order"
+                    return
+                if "miss" in msg:
+                    self.miss = str(msg["miss"])
+                    return
+                n = int(msg["len"])
+                if n > self.transfer.slot_bytes:
+                    self.transfer.configure(n)
+                if local is None:
+                    local = self.transfer.acquire(self.timeout_s)
+                    if local is None:
+                        self.error = "no free local slot"
+                        return
+                self.transfer.read(self.segment, local, int(msg["addr"]), n)
+                sock.sendall(json.dumps({"op": "done", "addr": msg["addr"]}).encode() + b"\n")
+                self.bytes += n
+                yield key, self.transfer.view(local, n)
+        except (OSError, ValueError, KeyError, TuttiError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if local is not None:
+                self.transfer.release(local)
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+def ping(stage_addr: str, timeout_s: float = 2.0) -> bool:
+    """True when a stage endpoint answers."""
+    host, _, port = stage_addr.rpartition(":")
+    t0 = time.monotonic()
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
+            s.settimeout(max(0.1, timeout_s - (time.monotonic() - t0)))
+            s.sendall(b'{"op": "ping"}\n')
+            return b"pong" in s.makefile("rb").readline(1024)
+    except OSError:
+        return False

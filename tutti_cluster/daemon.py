@@ -1,0 +1,535 @@
+"""The node daemon (`tutti up`): storage shares, the node-wide index and, in cluster mode, the
+replica directory and the stage endpoint that serves this node's units to other nodes.
+
+Processes on a node. Each engine (GPU) process runs its own :class:`~tutti_cluster.TuttiStore`
+instance with its own pool files (``<path>/tutti-<instance>.pool``) and does all of its data path
+itself. The daemon never sits on that path. Engines and the daemon share two things:
+
+- the pool-file headers on disk, which are the truth: at start the daemon opens every known
+  instance's pools read-only and rebuilds the node-wide index from their headers;
+- a unix socket ``<data_dir>/tutti.sock`` with JSON-lines requests (:class:`DaemonLink` is the
+  engine side): ``attach`` (an instance announces its geometry and gets its capacity share),
+  ``commit`` / ``evict`` (keys, sent in the background from ``store.on_commit`` / ``on_evict``),
+  ``lookup``, ``stats``.
+
+Either side may die without hurting the other: the daemon drops a dead engine's connection and keeps
+serving (its units stay readable from the pool files), and an engine whose daemon is gone keeps its
+local store working; its notifications are dropped and the daemon rescans that instance's headers
+when the engine attaches again or the daemon restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import socketserver
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tutti_cluster.config import TuttiConfig
+from tutti_cluster.errors import CapacityExceeded, ConfigError, NotFound, TuttiError
+
+log = logging.getLogger(__name__)
+
+SOCKET_NAME = "tutti.sock"
+STATE_NAME = "instances.json"
+MAX_LINE = 64 << 20
+
+
+def socket_path(config: TuttiConfig) -> Path:
+    """Where the daemon of ``config.data_dir`` listens."""
+    return Path(config.data_dir) / SOCKET_NAME
+
+
+def geometry_of(store: Any) -> dict[str, Any]:
+    """What the daemon needs to open an engine's pools read-only (no pointers: it never scatters)."""
+    layers = getattr(store, "layers", None) or getattr(store, "_layers")
+    l0 = layers[0]
+    return {"num_layers": len(layers), "nptr": len(l0.ptrs), "block_stride": l0.block_stride,
+            "block_bytes": l0.block_bytes, "num_blocks": l0.num_blocks, "dtype": l0.dtype,
+            "block_shape": list(l0.block_shape), "block_tokens": store.block_tokens,
+            "unit_tokens": store.config.unit_tokens}
+
+
+class _InstanceView:
+    """The daemon's read-only view of one engine instance's pools."""
+
+    def __init__(self, config: TuttiConfig, name: str, geometry: dict[str, Any], capacity: list[int]) -> None:
+        self.name = name
+        self.geometry = geometry
+        self.capacity = capacity
+        self.config = config.model_copy(update={"instance": name, "unit_tokens": geometry["unit_tokens"]})
+        self.store: Any = None
+        self.opened_at = 0.0
+        self.lock = threading.Lock()
+
+    def open(self) -> list[int]:
+        """(Re)open the pools read-only and return the keys their headers hold."""
+        from tutti_cluster.kv_layout import LayerKV
+        from tutti_cluster.store import TuttiStore
+
+        g = self.geometry
+        # Read-only stores never touch KV memory, so the pointers are placeholders.
+        layer = LayerKV(ptrs=tuple(1 for _ in range(g["nptr"])), block_stride=g["block_stride"],
+                        block_bytes=g["block_bytes"], num_blocks=g["num_blocks"], device="cpu",
+                        dtype=g.get("dtype", ""), block_shape=tuple(g.get("block_shape", ())))
+        with self.lock:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+            st = TuttiStore(self.config)
+            st.register_kv_caches([layer] * g["num_layers"], block_tokens=g["block_tokens"], read_only=True)
+            self.store = st
+            self.opened_at = time.monotonic()
+            return st.keys()
+
+    def read_unit(self, key: int, refresh_after_s: float = 0.2) -> bytes | None:
+        """The unit's bytes, or None. A key committed after our last open triggers one reopen."""
+        for attempt in range(2):
+            with self.lock:
+                st = self.store
+            if st is not None and st.lookup([key]) == 1:
+                try:
+                    return bytes(st.read_unit(key))
+                except NotFound:
+                    return None  # evicted or overwritten under us: the checksum said so
+            if attempt == 0 and time.monotonic() - self.opened_at >= refresh_after_s:
+                try:
+                    self.open()
+                except TuttiError as exc:
+                    log.warning("cannot reopen instance %s: %s", self.name, exc)
+                    return None
+        return None
+
+    def close(self) -> None:
+        with self.lock:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+
+
+class NodeDaemon:
+    """The daemon of one node. :meth:`start` returns once it serves; :meth:`stop` ends it."""
+
+    def __init__(self, config: TuttiConfig, *, host: str = "127.0.0.1", stage_port: int = 0,
+                 arena_bytes: int = 256 << 20, directory_timeout_s: float = 2.0) -> None:
+        self.config = config
+        self.data_dir = Path(config.data_dir)
+        self.host = host
+        self.stage_port = stage_port
+        self.arena_bytes = arena_bytes
+        self.directory_timeout_s = directory_timeout_s
+        self.node_id = config.node_id or socket.gethostname()
+        self.capacity = config.capacity_bytes()
+        self.paths = [str(p) for p in config.storage_paths()]
+        self._lock = threading.RLock()
+        self._instances: dict[str, _InstanceView] = {}
+        self._index: dict[int, set[str]] = {}
+        self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._thread: threading.Thread | None = None
+        self.directory: Any = None
+        self.transfer: Any = None
+        self.stage: Any = None
+        self.counters = {"commits": 0, "evictions": 0, "lookups": 0, "attaches": 0, "stage_reads": 0}
+
+    # -- state ------------------------------------------------------------------------------------
+    def _state_file(self) -> Path:
+        return self.data_dir / STATE_NAME
+
+    def _load_state(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self._state_file().read_text()))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"daemon state {self._state_file()} is unreadable: {exc}") from exc
+
+    def _save_state(self) -> None:
+        state = {n: {"geometry": v.geometry, "capacity": v.capacity} for n, v in self._instances.items()}
+        tmp = self._state_file().with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(state, indent=1))
+            os.replace(tmp, self._state_file())  # atomic: a crash leaves the old or the new state
+        except OSError as exc:
+            # A full or read-only data_dir must not stop the daemon from serving; the shares are
+            # kept in memory and written again with the next change.
+            log.warning("cannot save daemon state to %s: %s", self._state_file(), exc)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> "NodeDaemon":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        for name, ent in self._load_state().items():
+            view = _InstanceView(self.config, name, ent["geometry"], list(ent["capacity"]))
+            self._instances[name] = view
+            self._rescan(view)
+        if self.config.cluster_mode:
+            self._start_cluster()
+        self._start_socket()
+        log.info("node daemon %s serving %d instances, %d units, socket %s", self.node_id,
+                 len(self._instances), len(self._index), socket_path(self.config))
+        return self
+
+    def _start_cluster(self) -> None:
+        from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
+        from tutti_cluster.cluster.stage import StageServer
+        from tutti_cluster.cluster.transfer import TransferNode
+
+        if not self.config.etcd:
+            raise ConfigError("cluster mode needs etcd endpoints (TUTTI_ETCD): the replica directory lives there")
+        self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes)
+        self.stage = StageServer(self.transfer, self._read_unit, host=self.host, port=self.stage_port).start()
+        self.directory = EtcdDirectory(",".join(self.config.etcd), self.node_id, self.config.lease_ttl_s,
+                                       timeout_s=self.directory_timeout_s)
+        with self._lock:
+            keys = list(self._index)
+        self.directory.register(keys)  # queued until start() has a lease
+        self.directory.start(NodeRecord(self.node_id, self.transfer.segment, self.stage.address,
+                                        {"pid": os.getpid()}))
+
+    def _start_socket(self) -> None:
+        path = socket_path(self.config)
+        if path.exists():
+            # A live daemon answers; a stale socket (crashed daemon) is replaced.
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(1.0)
+                    s.connect(str(path))
+                raise ConfigError(f"another node daemon already serves {path}")
+            except OSError:
+                path.unlink()
+        outer = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                outer._serve(self.rfile, self.wfile)
+
+        class Server(socketserver.ThreadingUnixStreamServer):
+            daemon_threads = True
+
+        self._server = Server(str(path), Handler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tutti-daemon", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            try:
+                socket_path(self.config).unlink()
+            except FileNotFoundError:
+                pass
+            self._server = None
+        if self.directory is not None:
+            self.directory.stop(revoke=True)
+        if self.stage is not None:
+            self.stage.stop()
+        for view in self._instances.values():
+            view.close()
+
+    # -- index ------------------------------------------------------------------------------------
+    def _rescan(self, view: _InstanceView) -> None:
+        """Rebuild the index entries of one instance from its pool headers."""
+        try:
+            keys = view.open()
+        except TuttiError as exc:
+            log.warning("instance %s: pools not readable (%s); its units are not served", view.name, exc)
+            keys = []
+        with self._lock:
+            for owners in self._index.values():
+                owners.discard(view.name)
+            for k in keys:
+                self._index.setdefault(k, set()).add(view.name)
+            for k in [k for k, o in self._index.items() if not o]:
+                del self._index[k]
+        if self.directory is not None:
+            self.directory.register(keys)
+
+    def _read_unit(self, key: int) -> bytes | None:
+        """Stage endpoint reader: the unit from whichever local instance holds it."""
+        with self._lock:
+            owners = list(self._index.get(key, ()))
+            views = [self._instances[o] for o in owners if o in self._instances]
+        self.counters["stage_reads"] += 1
+        for view in views:
+            data = view.read_unit(key)
+            if data is not None:
+                return data
+        return None
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _serve(self, rfile: Any, wfile: Any) -> None:
+        while True:
+            try:
+                line = rfile.readline(MAX_LINE)
+            except OSError:
+                return
+            if not line:
+                return  # engine closed or died: nothing to clean up, its units stay on disk
+            try:
+                reply = self.handle(json.loads(line))
+            except TuttiError as exc:
+                reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+            except (ValueError, KeyError, TypeError) as exc:
+                reply = {"ok": False, "error": "ConfigError", "message": f"bad request: {exc}"}
+            try:
+                wfile.write(json.dumps(reply).encode() + b"\n")
+                wfile.flush()
+            except OSError:
+                return
+
+    def handle(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """One request; returns the reply (``ok`` plus fields). Raises TuttiError on bad input."""
+        op = msg.get("op")
+        if op == "attach":
+            return self._attach(str(msg["instance"]), dict(msg["geometry"]), msg.get("capacity"))
+        if op == "commit":
+            return self._commit(str(msg["instance"]), [int(k) for k in msg["keys"]])
+        if op == "evict":
+            return self._evict(str(msg["instance"]), [int(k) for k in msg["keys"]])
+        if op == "lookup":
+            return self._lookup([int(k) for k in msg["keys"]], bool(msg.get("remote", True)))
+        if op == "stats":
+            return {"ok": True, **self.stats()}
+        if op == "ping":
+            return {"ok": True, "node_id": self.node_id}
+        raise ConfigError(f"unknown daemon request {op!r}")
+
+    def _attach(self, name: str, geometry: dict[str, Any], want: Sequence[int] | None) -> dict[str, Any]:
+        """Grant (or confirm) an instance's share: its own request, capped by what is left."""
+        if not name or "/" in name:
+            raise ConfigError(f"bad instance name {name!r}")
+        with self._lock:
+            view = self._instances.get(name)
+            if view is None:
+                used = [sum(v.capacity[i] for v in self._instances.values()) for i in range(len(self.paths))]
+                left = [max(0, c - u) for c, u in zip(self.capacity, used)]
+                req = list(want) if want else left
+                if len(req) != len(self.paths):
+                    raise ConfigError(f"capacity request has {len(req)} values for {len(self.paths)} paths")
+                grant = [min(int(r), l) for r, l in zip(req, left)]
+                if sum(grant) == 0:
+                    raise CapacityExceeded(f"no capacity left on this node for instance {name!r}")
+                view = _InstanceView(self.config, name, geometry, grant)
+                self._instances[name] = view
+            else:
+                view.geometry = geometry
+            self._save_state()
+            self.counters["attaches"] += 1
+        self._rescan(view)  # a returning engine may have committed while we were apart
+        return {"ok": True, "paths": self.paths, "capacity": view.capacity, "node_id": self.node_id}
+
+    def _commit(self, name: str, keys: list[int]) -> dict[str, Any]:
+        with self._lock:
+            for k in keys:
+                self._index.setdefault(k & 0xFFFFFFFFFFFFFFFF, set()).add(name)
+            self.counters["commits"] += len(keys)
+        if self.directory is not None:
+            self.directory.register(keys)
+        return {"ok": True}
+
+    def _evict(self, name: str, keys: list[int]) -> dict[str, Any]:
+        gone = []
+        with self._lock:
+            for k in keys:
+                k &= 0xFFFFFFFFFFFFFFFF
+                owners = self._index.get(k)
+                if owners is None:
+                    continue
+                owners.discard(name)
+                if not owners:
+                    del self._index[k]
+                    gone.append(k)
+            self.counters["evictions"] += len(keys)
+        if self.directory is not None and gone:
+            self.directory.unregister(gone)  # other local instances may still hold the rest
+        return {"ok": True}
+
+    def _lookup(self, keys: list[int], remote: bool) -> dict[str, Any]:
+        """Leading units held on this node, then (cluster mode) their owners elsewhere."""
+        self.counters["lookups"] += 1
+        with self._lock:
+            n = 0
+            for k in keys:
+                if (k & 0xFFFFFFFFFFFFFFFF) not in self._index:
+                    break
+                n += 1
+        owners: list[list[str]] = []
+        if remote and self.directory is not None and n < len(keys):
+            owners = self.directory.lookup(keys[n:], prefix=True)
+        return {"ok": True, "local": n, "remote": owners}
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = {
+                "node_id": self.node_id, "units": len(self._index), "paths": self.paths,
+                "capacity": self.capacity,
+                "instances": {n: {"capacity": v.capacity} for n, v in self._instances.items()},
+                **self.counters,
+            }
+        if self.directory is not None:
+            out["directory"] = self.directory.stats.as_dict()
+        if self.stage is not None:
+            out["stage"] = self.stage.stats.as_dict()
+            out["stage_address"] = self.stage.address
+            out["segment"] = self.transfer.segment
+        return out
+
+
+def run_daemon(config: TuttiConfig, ready: Callable[[NodeDaemon], None] | None = None) -> None:
+    """Run the node daemon until SIGINT or SIGTERM (``tutti up``). ``ready`` is called once it serves."""
+    daemon = NodeDaemon(config).start()
+    done = threading.Event()
+
+    def _stop(signum: int, _frame: Any) -> None:
+        log.info("node daemon stopping (signal %d)", signum)
+        done.set()
+
+    old = {s: signal.signal(s, _stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if ready is not None:
+            ready(daemon)
+        while not done.wait(1.0):
+            pass
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        daemon.stop()
+
+
+class DaemonLink:
+    """Engine side of the daemon socket: attach, then best-effort commit/evict notifications.
+
+    ``attach()`` is synchronous (with ``timeout_s``) and raises if the daemon refuses; when no daemon
+    runs it returns None and the engine works alone. Notifications are queued and sent by a
+    background thread, so ``store.on_commit`` never waits on the daemon; when the daemon is away they
+    are dropped, and the next successful (re)attach makes the daemon rescan this instance's headers.
+    """
+
+    def __init__(self, config: TuttiConfig, timeout_s: float = 1.0, max_queue: int = 1 << 16) -> None:
+        self.config = config
+        self.path = str(socket_path(config))
+        self.timeout_s = timeout_s
+        self.max_queue = max_queue
+        self._sock: socket.socket | None = None
+        self._rfile: Any = None
+        self._lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._queue: list[tuple[str, int]] = []
+        self._geometry: dict[str, Any] | None = None
+        self._stop = False
+        self._inflight = 0
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._sender, name="tutti-daemon-link", daemon=True)
+        self._thread.start()
+
+    def _connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout_s)
+        s.connect(self.path)
+        self._sock, self._rfile = s, s.makefile("rb")
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        self._sock = self._rfile = None
+
+    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and wait for its reply; raises OSError when the daemon is unreachable."""
+        with self._lock:
+            try:
+                if self._sock is None:
+                    self._connect()
+                assert self._sock is not None
+                self._sock.sendall(json.dumps(msg).encode() + b"\n")
+                line = self._rfile.readline(MAX_LINE)
+                if not line:
+                    raise ConnectionResetError("daemon closed the connection")
+            except (OSError, ValueError):
+                self._drop()
+                raise
+        reply = dict(json.loads(line))
+        if not reply.get("ok"):
+            err = {"CapacityExceeded": CapacityExceeded, "NotFound": NotFound}.get(reply.get("error", ""), ConfigError)
+            raise err(f"node daemon: {reply.get('message')}")
+        return reply
+
+    def attach(self, store: Any) -> dict[str, Any] | None:
+        """Announce ``store`` and hook its commit/evict callbacks. None when no daemon answers."""
+        self._geometry = geometry_of(store)
+        store.on_commit = lambda k: self._enqueue("commit", k)
+        store.on_evict = lambda k: self._enqueue("evict", k)
+        return self._attach()
+
+    def _attach(self) -> dict[str, Any] | None:
+        try:
+            return self.request({"op": "attach", "instance": self.config.instance, "geometry": self._geometry,
+                                 "capacity": self.config.capacity_bytes()})
+        except OSError as exc:
+            log.info("no node daemon at %s (%s); the store works alone", self.path, exc)
+            return None
+
+    def _enqueue(self, op: str, key: int) -> None:
+        with self._cv:
+            if len(self._queue) >= self.max_queue:
+                self.dropped += 1
+                return
+            self._queue.append((op, key))
+            self._cv.notify()
+
+    def _sender(self) -> None:
+        need_attach = False
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._queue) or self._stop, timeout=1.0)
+                if self._stop and not self._queue:
+                    return
+                batch, self._queue = self._queue, []
+                self._inflight = len(batch)
+            if not batch:
+                continue
+            try:
+                if need_attach and self._geometry is not None:
+                    if self._attach() is None:
+                        raise ConnectionRefusedError("daemon still away")
+                    need_attach = False
+                # Consecutive notifications of one kind go in one request.
+                i = 0
+                while i < len(batch):
+                    op = batch[i][0]
+                    j = i
+                    while j < len(batch) and batch[j][0] == op:
+                        j += 1
+                    self.request({"op": op, "instance": self.config.instance, "keys": [k for _, k in batch[i:j]]})
+                    i = j
+            except (OSError, TuttiError) as exc:
+                self.dropped += len(batch)
+                need_attach = True  # the daemon rescans our headers on re-attach
+                log.debug("daemon notification dropped: %s", exc)
+            with self._cv:
+                self._inflight = 0
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until queued notifications were handed to the daemon (tests, clean shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._cv:
+                if not self._queue and not self._inflight:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(self.timeout_s + 1)
+        self._drop()
