@@ -81,14 +81,15 @@ def open_store(dirs: list[Path], kv: list, layout: str = "kv_first", **kw) -> Tu
 
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[callable]:
-    """Mounts small tmpfs file systems (root only) to cause full and read-only disks for real."""
+    """Mounts small tmpfs (or ramfs) file systems, root only, to cause full, read-only and
+    O_DIRECT-refusing disks for real."""
     mounts: list[Path] = []
 
-    def mount(size: str = "1m", ro: bool = False) -> Path:
+    def mount(size: str = "1m", ro: bool = False, fstype: str = "tmpfs") -> Path:
         d = tmp_path / f"mnt{len(mounts)}"
         d.mkdir()
-        opts = f"size={size}" + (",ro" if ro else "")
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], capture_output=True, text=True)
+        opts = (f"size={size}" if fstype == "tmpfs" else "mode=755") + (",ro" if ro else "")
+        r = subprocess.run(["mount", "-t", fstype, "-o", opts, fstype, str(d)], capture_output=True, text=True)
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}): needs root with mount rights")
         mounts.append(d)

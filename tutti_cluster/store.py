@@ -64,7 +64,11 @@ class TuttiStore:
     """One store instance: a share of the node's file pool, its index, queues and agent."""
 
     def __init__(self, config: TuttiConfig | None = None, **overrides: Any) -> None:
-        self.config = config.model_copy(update=overrides) if config is not None else load_config(**overrides)
+        if config is not None and not isinstance(config, TuttiConfig):
+            raise ConfigError(f"config must be a TuttiConfig, not {type(config).__name__}")
+        if config is None or overrides:  # overrides are validated like any other setting
+            config = load_config(**{**(config.model_dump() if config else {}), **overrides})
+        self.config = config
         self._native: Any = None
         self._ops: dict[int, int] = {}
         self._keys: dict[int, np.ndarray] = {}

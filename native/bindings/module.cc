@@ -32,6 +32,13 @@ void ok(const Status& s) {
   if (!s.ok()) raise(s);
 }
 
+// Runs `f` with the GIL released; the status is checked after the GIL is back.
+template <typename F>
+Status without_gil(F f) {
+  py::gil_scoped_release nogil;
+  return f();
+}
+
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
@@ -112,8 +119,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("desc"))
       .def("init_queue", [](PyStore& p, uint32_t depth) {
         Store& s = p.get();
-        py::gil_scoped_release nogil;
-        ok(s.init_queue(depth));
+        ok(without_gil([&] { return s.init_queue(depth); }));
       })
       .def("lookup", [](PyStore& p, U64Array keys) {
         Store& s = p.get();
@@ -122,27 +128,23 @@ PYBIND11_MODULE(_native, m) {
       .def("begin", [](PyStore& p, int op, U64Array keys, I64Array blocks) {
         Store& s = p.get();
         uint32_t id;
-        py::gil_scoped_release nogil;
-        ok(s.begin(static_cast<ReqOp>(op), keys.data(), static_cast<uint32_t>(keys.size()), blocks.data(),
-                   static_cast<uint64_t>(blocks.size()), &id));
+        ok(without_gil([&] { return s.begin(static_cast<ReqOp>(op), keys.data(), static_cast<uint32_t>(keys.size()), blocks.data(),
+                   static_cast<uint64_t>(blocks.size()), &id); }));
         return id;
       })
       .def("layer", [](PyStore& p, uint32_t layer, uint32_t req, uint64_t event) {
         Store& s = p.get();
-        py::gil_scoped_release nogil;
-        ok(s.layer(layer, req, event));
+        ok(without_gil([&] { return s.layer(layer, req, event); }));
       }, py::arg("layer"), py::arg("request"), py::arg("event") = 0)
       .def("wait_layer", [](PyStore& p, uint32_t layer, uint32_t req, uint64_t stream) {
         Store& s = p.get();
-        py::gil_scoped_release nogil;
-        ok(s.wait_layer(layer, req, stream));
+        ok(without_gil([&] { return s.wait_layer(layer, req, stream); }));
       }, py::arg("layer"), py::arg("request"), py::arg("stream") = 0)
       .def("finish", [](PyStore& p, uint32_t req) {
         Store& s = p.get();
         RequestResult r;
         {
-          py::gil_scoped_release nogil;
-          ok(s.finish(req, &r));
+          ok(without_gil([&] { return s.finish(req, &r); }));
         }
         return py::make_tuple(r.units, r.failed_units, r.skipped_units, r.committed_units);
       })
@@ -164,13 +166,11 @@ PYBIND11_MODULE(_native, m) {
       })
       .def("issue_io", [](PyStore& p, std::vector<uint32_t> ids, uint32_t sms, uint64_t event) {
         Store& s = p.get();
-        py::gil_scoped_release nogil;
-        ok(s.issue_io(ids.data(), static_cast<uint32_t>(ids.size()), sms, event));
+        ok(without_gil([&] { return s.issue_io(ids.data(), static_cast<uint32_t>(ids.size()), sms, event); }));
       }, py::arg("ids"), py::arg("sms") = 0, py::arg("event") = 0)
       .def("wait_cqe", [](PyStore& p, uint32_t id) {
         Store& s = p.get();
-        py::gil_scoped_release nogil;
-        ok(s.wait_cqe(id));
+        ok(without_gil([&] { return s.wait_cqe(id); }));
         return s.iocb(id)->errors;
       })
       .def("put_iocb", [](PyStore& p, uint32_t id) { p.get().put_iocb(id); })
@@ -178,8 +178,7 @@ PYBIND11_MODULE(_native, m) {
         Store& s = p.get();
         std::vector<uint8_t> out;
         {
-          py::gil_scoped_release nogil;
-          ok(s.read_unit(key, &out));
+          ok(without_gil([&] { return s.read_unit(key, &out); }));
         }
         return to_bytes(out);
       })
@@ -187,16 +186,14 @@ PYBIND11_MODULE(_native, m) {
         Store& s = p.get();
         py::buffer_info i = data.request();
         uint64_t key;
-        py::gil_scoped_release nogil;
-        ok(s.import_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), &key));
+        ok(without_gil([&] { return s.import_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), &key); }));
         return key;
       })
       .def("scatter_unit", [](PyStore& p, py::buffer data, I64Array blocks) {
         Store& s = p.get();
         py::buffer_info i = data.request();
-        py::gil_scoped_release nogil;
-        ok(s.scatter_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), blocks.data(),
-                          static_cast<uint64_t>(blocks.size())));
+        ok(without_gil([&] { return s.scatter_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), blocks.data(),
+                          static_cast<uint64_t>(blocks.size())); }));
       })
       .def("pin", [](PyStore& p, U64Array keys, bool on) { p.get().pin(keys.data(), static_cast<uint32_t>(keys.size()), on); })
       .def("remove", [](PyStore& p, uint64_t key) { return p.get().remove(key); })
