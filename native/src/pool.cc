@@ -46,8 +46,13 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
   }
   p->fd = fd;
   if (read_only) return Status::Ok();
-  if (::flock(fd, LOCK_EX | LOCK_NB) != 0)
-    return {Code::kConfig, "pool file " + p->file + " is in use by another process (one instance per process)"};
+  // A process that just died may hold the lock a moment longer: the kernel drops its io_uring's
+  // file references asynchronously. Give that up to two seconds.
+  for (int tries = 0; ::flock(fd, LOCK_EX | LOCK_NB) != 0; ++tries) {
+    if (errno != EWOULDBLOCK || tries == 40)
+      return {Code::kConfig, "pool file " + p->file + " is in use by another process (one instance per process)"};
+    ::usleep(50000);
+  }
   // A larger existing file is left as it is (never truncated): its tail is simply not used.
   if (bytes > 0) {
     int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
