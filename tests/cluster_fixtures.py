@@ -237,20 +237,22 @@ def _node_main(cfg_json: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     opts = _json.loads(cfg_json)
     cfg = TuttiConfig(**opts["config"])
-    daemon = NodeDaemon(cfg).start()
+    # An engine-only process (with_daemon false) talks to a daemon that runs elsewhere, if any.
+    daemon = NodeDaemon(cfg).start() if opts.get("with_daemon", True) else None
     kv = [np.zeros((2, NODE_BLOCKS, NODE_BLOCK_BYTES), dtype=np.uint8) for _ in range(NODE_LAYERS)]
     store = TuttiStore(cfg)
     store.register_kv_caches(kv, block_tokens=NODE_BLOCK_TOKENS, layout="kv_first")
     link = DaemonLink(cfg)
-    link.attach(store)
-    client = ClusterClient(store, cfg, timeout_s=float(opts.get("timeout_s", 3.0)))
+    attached = link.attach(store)
+    client = ClusterClient(store, cfg, timeout_s=float(opts.get("timeout_s", 3.0))) if cfg.etcd else None
     ub = store.unit_blocks
 
     def reply(obj: dict) -> None:
         sys.stdout.write(_json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    reply({"ready": True, "stage": daemon.stage.address if daemon.stage else None, "pid": os.getpid()})
+    reply({"ready": True, "stage": daemon.stage.address if daemon and daemon.stage else None, "pid": os.getpid(),
+           "attached": attached is not None})
     for line in sys.stdin:
         msg = _json.loads(line)
         op = msg["op"]
@@ -265,7 +267,8 @@ def _node_main(cfg_json: str) -> None:
                 reply({"ok": True, "units": res.units, "failed": list(res.failed_units)})
             elif op == "lookup":
                 t0 = time.monotonic()
-                n = client.lookup([int(k) for k in msg["keys"]])
+                keys = [int(k) for k in msg["keys"]]
+                n = client.lookup(keys) if client else store.lookup(keys)
                 reply({"ok": True, "hits": n, "local": store.lookup([int(k) for k in msg["keys"]]),
                        "seconds": time.monotonic() - t0})
             elif op == "fetch":
@@ -273,11 +276,13 @@ def _node_main(cfg_json: str) -> None:
                 for layer in range(NODE_LAYERS):
                     kv[layer][:] = 0
                 t0 = time.monotonic()
-                n = client.lookup(keys)
+                n = client.lookup(keys) if client else store.lookup(keys)
                 local = store.lookup(keys)
                 res = store.retrieve(keys[:local], list(range(local * ub))) if local else None
-                placed = client.retrieve_remote(keys[local:n], list(range(local * ub, n * ub)),
-                                                keep_replica=bool(msg.get("keep", False)))
+                placed = 0
+                if client:
+                    placed = client.retrieve_remote(keys[local:n], list(range(local * ub, n * ub)),
+                                                    keep_replica=bool(msg.get("keep", False)))
                 secs = time.monotonic() - t0
                 exact = []
                 for i, k in enumerate(keys[:local + placed]):
@@ -287,7 +292,12 @@ def _node_main(cfg_json: str) -> None:
                 reply({"ok": True, "lookup": n, "local": local, "placed": placed, "exact": exact,
                        "local_units": res.units if res else 0, "seconds": secs})
             elif op == "stats":
-                reply({"ok": True, "daemon": daemon.stats(), "client": client.stats, "store": store.stats()})
+                reply({"ok": True, "daemon": daemon.stats() if daemon else None,
+                       "client": client.stats if client else None, "store": store.stats(), "dropped": link.dropped})
+            elif op == "evict":
+                gone = [store.remove(int(k)) for k in msg["keys"]]
+                link.flush()
+                reply({"ok": True, "removed": gone})
             elif op == "exit":
                 reply({"ok": True})
                 break
@@ -297,14 +307,16 @@ def _node_main(cfg_json: str) -> None:
             reply({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
     link.close()
     store.close()
-    daemon.stop()
+    if daemon is not None:
+        daemon.stop()
 
 
 class NodeProcess:
     """Test handle of one node process (daemon + engine store), see `_node_main`."""
 
     def __init__(self, name: str, etcd: str, workdir: Path, lease_ttl_s: int = 3, capacity_gb: float = 0.05,
-                 paths: list[str] | None = None, timeout_s: float = 3.0) -> None:
+                 paths: list[str] | None = None, timeout_s: float = 3.0, with_daemon: bool = True,
+                 instance: str = "engine0", data_dir: Path | None = None, mooncake_master: str | None = None) -> None:
         self.name = name
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -313,17 +325,21 @@ class NodeProcess:
             store_dir.mkdir(exist_ok=True)
             paths = [str(store_dir)]
         self.config = {"paths": paths, "capacity_gb": capacity_gb, "unit_tokens": 64,
-                       "data_dir": str(self.workdir), "etcd": etcd, "node_id": name,
-                       "lease_ttl_s": lease_ttl_s, "instance": "engine0"}
+                       "data_dir": str(data_dir or self.workdir), "etcd": etcd, "node_id": name,
+                       "lease_ttl_s": lease_ttl_s, "instance": instance}
+        if mooncake_master:
+            self.config["mooncake_master"] = mooncake_master
         self.timeout_s = timeout_s
         self.log = open(self.workdir / "node.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "node", json.dumps({"config": self.config, "timeout_s": timeout_s})],
+            [sys.executable, __file__, "node",
+             json.dumps({"config": self.config, "timeout_s": timeout_s, "with_daemon": with_daemon})],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=str(self.workdir))
         first = self._read(60.0)
         if not first.get("ready"):
             raise RuntimeError(f"node {name} did not start: {first}")
         self.pid = int(first["pid"])
+        self.attached = bool(first.get("attached"))
 
     def _read(self, timeout: float) -> dict:
         import select
@@ -358,8 +374,54 @@ class NodeProcess:
         self.log.close()
 
 
+def _daemon_main(cfg_json: str) -> None:
+    import logging
+
+    from tutti_cluster import TuttiConfig
+    from tutti_cluster.daemon import run_daemon
+
+    logging.basicConfig(level=logging.INFO)
+
+    def ready(d) -> None:  # type: ignore[no-untyped-def]
+        sys.stdout.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+        sys.stdout.flush()
+
+    run_daemon(TuttiConfig(**json.loads(cfg_json)), ready=ready)
+
+
+class DaemonProcess:
+    """`run_daemon(config)` in its own process, as `tutti up` runs it."""
+
+    def __init__(self, config: dict, log_path: Path) -> None:
+        self.config = config
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, __file__, "daemon", json.dumps(config)],
+                                     stdout=subprocess.PIPE, stderr=self.log)
+        import select
+
+        assert self.proc.stdout is not None
+        r, _, _ = select.select([self.proc.stdout], [], [], 60)
+        line = self.proc.stdout.readline() if r else b""
+        if not line or not json.loads(line).get("ready"):
+            self.stop(signal.SIGKILL)
+            raise RuntimeError(f"daemon did not start (see {log_path})")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "node":
         _node_main(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "daemon":
+        _daemon_main(sys.argv[2])
     else:
-        sys.exit("usage: cluster_fixtures.py node <json>")
+        sys.exit("usage: cluster_fixtures.py node|daemon <json>")

@@ -7,6 +7,10 @@ checks byte-exactness itself.
 
 from __future__ import annotations
 
+import errno
+import shutil
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -131,3 +135,92 @@ def test_etcd_restart_keeping_data(cluster):
     assert wait_for(lambda: nodes["B"].call(op="lookup", keys=KEYS_A)["hits"] == len(KEYS_A), LEASE_TTL * 3 + 5)
     f = nodes["B"].call(op="fetch", keys=KEYS_A)
     assert f["placed"] == len(KEYS_A) and all(f["exact"])
+
+
+def test_master_down_local_and_remote_hits_keep_working(tmp_path: Path):
+    """The replica directory lives in etcd, not in the Mooncake master: losing the master (which the
+    nodes are configured with, as a Mooncake deployment would be) must not cost a hit."""
+    require_etcd()
+    require_mooncake()
+    from cluster_fixtures import MooncakeMaster
+
+    etcd = EtcdServer(tmp_path)
+    etcd.start()
+    master = MooncakeMaster(tmp_path)
+    master.start()
+    nodes = {n: NodeProcess(n, etcd.endpoint, tmp_path, lease_ttl_s=LEASE_TTL, mooncake_master=master.address)
+             for n in ("A", "B", "C")}
+    try:
+        assert nodes["A"].call(op="store", keys=KEYS_A)["ok"]
+        master.stop(signal.SIGKILL)
+        f = nodes["A"].call(op="fetch", keys=KEYS_A)
+        assert f["local"] == len(KEYS_A) and all(f["exact"]) and len(f["exact"]) == len(KEYS_A)
+        f = nodes["B"].call(op="fetch", keys=KEYS_A)
+        assert f["placed"] == len(KEYS_A) and all(f["exact"])
+        # And with etcd down as well, local hits still work.
+        etcd.stop()
+        f = nodes["C"].call(op="fetch", keys=KEYS_A, timeout=30)
+        assert f["ok"] and f["placed"] == 0
+        f = nodes["A"].call(op="fetch", keys=KEYS_A)
+        assert f["local"] == len(KEYS_A) and all(f["exact"]) and len(f["exact"]) == len(KEYS_A)
+    finally:
+        for n in nodes.values():
+            n.close()
+        master.stop()
+        etcd.stop()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    """A 6 MiB tmpfs: a real file system that really runs out of space (needs root/CAP_SYS_ADMIN)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill up (needs root): {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill_up(directory: Path) -> None:
+    """Write a file until the file system says ENOSPC."""
+    with open(directory / "filler", "wb") as f:
+        chunk = b"\0" * (64 << 10)
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+def test_node_with_full_disk_keeps_serving_reads(tmp_path: Path, tiny_tmpfs: Path):
+    require_etcd()
+    require_mooncake()
+    etcd = EtcdServer(tmp_path)
+    etcd.start()
+    ssd = tiny_tmpfs / "ssd"
+    ssd.mkdir()
+    # Node A keeps its pool and its daemon state on the tiny file system.
+    a = NodeProcess("A", etcd.endpoint, tiny_tmpfs, lease_ttl_s=LEASE_TTL, paths=[str(ssd)], capacity_gb=0.004)
+    b = NodeProcess("B", etcd.endpoint, tmp_path, lease_ttl_s=LEASE_TTL)
+    try:
+        assert a.call(op="store", keys=KEYS_A)["units"] == len(KEYS_A)
+        fill_up(tiny_tmpfs)
+        assert shutil.disk_usage(tiny_tmpfs).free < (64 << 10)
+        f = b.call(op="fetch", keys=KEYS_A)
+        assert f["placed"] == len(KEYS_A) and f["exact"] == [True] * len(KEYS_A), f
+        f = a.call(op="fetch", keys=KEYS_A)
+        assert f["local"] == len(KEYS_A) and f["exact"] == [True] * len(KEYS_A), f
+        # Writes on the full node fail soft or land in the preallocated pool; reads go on either way.
+        r = a.call(op="store", keys=[0xF000, 0xF001])
+        assert "ok" in r
+        f = b.call(op="fetch", keys=KEYS_A[:3])
+        assert f["placed"] >= 1 and all(f["exact"])
+        assert a.call(op="stats")["ok"]
+    finally:
+        b.close()
+        a.close()
+        etcd.stop()

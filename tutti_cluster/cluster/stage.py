@@ -164,11 +164,15 @@ class StageServer:
             return "not found"
         n = len(data)
         with self._slot_lock:
-            if self.transfer.slot_bytes < n:
+            # The first unit sizes the slots (all units of one model have one size); the size never
+            # changes under a running stream.
+            if self.transfer.slot_bytes == 0:
                 try:
                     self.transfer.configure(n)
                 except TuttiError as exc:
                     return f"staging: {exc}"
+            if n > self.transfer.slot_bytes:
+                return f"staging: unit of {n} bytes exceeds the {self.transfer.slot_bytes}-byte slots"
         addr = self.transfer.acquire(self.slot_timeout_s)
         if addr is None:
             return "busy"
@@ -233,8 +237,11 @@ class StageStream:
                     self.miss = str(msg["miss"])
                     return
                 n = int(msg["len"])
-                if n > self.transfer.slot_bytes:
+                if self.transfer.slot_bytes == 0:
                     self.transfer.configure(n)
+                if n > self.transfer.slot_bytes:
+                    self.error = f"unit of {n} bytes exceeds the {self.transfer.slot_bytes}-byte local slots"
+                    return
                 if local is None:
                     local = self.transfer.acquire(self.timeout_s)
                     if local is None:

@@ -1,0 +1,128 @@
+"""Transfer path with raw buffers: stage endpoint + Mooncake Transfer Engine (TCP, P2P handshake).
+
+The owner's unit source here is a dict of random byte strings (the transfer path does not look
+inside units); the store-backed path is covered by test_cluster.py and test_daemon.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from cluster_fixtures import free_port, require_mooncake
+from tutti_cluster.errors import ConfigError
+
+pytestmark = pytest.mark.cluster
+
+UNIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def engines():
+    require_mooncake()
+    from tutti_cluster.cluster.transfer import TransferNode
+
+    owner = TransferNode(arena_bytes=4 * UNIT, slot_bytes=UNIT)
+    requester = TransferNode(arena_bytes=2 * UNIT, slot_bytes=UNIT)
+    yield owner, requester
+    owner.close()
+    requester.close()
+
+
+@pytest.fixture
+def served(engines):
+    from tutti_cluster.cluster.stage import StageServer
+
+    owner, requester = engines
+    units = {k: os.urandom(UNIT - 4096 * (k % 3)) for k in range(1, 9)}
+    srv = StageServer(owner, units.get, max_window=3, idle_timeout_s=5).start()
+    yield owner, requester, units, srv
+    srv.stop()
+
+
+def test_stream_is_byte_exact_and_in_order(served):
+    from tutti_cluster.cluster.stage import StageStream
+
+    owner, requester, units, srv = served
+    keys = list(range(1, 9))
+    for window in (1, 2, 3, 8):
+        got = [(k, bytes(v)) for k, v in StageStream(requester, srv.address, owner.segment, keys, window=window)]
+        assert [k for k, _ in got] == keys
+        assert all(v == units[k] for k, v in got)
+    assert srv.stats.units_staged == 4 * len(keys)
+    # Every slot came back to both arenas.
+    assert owner.acquire(0) is not None and requester.acquire(0) is not None
+
+
+def test_stream_stops_at_the_first_miss(served):
+    from tutti_cluster.cluster.stage import StageStream
+
+    owner, requester, units, srv = served
+    s = StageStream(requester, srv.address, owner.segment, [1, 2, 99, 3])
+    assert [k for k, _ in s] == [1, 2]
+    assert s.miss == "not found" and s.error is None
+
+
+def test_unit_larger_than_a_slot_is_a_miss(engines):
+    from tutti_cluster.cluster.stage import StageServer, StageStream
+
+    owner, requester = engines
+    srv = StageServer(owner, {1: b"x" * 100, 2: b"y" * (UNIT + 1)}.get).start()
+    try:
+        s = StageStream(requester, srv.address, owner.segment, [1, 2])
+        assert [bytes(v) for _, v in s] == [b"x" * 100]
+        assert s.miss and s.miss.startswith("staging")
+    finally:
+        srv.stop()
+
+
+def test_unreachable_owner_ends_the_stream_without_raising(engines):
+    from tutti_cluster.cluster.stage import StageStream, ping
+
+    owner, requester = engines
+    addr = f"127.0.0.1:{free_port()}"
+    s = StageStream(requester, addr, owner.segment, [1, 2], timeout_s=1)
+    assert list(s) == [] and s.error and "connect" in s.error
+    assert not ping(addr, 0.5)
+
+
+def test_wrong_segment_is_a_transfer_failure_not_an_exception(served):
+    from tutti_cluster.cluster.stage import StageStream
+
+    owner, requester, units, srv = served
+    s = StageStream(requester, srv.address, f"127.0.0.1:{free_port()}", [1, 2], timeout_s=2)
+    assert list(s) == [] and s.error
+
+
+def test_dropped_requester_returns_its_slots(served):
+    owner, requester, units, srv = served
+    host, port = srv.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        f = s.makefile("rwb")
+        f.write(json.dumps({"op": "stage", "keys": [1, 2, 3], "window": 3}).encode() + b"\n")
+        f.flush()
+        announced = [json.loads(f.readline()) for _ in range(3)]
+        assert all("addr" in m for m in announced)
+    # The server notices the close and reclaims the three slots it had lent.
+    import time
+
+    deadline = time.monotonic() + 5
+    while srv.stats.reclaimed_slots < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.stats.reclaimed_slots == 3
+    from tutti_cluster.cluster.stage import ping
+
+    assert ping(srv.address)
+
+
+def test_bad_settings_are_config_errors():
+    require_mooncake()
+    from tutti_cluster.cluster.transfer import TransferNode
+
+    with pytest.raises(ConfigError):
+        TransferNode(protocol="udp")
+    with pytest.raises(ConfigError):
+        TransferNode(arena_bytes=0)

@@ -1,0 +1,183 @@
+"""Node daemon: shares, node-wide index from pool headers, and independence of daemon and engines.
+
+Engines and daemons run as separate processes (`cluster_fixtures.NodeProcess` with_daemon=False and
+`cluster_fixtures.DaemonProcess`, which runs `run_daemon` as `tutti up` does).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster_fixtures import (DaemonProcess, EtcdServer, NodeProcess, require_etcd, require_mooncake,
+                              unit_payload)
+from tutti_cluster import TuttiConfig
+from tutti_cluster.daemon import DaemonLink, NodeDaemon, socket_path
+from tutti_cluster.errors import CapacityExceeded, ConfigError
+
+KEYS = [0x5000 + i for i in range(5)]
+
+
+def daemon_config(tmp_path: Path, **extra) -> dict:
+    ssd = tmp_path / "ssd"
+    ssd.mkdir(exist_ok=True)
+    return {"paths": [str(ssd)], "capacity_gb": 0.05, "unit_tokens": 64, "data_dir": str(tmp_path / "node"),
+            **extra}
+
+
+def ask(cfg: dict, **msg) -> dict:
+    link = DaemonLink(TuttiConfig(**cfg), timeout_s=2.0)
+    try:
+        return link.request(msg)
+    finally:
+        link.close()
+
+
+def engine(tmp_path: Path, cfg: dict, name: str = "engine0", etcd: str = "") -> NodeProcess:
+    return NodeProcess(name, etcd, tmp_path, paths=cfg["paths"], capacity_gb=0.02, with_daemon=False,
+                       instance=name, data_dir=Path(cfg["data_dir"]))
+
+
+def test_run_daemon_stops_on_sigterm_and_removes_its_socket(tmp_path: Path):
+    cfg = daemon_config(tmp_path)
+    d = DaemonProcess(cfg, tmp_path / "daemon.log")
+    assert ask(cfg, op="ping")["ok"]
+    assert d.stop(signal.SIGTERM) == 0
+    assert not socket_path(TuttiConfig(**cfg)).exists()
+
+
+def test_index_follows_engine_commits_and_is_rebuilt_from_headers(tmp_path: Path):
+    cfg = daemon_config(tmp_path)
+    d = DaemonProcess(cfg, tmp_path / "daemon.log")
+    e = engine(tmp_path, cfg)
+    try:
+        assert e.attached
+        assert e.call(op="store", keys=KEYS)["units"] == len(KEYS)
+        assert ask(cfg, op="lookup", keys=KEYS + [1])["local"] == len(KEYS)
+        assert e.call(op="evict", keys=KEYS[2:3])["removed"] == [True]
+        assert ask(cfg, op="lookup", keys=KEYS)["local"] == 2
+        # A crashed daemon comes back with the index rebuilt from the pool headers.
+        d.stop(signal.SIGKILL)
+        d = DaemonProcess(cfg, tmp_path / "daemon.log")
+        assert ask(cfg, op="lookup", keys=KEYS)["local"] == 2
+        assert ask(cfg, op="lookup", keys=KEYS[3:])["local"] == 2
+        st = ask(cfg, op="stats")
+        assert st["units"] == len(KEYS) - 1 and "engine0" in st["instances"]
+    finally:
+        e.close()
+        d.stop()
+
+
+def test_engine_keeps_working_when_the_daemon_dies(tmp_path: Path):
+    cfg = daemon_config(tmp_path)
+    d = DaemonProcess(cfg, tmp_path / "daemon.log")
+    e = engine(tmp_path, cfg)
+    try:
+        assert e.call(op="store", keys=KEYS[:2])["ok"]
+        d.stop(signal.SIGKILL)
+        r = e.call(op="store", keys=KEYS[2:], timeout=20)
+        assert r["ok"] and r["units"] == 3, r
+        f = e.call(op="fetch", keys=KEYS)
+        assert f["local"] == len(KEYS) and all(f["exact"]) and len(f["exact"]) == len(KEYS)
+        assert e.call(op="stats")["dropped"] >= 1  # the notifications had nowhere to go
+        # A new daemon knows the units committed while it was away (headers are the truth).
+        d = DaemonProcess(cfg, tmp_path / "daemon.log")
+        assert ask(cfg, op="lookup", keys=KEYS)["local"] == len(KEYS)
+        # And the engine's link re-attaches by itself with its next notification.
+        assert e.call(op="store", keys=[0x6000])["ok"]
+        deadline = time.monotonic() + 10
+        while ask(cfg, op="lookup", keys=[0x6000])["local"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ask(cfg, op="lookup", keys=[0x6000])["local"] == 1
+    finally:
+        e.close()
+        d.stop()
+
+
+def test_daemon_keeps_serving_a_dead_engines_units_to_other_nodes(tmp_path: Path):
+    """SIGKILL the engine of node A: A's daemon still serves its units, byte-exact, to node B."""
+    require_etcd()
+    require_mooncake()
+    etcd = EtcdServer(tmp_path)
+    etcd.start()
+    cfg = daemon_config(tmp_path, etcd=etcd.endpoint, node_id="A", lease_ttl_s=3)
+    d = DaemonProcess(cfg, tmp_path / "daemon.log")
+    a = engine(tmp_path, cfg, etcd=etcd.endpoint)
+    b = NodeProcess("B", etcd.endpoint, tmp_path, lease_ttl_s=3)
+    try:
+        assert a.call(op="store", keys=KEYS)["units"] == len(KEYS)
+        a.kill()
+        assert ask(cfg, op="ping")["ok"]
+        f = b.call(op="fetch", keys=KEYS)
+        assert f["ok"] and f["placed"] == len(KEYS) and f["exact"] == [True] * len(KEYS), f
+        st = ask(cfg, op="stats")
+        assert st["stage"]["units_staged"] >= len(KEYS)
+    finally:
+        b.close()
+        a.close()
+        d.stop()
+        etcd.stop()
+
+
+def test_capacity_shares(tmp_path: Path):
+    cfg = TuttiConfig(**daemon_config(tmp_path))
+    total = cfg.capacity_bytes()[0]
+    d = NodeDaemon(cfg).start()
+    try:
+        geo = {"num_layers": 1, "nptr": 2, "block_stride": 4096, "block_bytes": 4096, "num_blocks": 8,
+               "dtype": "uint8", "block_shape": [4096], "block_tokens": 16, "unit_tokens": 64}
+        link = DaemonLink(cfg)
+        r1 = link.request({"op": "attach", "instance": "e1", "geometry": geo, "capacity": [total // 3]})
+        assert r1["capacity"] == [total // 3]
+        r2 = link.request({"op": "attach", "instance": "e2", "geometry": geo, "capacity": [total]})
+        assert r2["capacity"] == [total - total // 3]  # capped by what is left
+        with pytest.raises(CapacityExceeded):
+            link.request({"op": "attach", "instance": "e3", "geometry": geo, "capacity": [1 << 20]})
+        # A returning instance keeps its share.
+        assert link.request({"op": "attach", "instance": "e1", "geometry": geo})["capacity"] == [total // 3]
+        with pytest.raises(ConfigError):
+            link.request({"op": "no-such-op"})
+        with pytest.raises(ConfigError):
+            link.request({"op": "attach", "instance": "a/b", "geometry": geo})
+        link.close()
+        # Malformed lines get an error reply; the connection and the daemon keep going.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2)
+            s.connect(str(socket_path(cfg)))
+            f = s.makefile("rwb")
+            f.write(b"not json\n{\"op\": \"ping\"}\n")
+            f.flush()
+            assert json.loads(f.readline())["ok"] is False
+            assert json.loads(f.readline())["ok"] is True
+        state = json.loads((Path(cfg.data_dir) / "instances.json").read_text())
+        assert set(state) == {"e1", "e2"}
+    finally:
+        d.stop()
+
+
+def test_second_daemon_on_one_data_dir_is_refused(tmp_path: Path):
+    cfg = TuttiConfig(**daemon_config(tmp_path))
+    d = NodeDaemon(cfg).start()
+    try:
+        with pytest.raises(ConfigError):
+            NodeDaemon(cfg).start()
+        assert DaemonLink(cfg).request({"op": "ping"})["ok"]
+    finally:
+        d.stop()
+
+
+def test_engine_without_daemon_works_alone(tmp_path: Path):
+    cfg = daemon_config(tmp_path)
+    e = engine(tmp_path, cfg)
+    try:
+        assert not e.attached
+        assert e.call(op="store", keys=KEYS)["units"] == len(KEYS)
+        f = e.call(op="fetch", keys=KEYS)
+        assert f["local"] == len(KEYS) and all(f["exact"])
+    finally:
+        e.close()
