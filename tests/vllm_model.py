@@ -1,0 +1,89 @@
+"""A tiny random-weight Llama model and a one-shot vLLM driver for the connector's end-to-end tests.
+
+vLLM engines do not shut down cleanly inside one process, so every engine run is its own process::
+
+    python tests/vllm_model.py make MODEL_DIR
+    python tests/vllm_model.py run MODEL_DIR OUT.json [KV_TRANSFER_CONFIG_JSON]
+
+``run`` generates greedily for :func:`prompts` (requests sharing a long prefix, longer than
+``max_num_batched_tokens`` so prefill is chunked) and writes the output token ids and vLLM's
+prefix-cache metrics to ``OUT.json``. Nothing is downloaded: the model is made locally and the
+prompts are token ids (``skip_tokenizer_init``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
+MAX_BATCHED_TOKENS = 256  # below the prompt length: chunked prefill
+VOCAB = 1024
+
+
+def make_model(path: str) -> None:
+    """Saves a 2-layer Llama (hidden 128, 4 heads, 2 KV heads of 32) with seeded random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(path)
+
+
+def prompts(n: int = 3, prefix_tokens: int = 600, suffix_tokens: int = 40, seed: int = 1) -> list[list[int]]:
+    """``n`` prompts sharing a ``prefix_tokens`` prefix, each with its own suffix."""
+    r = random.Random(seed)
+    prefix = [r.randrange(1, VOCAB) for _ in range(prefix_tokens)]
+    return [prefix + [r.randrange(1, VOCAB) for _ in range(suffix_tokens)] for _ in range(n)]
+
+
+def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=2048,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS, dtype="float32", enforce_eager=True,
+        enable_prefix_caching=True, disable_log_stats=False, seed=0,
+        kv_transfer_config=kv_transfer_config,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params)
+    metrics: dict[str, float] = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)):
+            metrics[m.name] = metrics.get(m.name, 0) + value
+    result = {
+        "outputs": [list(o.outputs[0].token_ids) for o in outs],
+        "metrics": metrics,
+        "seconds": time.monotonic() - t0,
+    }
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) >= 2 and argv[0] == "make":
+        make_model(argv[1])
+    elif len(argv) >= 3 and argv[0] == "run":
+        run(argv[1], argv[2], json.loads(argv[3]) if len(argv) > 3 else None)
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,754 @@
+"""vLLM v1 KV connector backed by a Tutti store: ``TuttiConnector``.
+
+Load it by module path (vLLM 0.32 / 0.33 ``KVConnectorBase_V1`` API)::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TuttiConnector",
+        "kv_connector_module_path": "tutti_cluster.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"paths": ["/mnt/nvme0"], "unit_tokens": 256}}'
+
+The connector is split as vLLM splits it:
+
+- **Scheduler role** (engine-core process): answers ``get_num_new_matched_tokens`` from the set of
+  unit keys present in the workers' stores. That set starts from the keys each worker found on disk
+  when it opened its share of the file pool (sent once through the connector handshake) and then
+  follows every commit and eviction the workers report after each step, so a fresh engine sees the
+  units an earlier engine committed and no lookup touches storage.
+- **Worker role** (one per GPU/CPU worker rank): opens one :class:`~tutti_cluster.TuttiStore`
+  instance per rank (``<instance>-r<rank>``), registers vLLM's paged KV tensors, and maps the
+  layer-wise hooks onto the store: ``start_load_kv``/``wait_for_layer_load`` onto ``retrieve_layer``
+  and ``wait_layer``, ``save_kv_layer``/``wait_for_save`` onto ``store_layer``, ``wait_layer`` and
+  ``finish``.
+
+Keys: a cache unit is ``unit_tokens // block_size`` consecutive vLLM blocks. vLLM's block hashes
+chain over the whole prefix, so the hash of a unit's last block names the unit; the store key is
+that hash combined with a namespace (model, dtype, block size, parallel layout) and the worker rank.
+
+A unit that fails to load (missing, evicted since the lookup, checksum mismatch) is reported through
+``get_block_ids_with_load_errors``; with ``kv_load_failure_policy: "recompute"`` vLLM recomputes it.
+Saves are finished inside ``wait_for_save``, so blocks are never freed under an unfinished write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from math import prod
+from typing import TYPE_CHECKING, Any
+
+from tutti_cluster.config import TuttiConfig, load_config
+from tutti_cluster.errors import ConfigError, LayoutError, TuttiError
+from tutti_cluster.keys import to_key
+from tutti_cluster.kv_layout import LayerKV, layer_kv_from_tensor
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorWorkerMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
+except ImportError as e:  # vLLM is the optional extra ``tutti-cluster[vllm]``
+    raise ImportError("tutti_cluster.vllm needs vLLM: pip install 'tutti-cluster[vllm]'") from e
+
+try:  # present from vLLM 0.32 on; older releases label every external hit the same way
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _DISK_SOURCE: Any = CacheHitSource.DISK
+except ImportError:  # pragma: no cover - depends on the vLLM release
+    _DISK_SOURCE = None
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ConnectorOptions",
+    "TuttiConnector",
+    "TuttiConnectorStats",
+    "connector_config",
+    "layer_kv_from_vllm",
+    "unit_hashes",
+]
+
+# Keys of kv_connector_extra_config that belong to the connector rather than to TuttiConfig.
+_CONNECTOR_KEYS = ("load_async", "namespace")
+_STAT_KEYS = (
+    "lookup_hit_units",
+    "load_units",
+    "load_failed_units",
+    "store_units",
+    "store_skipped_units",
+    "store_failed_units",
+)
+
+
+# ---- configuration ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """Connector settings that are not store settings.
+
+    ``load``/``save`` follow ``kv_role``: a ``kv_producer`` only saves, a ``kv_consumer`` only loads,
+    ``kv_both`` does both. ``load_async`` makes loads run between scheduler steps (vLLM's
+    WAITING_FOR_REMOTE_KVS) instead of inside the step that needs them. ``namespace`` overrides the
+    model identity mixed into every key (default: model path, dtype, block size, parallel layout).
+    """
+
+    load: bool = True
+    save: bool = True
+    load_async: bool = False
+    namespace: str | None = None
+
+
+def _as_bool(name: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return v.lower() in ("1", "true", "yes", "on")
+    raise ConfigError(f"kv_connector_extra_config.{name} must be a boolean, got {v!r}")
+
+
+def connector_config(extra: dict[str, Any] | None, kv_role: str | None = None) -> tuple[TuttiConfig, ConnectorOptions]:
+    """Splits ``kv_connector_extra_config`` into a :class:`TuttiConfig` and :class:`ConnectorOptions`.
+
+    Every :class:`TuttiConfig` field may appear in ``extra``; fields it leaves out come from the
+    ``TUTTI_*`` environment, then ``TUTTI_CONFIG_FILE``, then defaults (so ``TUTTI_PATHS`` sets the
+    storage paths). Unknown keys raise :class:`ConfigError`.
+    """
+    extra = dict(extra or {})
+    conn = {k: extra.pop(k) for k in _CONNECTOR_KEYS if k in extra}
+    unknown = sorted(k for k in extra if k not in TuttiConfig.model_fields)
+    if unknown:
+        raise ConfigError(
+            f"unknown kv_connector_extra_config keys {unknown}; allowed: "
+            f"{sorted([*TuttiConfig.model_fields, *_CONNECTOR_KEYS])}"
+        )
+    cfg = load_config(**extra)
+    role = kv_role or "kv_both"
+    if role not in ("kv_both", "kv_producer", "kv_consumer"):
+        raise ConfigError(f"kv_role must be kv_both, kv_producer or kv_consumer, got {role!r}")
+    ns = conn.get("namespace")
+    if ns is not None and not isinstance(ns, str):
+        raise ConfigError("kv_connector_extra_config.namespace must be a string")
+    opts = ConnectorOptions(
+        load=role != "kv_producer",
+        save=role != "kv_consumer",
+        load_async=_as_bool("load_async", conn.get("load_async", False)),
+        namespace=ns,
+    )
+    return cfg, opts
+
+
+# ---- keys ---------------------------------------------------------------------------------------
+def unit_hashes(block_hashes: list[Any], unit_hash_blocks: int, num_units: int) -> list[bytes]:
+    """The hash naming each of the first ``num_units`` units: that of the unit's last hash block.
+
+    ``unit_hash_blocks`` is how many of vLLM's hash blocks make one unit. vLLM chains its block hashes
+    (each covers the parent's), so the last one names the unit's whole prefix.
+    """
+    n = min(num_units, len(block_hashes) // unit_hash_blocks)
+    return [bytes(block_hashes[(u + 1) * unit_hash_blocks - 1]) for u in range(n)]
+
+
+def _namespace(vllm_config: VllmConfig, opts: ConnectorOptions, unit_tokens: int) -> bytes:
+    if opts.namespace is not None:
+        ident = opts.namespace
+    else:
+        mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+        ident = "|".join(
+            str(x)
+            for x in (
+                mc.model,
+                getattr(mc, "revision", None),
+                mc.dtype,
+                cc.cache_dtype,
+                cc.block_size,
+                pc.tensor_parallel_size,
+                pc.pipeline_parallel_size,
+            )
+        )
+    return hashlib.blake2b(f"tutti-vllm|{ident}|{unit_tokens}".encode(), digest_size=16).digest()
+
+
+def _rank_prefix(namespace: bytes, rank: int) -> bytes:
+    return namespace + rank.to_bytes(4, "little")
+
+
+def _key(prefix: bytes, unit_hash: bytes) -> int:
+    return to_key(prefix + unit_hash)
+
+
+# ---- KV layout ----------------------------------------------------------------------------------
+def layer_kv_from_vllm(t: Any, num_blocks: int) -> LayerKV:
+    """Describes one layer's paged KV cache as vLLM hands it to ``register_kv_caches``.
+
+    Accepted forms, told apart by where ``num_blocks`` sits:
+
+    - vLLM's standardised per-layer view ``[B, H, N, C]`` (blocks outermost; K and V inside each
+      block, MLA with ``H == 1``): one object per block. A view with ``k * num_blocks`` kernel blocks
+      (virtual block splitting) maps ``k`` consecutive kernel blocks onto one block when they are
+      dense. Layouts whose blocks are not contiguous (``LHBNC``: heads outside blocks) are refused.
+    - legacy ``[2, num_blocks, ...]`` (K and V planes) and a ``(K, V)`` pair of tensors.
+    """
+    if isinstance(t, (tuple, list)):
+        return layer_kv_from_tensor(tuple(t), "kv_tuple")
+    shape = tuple(t.shape)
+    if len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks and num_blocks != 2:
+        return layer_kv_from_tensor(t, "kv_first")
+    if not shape or shape[0] % num_blocks:
+        raise LayoutError(f"KV cache of shape {shape} has no dimension of {num_blocks} blocks")
+    ratio = shape[0] // num_blocks
+    if ratio == 1:
+        try:
+            return layer_kv_from_tensor(t, "interleaved")
+        except LayoutError as e:
+            raise LayoutError(
+                f"KV cache {shape} strides {tuple(t.stride())}: each block must be contiguous "
+                "(use a block-compact layout such as LBHNC or LBNHC)"
+            ) from e
+    # ratio kernel blocks per block: only dense tensors keep a block contiguous.
+    es = t.element_size()
+    inner = prod(shape[1:])
+    if not t.is_contiguous():
+        raise LayoutError(f"KV cache {shape} splits blocks into {ratio} kernel blocks and is not dense")
+    return LayerKV(
+        (t.data_ptr(),), inner * ratio * es, inner * ratio * es, num_blocks,
+        "cuda" if str(t.device).startswith("cuda") else str(t.device),
+        str(t.dtype).replace("torch.", ""), (ratio, *shape[1:]),
+    )
+
+
+# ---- metadata passed between the roles ----------------------------------------------------------
+@dataclass
+class _Transfer:
+    """One request's units to move this step: ``hashes[i]`` names unit ``i``; its blocks are
+    ``block_ids[i * unit_blocks : (i + 1) * unit_blocks]``."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class TuttiConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    loads: list[_Transfer] = field(default_factory=list)
+    async_loads: list[_Transfer] = field(default_factory=list)
+    saves: list[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class TuttiWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step: keys that became present or absent in the stores."""
+
+    committed: list[int] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TuttiWorkerMetadata)
+        return TuttiWorkerMetadata(self.committed + other.committed, self.evicted + other.evicted)
+
+
+@dataclass
+class TuttiHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at start: the keys its store found on disk."""
+
+    rank: int
+    keys: list[int]
+
+
+# ---- stats --------------------------------------------------------------------------------------
+@dataclass
+class TuttiConnectorStats(KVConnectorStats):
+    """Unit counters of one interval, summed over workers and the scheduler."""
+
+    def __post_init__(self) -> None:
+        for k in _STAT_KEYS:
+            self.data.setdefault(k, 0)
+
+    def add(self, name: str, n: int) -> None:
+        self.data[name] = self.data.get(name, 0) + int(n)
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in _STAT_KEYS}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + int(v)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: int(v) for k, v in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def take(self) -> TuttiConnectorStats | None:
+        """Returns the counts so far (None if all zero) and starts a new interval."""
+        if self.is_empty():
+            return None
+        out = TuttiConnectorStats(data=dict(self.data))
+        self.reset()
+        return out
+
+
+class TuttiPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per stat: ``vllm:tutti_<stat>_total`` (units)."""
+
+    _DOC = {
+        "lookup_hit_units": "Cache units found in the Tutti store by scheduler lookups.",
+        "load_units": "Cache units the Tutti store loaded into KV blocks.",
+        "load_failed_units": "Cache units whose load failed (missing or corrupt) and were recomputed.",
+        "store_units": "Cache units committed to the Tutti store.",
+        "store_skipped_units": "Cache units not stored because the store already held them.",
+        "store_failed_units": "Cache units whose store failed (capacity or I/O).",
+    }
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[tuple[int, str], Any] = {}
+        for name in _STAT_KEYS:
+            counter = self._counter_cls(name=f"vllm:tutti_{name}", documentation=self._DOC[name],
+                                        labelnames=labelnames)
+            for idx, values in per_engine_labelvalues.items():
+                self._counters[(idx, name)] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, v in transfer_stats_data.items():
+            c = self._counters.get((engine_idx, name))
+            if c is not None and v:
+                c.inc(v)
+
+
+# ---- the connector ------------------------------------------------------------------------------
+@dataclass
+class _ReqState:
+    request: Any
+    save_next: int = 0  # first unit not yet stored (or known present)
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _InFlight:
+    transfer: _Transfer
+    handle: int
+    keys: list[int]
+
+
+class TuttiConnector(KVConnectorBase_V1):
+    """KV connector that serves and persists prefix KV through a Tutti store (see module docs)."""
+
+    # Loads come from SSD-backed storage.
+    if _DISK_SOURCE is not None:
+        _cache_hit_source = _DISK_SOURCE
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        tcfg = self._kv_transfer_config
+        self.config, self.options = connector_config(tcfg.kv_connector_extra_config, tcfg.kv_role)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.unit_tokens = int(self.config.unit_tokens)
+        if self.unit_tokens % self.block_size:
+            raise ConfigError(f"unit_tokens ({self.unit_tokens}) must be a multiple of the vLLM block size ({self.block_size})")
+        self.unit_blocks = self.unit_tokens // self.block_size
+        hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
+        if self.unit_tokens % hash_block:
+            raise ConfigError(f"unit_tokens ({self.unit_tokens}) must be a multiple of the hash block size ({hash_block})")
+        self.unit_hash_blocks = self.unit_tokens // hash_block
+        if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ConfigError("TuttiConnector supports one KV cache group (disable the hybrid KV cache manager)")
+        pc = vllm_config.parallel_config
+        self.world = int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
+        self.namespace = _namespace(vllm_config, self.options, self.unit_tokens)
+        self._prefixes = [_rank_prefix(self.namespace, r) for r in range(self.world)]
+        self._stats = TuttiConnectorStats()
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    # ================================ scheduler role ================================
+    def _init_scheduler(self) -> None:
+        self._present: set[int] = set()
+        self._reqs: dict[str, _ReqState] = {}
+        self._lookups: dict[str, int] = {}  # req_id -> hit units of the latest lookup
+        self._pending_loads: list[_Transfer] = []
+        self._pending_async: list[_Transfer] = []
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        for m in metadata.values():
+            if isinstance(m, TuttiHandshake):
+                self._present.update(m.keys)
+        log.info("Tutti connector: %d units present in the workers' stores", len(self._present))
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+        # Every pipeline stage has its own store; all of them report their keys.
+        self.set_xfer_handshake_metadata({i: m for i, m in enumerate(metadata.values())})
+
+    def _hits(self, hashes: list[bytes]) -> int:
+        """Leading units present on every rank."""
+        n = len(hashes)
+        for prefix in self._prefixes:
+            i = 0
+            while i < n and _key(prefix, hashes[i]) in self._present:
+                i += 1
+            n = i
+            if n == 0:
+                break
+        return n
+
+    def _hashes(self, request: Request, num_units: int) -> list[bytes]:
+        return unit_hashes(list(request.block_hashes), self.unit_hash_blocks, num_units)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` whose whole units the stores hold.
+
+        At least the last prompt token is left to compute. Side-effect free for vLLM; the lookup is
+        remembered for ``update_state_after_alloc``.
+        """
+        if not self.options.load:
+            return 0, False
+        max_units = max(request.num_tokens - 1, 0) // self.unit_tokens
+        hits = self._hits(self._hashes(request, max_units)) if max_units else 0
+        self._lookups[request.request_id] = hits
+        ext = hits * self.unit_tokens - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, self.options.load_async
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        hits = self._lookups.pop(req_id, None)
+        if hits is None:
+            max_units = max(request.num_tokens - 1, 0) // self.unit_tokens
+            hits = self._hits(self._hashes(request, max_units)) if max_units else 0
+        state = self._reqs.get(req_id)
+        if state is None or num_external_tokens > 0:
+            state = _ReqState(request=request, save_next=hits)
+            self._reqs[req_id] = state
+        else:
+            state.request = request
+        if num_external_tokens <= 0:
+            return
+        end = hits * self.unit_tokens
+        first = (end - num_external_tokens) // self.unit_tokens
+        (block_ids,) = blocks.get_block_ids()[:1]
+        hashes = self._hashes(request, hits)[first:hits]
+        ids = list(block_ids[first * self.unit_blocks : hits * self.unit_blocks])
+        if len(ids) != len(hashes) * self.unit_blocks:
+            log.warning("request %s: %d blocks allocated for %d units; not loading", req_id, len(ids), len(hashes))
+            return
+        self._stats.add("lookup_hit_units", len(hashes))
+        t = _Transfer(req_id, hashes, ids)
+        (self._pending_async if self.options.load_async else self._pending_loads).append(t)
+
+    def _track_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if st is None or new_ids is None:
+                continue
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0])
+            else:
+                st.block_ids.extend(new_ids[0])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        """Loads decided since the last step, and saves of units whose last token is computed this step."""
+        self._track_blocks(scheduler_output)
+        meta = TuttiConnectorMetadata(loads=self._pending_loads, async_loads=self._pending_async)
+        self._pending_loads, self._pending_async = [], []
+        if not self.options.save:
+            return meta
+        computed: dict[str, int] = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            computed[req_id] = cached.num_computed_tokens[i]
+        seen: set[bytes] = set()
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or req_id not in computed:
+                continue
+            req = st.request
+            done = min(computed[req_id] + n_sched, req.num_prompt_tokens)
+            end_unit = done // self.unit_tokens
+            if end_unit <= st.save_next:
+                continue
+            hashes = self._hashes(req, end_unit)
+            end_unit = min(end_unit, len(hashes), len(st.block_ids) // self.unit_blocks)
+            units = [u for u in range(st.save_next, end_unit)
+                     if hashes[u] not in seen
+                     and not all(_key(p, hashes[u]) in self._present for p in self._prefixes)]
+            st.save_next = max(st.save_next, end_unit)
+            if not units:
+                continue
+            seen.update(hashes[u] for u in units)
+            ids: list[int] = []
+            for u in units:
+                ids.extend(st.block_ids[u * self.unit_blocks : (u + 1) * self.unit_blocks])
+            meta.saves.append(_Transfer(req_id, [hashes[u] for u in units], ids))
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, TuttiWorkerMetadata):
+            self._present.update(meta.committed)
+            self._present.difference_update(meta.evicted)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves finish inside the step that issued them, so the blocks can be freed now.
+        self._reqs.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
+        return False, None
+
+    # ================================ worker role ================================
+    def _init_worker(self) -> None:
+        self.store: Any = None
+        self.rank = 0
+        self._layer_index: dict[str, int] = {}
+        self._owner_layer: dict[str, bool] = {}
+        self._loads: list[_InFlight] = []
+        self._async: list[_InFlight] = []
+        self._saves: list[_InFlight] = []
+        self._saves_started = False
+        self._saved_layers: set[int] = set()
+        self._invalid: set[int] = set()
+        self._finished_recving: set[str] = set()
+        self._committed: list[int] = []
+        self._evicted: list[int] = []
+
+    def _worker_rank(self) -> int:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            tp = get_tp_group()
+            return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
+        except (ImportError, AssertionError, AttributeError):  # parallel state not initialised: one rank
+            return 0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Opens this rank's store instance and registers every attention layer's KV blocks."""
+        from tutti_cluster.store import TuttiStore
+
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        layers: list[LayerKV] = []
+        by_ptr: dict[int, int] = {}
+        for name, t in kv_caches.items():
+            first = t[0] if isinstance(t, (tuple, list)) else t
+            ptr = first.data_ptr()
+            if ptr in by_ptr:  # a layer that shares an earlier layer's KV (cross-layer KV sharing)
+                self._layer_index[name] = by_ptr[ptr]
+                self._owner_layer[name] = False
+                continue
+            by_ptr[ptr] = len(layers)
+            self._layer_index[name] = len(layers)
+            self._owner_layer[name] = True
+            layers.append(layer_kv_from_vllm(t, num_blocks))
+        self.rank = self._worker_rank()
+        pc = self._vllm_config.parallel_config
+        instance = f"{self.config.instance}-r{self.rank}"
+        if int(getattr(pc, "data_parallel_size", 1)) > 1:
+            instance += f"-dp{int(getattr(pc, 'data_parallel_rank', 0))}"
+        self.store = TuttiStore(self.config.model_copy(update={"instance": instance}))
+        self.store.register_kv_caches(layers, block_tokens=self.block_size)
+        self.store.on_commit = self._committed.append
+        self.store.on_evict = self._evicted.append
+        self._prefix = self._prefixes[self.rank] if self.rank < len(self._prefixes) else _rank_prefix(self.namespace, self.rank)
+        log.info("Tutti connector rank %d: instance %s, %d layers, %d blocks/unit, %d units on disk",
+                 self.rank, instance, len(layers), self.unit_blocks, len(self.store.keys()))
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self.store is None:
+            return None
+        return TuttiHandshake(rank=self.rank, keys=self.store.keys())
+
+    def _begin(self, t: _Transfer, load: bool) -> _InFlight | None:
+        keys = [_key(self._prefix, h) for h in t.hashes]
+        try:
+            if load:
+                h = self.store.begin_retrieve(keys, t.block_ids)
+            else:
+                h = self.store.begin_store(keys, t.block_ids)
+        except TuttiError as e:
+            log.warning("Tutti %s of request %s not started: %s", "load" if load else "store", t.req_id, e)
+            if load:
+                self._invalid.update(t.block_ids)
+                self._stats.add("load_failed_units", len(keys))
+            else:
+                self._stats.add("store_failed_units", len(keys))
+            return None
+        return _InFlight(t, h, keys)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Hands each request's units to the store and starts every layer's retrieve."""
+        if self.store is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TuttiConnectorMetadata)
+        for transfers, sink in ((meta.loads, self._loads), (meta.async_loads, self._async)):
+            for t in transfers:
+                f = self._begin(t, load=True)
+                if f is None:
+                    if sink is self._async:
+                        self._finished_recving.add(t.req_id)
+                    continue
+                try:
+                    for layer in range(self.store.num_layers):
+                        self.store.retrieve_layer(layer, f.handle)
+                except TuttiError as e:
+                    log.warning("Tutti load of request %s failed to start: %s", t.req_id, e)
+                sink.append(f)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        idx = self._layer_index.get(layer_name)
+        if idx is None or not self._loads:
+            return
+        for f in self._loads:
+            try:
+                self.store.wait_layer(idx, f.handle)
+            except TuttiError as e:
+                log.warning("Tutti load of request %s, layer %d: %s", f.transfer.req_id, idx, e)
+
+    def _finish_loads(self, flights: list[_InFlight]) -> None:
+        for f in flights:
+            try:
+                res = self.store.finish(f.handle)
+                failed = sorted(res.failed_units)
+            except TuttiError as e:
+                log.warning("Tutti load of request %s failed: %s", f.transfer.req_id, e)
+                failed = [0]
+            if failed:
+                # vLLM keeps the prefix before the first invalid block and recomputes the rest.
+                first = failed[0]
+                self._invalid.update(f.transfer.block_ids[first * self.unit_blocks :])
+                self._stats.add("load_failed_units", len(f.keys) - first)
+                self._stats.add("load_units", first)
+                log.info("Tutti: %d of %d units of request %s failed to load; vLLM recomputes them",
+                         len(f.keys) - first, len(f.keys), f.transfer.req_id)
+            else:
+                self._stats.add("load_units", len(f.keys))
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        """Starts writing this layer of the units completed in this step (their KV is now in place)."""
+        if self.store is None or not self._owner_layer.get(layer_name, False):
+            return
+        if not self._saves_started:
+            self._start_saves()
+        idx = self._layer_index[layer_name]
+        if idx in self._saved_layers or not self._saves:
+            return
+        self._saved_layers.add(idx)
+        for f in self._saves:
+            self.store.store_layer(idx, f.handle)
+
+    def _start_saves(self) -> None:
+        self._saves_started = True
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TuttiConnectorMetadata)
+        for t in meta.saves:
+            f = self._begin(t, load=False)
+            if f is not None:
+                self._saves.append(f)
+
+    def wait_for_save(self) -> None:
+        """Ends the step: finishes the loads and writes it started, so no block is freed under an I/O."""
+        if self.store is None:
+            return
+        if self._loads:
+            self._finish_loads(self._loads)
+            self._loads = []
+        if not self._saves_started:
+            self._start_saves()
+        for f in self._saves:
+            try:
+                # Layers that had no save_kv_layer call this step (no forward) are complete now.
+                for layer in range(self.store.num_layers):
+                    if layer not in self._saved_layers:
+                        self.store.store_layer(layer, f.handle)
+                res = self.store.finish(f.handle)
+            except TuttiError as e:
+                log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
+                self._stats.add("store_failed_units", len(f.keys))
+                continue
+            self._stats.add("store_units", len(res.committed_units))
+            self._stats.add("store_skipped_units", res.skipped_units)
+            self._stats.add("store_failed_units", len(res.failed_units))
+        self._saves = []
+        self._saves_started = False
+        self._saved_layers = set()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Completes the asynchronous loads started this step; their requests are done receiving."""
+        if self._async:
+            self._finish_loads(self._async)
+            self._finished_recving.update(f.transfer.req_id for f in self._async)
+            self._async = []
+        done, self._finished_recving = self._finished_recving, set()
+        return None, (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._committed and not self._evicted:
+            return None
+        meta = TuttiWorkerMetadata(self._committed[:], self._evicted[:])
+        self._committed.clear()
+        self._evicted.clear()
+        return meta
+
+    def shutdown(self) -> None:
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+            self.store = None
+
+    # ================================ both roles ================================
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TuttiConnectorStats(data=dict(data)) if data is not None else TuttiConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return TuttiPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load / save_kv_layer run Python between layers.
+        return True
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A dropped save is a future miss, not a lost hand-off.
+        return False
