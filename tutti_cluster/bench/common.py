@@ -42,6 +42,11 @@ class BenchSystem(Protocol):
     name: str
     ops: tuple[str, ...]  # the operations it is measured on ("store", "retrieve")
 
+    def prepare(self, rnd: Round) -> None:
+        """Untimed: set up for the round (open stores, allocate staging) so that no timed pass pays
+        for one-off setup."""
+        ...
+
     def store(self, rnd: Round) -> OpTiming:
         """Persist the round's prefix from the KV tensors; returns once it is on storage."""
         ...

@@ -2,9 +2,11 @@
 host-to-GPU copy bandwidth when a GPU is used.
 
 Storage is measured the way a perfect data path would use it: large sequential requests (1 MiB)
-from several threads at once (8, 12, 16 and the store's queue depth; the best count wins), with
-O_DIRECT where the file system accepts it, into an aligned host buffer as large as the store's
-staging area (pinned on CUDA).  Reading into one small reused buffer would stay in the CPU cache
+from several threads at once (the best of several thread counts wins), with O_DIRECT where the file
+system accepts it, into an aligned host buffer as large as the store's staging area (pinned on
+CUDA).  Each path holds several files (``FILES_PER_PATH``), walked in step, so that concurrent
+requests go to different files: on tmpfs, writes to one file serialise on its inode lock, which
+would measure the lock rather than the storage.  Reading into one small reused buffer would stay in the CPU cache
 and overstate the limit, so every request of a pass lands in its own slot of the large buffer,
 cycling only when the buffer is exhausted.
 """
@@ -27,6 +29,7 @@ from tutti_cluster.bench import fsutil
 logger = logging.getLogger(__name__)
 
 REQUEST_BYTES = 1 << 20
+FILES_PER_PATH = 16
 
 
 @dataclass
@@ -100,11 +103,13 @@ def measure_storage(
 ) -> Limits:
     """Measure storage write then read limits on ``dirs``, then host-to-GPU when on CUDA.
 
-    ``total_bytes`` is spread over one file per directory; the files are removed afterwards.
+    ``total_bytes`` is spread over ``FILES_PER_PATH`` files per directory; they are removed
+    afterwards.
     Writes go to files that were fully written once already, so that no pass pays for first
     allocation of extents.
     """
-    per_file = max(REQUEST_BYTES, total_bytes // len(dirs) // REQUEST_BYTES * REQUEST_BYTES)
+    n_files = len(dirs) * FILES_PER_PATH
+    per_file = max(REQUEST_BYTES, total_bytes // n_files // REQUEST_BYTES * REQUEST_BYTES)
     buffer_bytes = max(buffer_bytes, max(thread_counts) * REQUEST_BYTES)
     buf = fsutil.aligned_buffer(buffer_bytes)
     pinned = fsutil.PinnedRegion(buf) if device.type == "cuda" else None
@@ -113,11 +118,13 @@ def measure_storage(
     view[:REQUEST_BYTES] = os.urandom(REQUEST_BYTES)
     for off in range(REQUEST_BYTES, len(buf), REQUEST_BYTES):
         view[off : off + REQUEST_BYTES] = view[:REQUEST_BYTES]
-    paths = [d / "storage-limit.dat" for d in dirs]
+    # File j lives on path j % len(dirs), so that consecutive requests also alternate paths.
+    owners = [dirs[j % len(dirs)] for j in range(n_files)]
+    paths = [d / f"storage-limit-{j}.dat" for j, d in enumerate(owners)]
     fds: list[int] = []
-    limits = Limits(0.0, 0.0, None, file_bytes=per_file * len(dirs), buffer_bytes=len(buf))
+    limits = Limits(0.0, 0.0, None, file_bytes=per_file * n_files, buffer_bytes=len(buf))
     try:
-        for d, p in zip(dirs, paths):
+        for d, p in zip(owners, paths):
             flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct_io[d] else 0)
             fd = os.open(p, flags, 0o600)
             fds.append(fd)
@@ -130,7 +137,7 @@ def measure_storage(
             limits.write_by_threads[t] = _run_pass(fds, per_file, view, t, write=True)
         for t in thread_counts:
             # Buffered paths other than tmpfs would be read from the page cache: evict first.
-            fsutil.evict(p for d, p in zip(dirs, paths) if not direct_io[d])
+            fsutil.evict(p for d, p in zip(owners, paths) if not direct_io[d])
             on_step(f"storage limit: read, {t} threads")
             limits.read_by_threads[t] = _run_pass(fds, per_file, view, t, write=False)
         limits.storage_write_gbps = max(limits.write_by_threads.values())

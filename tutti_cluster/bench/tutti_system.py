@@ -97,9 +97,11 @@ class TuttiSystem:
         if self.kv.device.type == "cuda":
             torch.cuda.synchronize(self.kv.device)
 
-    def store(self, rnd: Round) -> OpTiming:
+    def prepare(self, rnd: Round) -> None:
         if self._store is None or self._n_blocks != rnd.n_blocks:
             self._open(rnd.n_blocks)
+
+    def store(self, rnd: Round) -> OpTiming:
         store = self._store
         keys = self._keys_for(rnd)
         ids = rnd.store_ids.tolist()
