@@ -107,6 +107,33 @@ class _InstanceView:
                     return None
         return None
 
+    def read_into(self, key: int, view: memoryview) -> int | None:
+        """Like :meth:`read_unit`, straight into ``view`` when the store can (no bytes object)."""
+        for attempt in range(2):
+            with self.lock:
+                st = self.store
+            if st is not None and st.lookup([key]) == 1:
+                reader = getattr(st, "read_unit_into", None)
+                try:
+                    if reader is not None:
+                        return int(reader(key, view))
+                    data = st.read_unit(key)
+                except NotFound:
+                    return None
+                view[:len(data)] = data
+                return len(data)
+            if attempt == 0 and time.monotonic() - self.opened_at >= 0.2:
+                try:
+                    self.open()
+                except TuttiError as exc:
+                    log.warning("cannot reopen instance %s: %s", self.name, exc)
+                    return None
+        return None
+
+    def slot_bytes(self) -> int:
+        with self.lock:
+            return int(self.store.geometry()["slot_bytes"]) if self.store is not None else 0
+
     def close(self) -> None:
         with self.lock:
             if self.store is not None:
@@ -182,8 +209,10 @@ class NodeDaemon:
 
         if not self.config.etcd:
             raise ConfigError("cluster mode needs etcd endpoints (TUTTI_ETCD): the replica directory lives there")
-        self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes)
-        self.stage = StageServer(self.transfer, self._read_unit, host=self.host, port=self.stage_port).start()
+        slot = max((v.slot_bytes() for v in self._instances.values()), default=0)
+        self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes, slot_bytes=slot)
+        self.stage = StageServer(self.transfer, self._read_unit, host=self.host, port=self.stage_port,
+                                 read_into=self._read_into).start()
         self.directory = EtcdDirectory(",".join(self.config.etcd), self.node_id, self.config.lease_ttl_s,
                                        timeout_s=self.directory_timeout_s)
         with self._lock:
@@ -260,6 +289,18 @@ class NodeDaemon:
             data = view.read_unit(key)
             if data is not None:
                 return data
+        return None
+
+    def _read_into(self, key: int, view: memoryview) -> int | None:
+        """Stage endpoint reader straight into a registered slot."""
+        with self._lock:
+            owners = list(self._index.get(key, ()))
+            views = [self._instances[o] for o in owners if o in self._instances]
+        self.counters["stage_reads"] += 1
+        for v in views:
+            got = v.read_into(key, view)
+            if got is not None:
+                return got
         return None
 
     # -- requests ---------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import socket
 import socketserver
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 
 # read_unit(key) -> the unit's bytes (read_unit format), or None when the node does not hold it.
 UnitReader = Callable[[int], "bytes | None"]
+# read_into(key, view) -> bytes written into `view` (a whole slot), or None when absent. Saves the
+# copy from a bytes object into the registered slot; used when the store offers it.
+UnitReaderInto = Callable[[int, memoryview], "int | None"]
 
 MAX_LINE = 16 << 20  # a stage request of 4096 keys is ~100 KiB; anything far larger is an error
 
@@ -55,9 +60,11 @@ class StageServer:
     """Serves stage requests on ``host:port`` (port 0 picks one) from a background thread."""
 
     def __init__(self, transfer: TransferNode, read_unit: UnitReader, host: str = "127.0.0.1", port: int = 0,
-                 max_window: int = 4, slot_timeout_s: float = 10.0, idle_timeout_s: float = 30.0) -> None:
+                 max_window: int = 4, slot_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 read_into: UnitReaderInto | None = None) -> None:
         self.transfer = transfer
         self.read_unit = read_unit
+        self.read_into = read_into
         self.max_window = max(1, max_window)
         self.slot_timeout_s = slot_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -100,21 +107,54 @@ class StageServer:
                 wfile.flush()
 
         def run_stream(keys: list[int], window: int) -> None:
+            # Up to `window` units are prepared at once (SSD read + copy into a slot, in worker
+            # threads: the store's read releases the GIL) and announced strictly in key order. A
+            # credit comes back with each `done`, so at most `window` slots are lent at a time.
             self.stats.streams += 1
             for _ in range(window):
                 credit.release()
-            try:
-                for k in keys:
-                    if not credit.acquire(timeout=self.idle_timeout_s) or closed.is_set():
+            pending: deque[tuple[int, Future]] = deque()
+            todo = iter(keys)
+            exhausted = False
+            pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="tutti-stage-read")
+
+            def top_up(block: bool) -> None:
+                nonlocal exhausted
+                while not exhausted and not closed.is_set():
+                    if not credit.acquire(timeout=self.idle_timeout_s if block and not pending else 0):
                         return
-                    reason = self._stage_one(k, outstanding, send)
-                    if reason is not None:
-                        self.stats.misses += 1
-                        send({"key": k, "miss": reason})
+                    k = next(todo, None)
+                    if k is None:
+                        exhausted = True
+                        credit.release()
+                        return
+                    pending.append((k, pool.submit(self._prepare, k)))
+
+            try:
+                while True:
+                    top_up(block=True)
+                    if not pending or closed.is_set():
                         break
-                send({"end": True})
+                    k, fut = pending.popleft()
+                    res = fut.result()
+                    if isinstance(res, str):
+                        self.stats.misses += 1
+                        send({"key": k, "miss": res})
+                        break
+                    addr, n = res
+                    outstanding.add(addr)
+                    send({"key": k, "addr": addr, "len": n})
+                if not closed.is_set():
+                    send({"end": True})
             except OSError:
                 pass  # requester went away; slots are reclaimed below
+            finally:
+                # Units prepared past a miss or a dropped connection were never announced.
+                for _k, fut in pending:
+                    res = fut.result()
+                    if not isinstance(res, str):
+                        self.transfer.release(res[0])
+                pool.shutdown(wait=True)
 
         conn.settimeout(self.idle_timeout_s)
         try:
@@ -154,8 +194,24 @@ class StageServer:
                 self.transfer.release(addr)
                 self.stats.reclaimed_slots += 1
 
-    def _stage_one(self, key: int, outstanding: set[int], send: Callable[[dict], None]) -> str | None:
-        """Read ``key`` into a free slot and announce it; returns a miss reason or None."""
+    def _prepare(self, key: int) -> tuple[int, int] | str:
+        """Read ``key`` into a free slot: ``(addr, length)``, or the reason it is a miss."""
+        if self.read_into is not None and self.transfer.slot_bytes:
+            addr = self.transfer.acquire(self.slot_timeout_s)
+            if addr is None:
+                return "busy"
+            try:
+                got = self.read_into(key, self.transfer.view(addr, self.transfer.slot_bytes))
+            except TuttiError as exc:
+                got, reason = None, f"unreadable: {exc}"
+            else:
+                reason = "not found"
+            if got is None:
+                self.transfer.release(addr)
+                return reason
+            self.stats.units_staged += 1
+            self.stats.bytes_staged += got
+            return addr, got
         try:
             data = self.read_unit(key)
         except TuttiError as exc:
@@ -177,11 +233,9 @@ class StageServer:
         if addr is None:
             return "busy"
         self.transfer.put(addr, data)
-        outstanding.add(addr)
         self.stats.units_staged += 1
         self.stats.bytes_staged += n
-        send({"key": key, "addr": addr, "len": n})
-        return None
+        return addr, n
 
 
 class StageStream:

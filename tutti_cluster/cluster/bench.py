@@ -1,0 +1,313 @@
+"""Cluster benchmark: remote fetch against the raw Transfer Engine, and directory lookup latency.
+
+Run ``python -m tutti_cluster.cluster.bench [--quick] [--json out.json]``. It starts (unless
+``--etcd`` names one) a private etcd on free ports, then:
+
+1. An owner node in a separate process: the node daemon in cluster mode plus one engine store
+   attached to it, holding N cache units of the Llama-3-8B shape (32 layers, 8 KV heads, head size
+   128, bf16, 16-token blocks, 256-token units: 32 MiB per unit) written through the store.
+2. In this process, a requester engine store with a :class:`ClusterClient`. Alternating, in the same
+   run: (a) raw Transfer Engine: N synchronous reads of one unit's size from the owner's registered
+   arena; (b) remote fetch: ``ClusterClient.retrieve_remote`` of the N units, which is the whole
+   path (owner daemon reads each unit from its SSD and stages it, the requester pulls it with the
+   Transfer Engine and scatters it into its KV blocks, checksums verified). Medians are reported
+   with their ratio.
+3. Directory lookups (``EtcdDirectory.lookup``, prefix mode, all hits: the most work) for batches
+   of 1 to 4096 keys, and etcd's database bytes per registered replica, measured by registering
+   synthetic replicas under a separate lease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import logging
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+GiB = float(1 << 30)
+# Llama-3-8B: 32 layers, 8 KV heads x 128 x bf16 = 2 KiB per token per K (and per V).
+LAYERS = 32
+BLOCK_TOKENS = 16
+BLOCK_BYTES = BLOCK_TOKENS * 8 * 128 * 2
+UNIT_TOKENS = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Etcd:
+    """A private single-member etcd (Debian etcd-server) for the benchmark."""
+
+    def __init__(self, workdir: Path) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            raise SystemExit("etcd not found: install Debian etcd-server or pass --etcd host:port")
+        self.port, peer = _free_port(), _free_port()
+        c, p = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{peer}"
+        self.log = open(workdir / "etcd.log", "ab")
+        self.proc = subprocess.Popen(
+            [binary, "--name", "bench", "--data-dir", str(workdir / "etcd"), "--listen-client-urls", c,
+             "--advertise-client-urls", c, "--listen-peer-urls", p, "--initial-advertise-peer-urls", p,
+             "--initial-cluster", f"bench={p}", "--max-txn-ops", "4096", "--log-level", "warn"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if _gateway(self.endpoint, "/health", None).get("health") == "true":
+                    return
+            except (OSError, ValueError):
+                time.sleep(0.1)
+        raise SystemExit("private etcd did not become healthy")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def _gateway(endpoint: str, path: str, body: dict | None) -> dict:
+    """etcd's JSON gateway (used only for the status/health figures of the benchmark)."""
+    host, _, port = endpoint.rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        if body is None:
+            conn.request("GET", path)
+        else:
+            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        return dict(json.loads(conn.getresponse().read()))
+    finally:
+        conn.close()
+
+
+def _kv(n_blocks: int, layers: int) -> list[Any]:
+    import numpy as np
+
+    return [np.zeros((2, n_blocks, BLOCK_BYTES), dtype=np.uint8) for _ in range(layers)]
+
+
+# -- owner process ------------------------------------------------------------------------------------
+def _owner_main(opts: dict[str, Any]) -> None:
+    import numpy as np
+
+    from tutti_cluster.config import TuttiConfig
+    from tutti_cluster.daemon import DaemonLink, NodeDaemon
+    from tutti_cluster.store import TuttiStore
+
+    logging.basicConfig(level=logging.WARNING)
+    cfg = TuttiConfig(**opts["config"])
+    daemon = NodeDaemon(cfg, arena_bytes=opts["arena_bytes"]).start()
+    n, layers = opts["units"], opts["layers"]
+    ub = UNIT_TOKENS // BLOCK_TOKENS
+    kv = _kv(n * ub, layers)
+    rng = np.random.default_rng(1)
+    for t in kv:
+        t[:] = rng.integers(0, 256, size=t.shape, dtype=np.uint8)
+    store = TuttiStore(cfg)
+    store.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first")
+    link = DaemonLink(cfg)
+    link.attach(store)
+    res = store.store(opts["keys"], list(range(n * ub)))
+    link.flush()
+    assert daemon.transfer is not None and daemon.stage is not None
+    print(json.dumps({"ready": True, "stored": res.units, "segment": daemon.transfer.segment,
+                      "arena": daemon.transfer.base, "stage": daemon.stage.address,
+                      "unit_bytes": store.geometry()["slot_bytes"],
+                      "direct_io": bool(store.stats().get("direct_io"))}), flush=True)
+    sys.stdin.read()  # the benchmark closes our stdin when it is done
+    link.close()
+    store.close()
+    daemon.stop()
+
+
+# -- requester side -----------------------------------------------------------------------------------
+def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str, Any]:
+    from tutti_cluster.cluster.client import ClusterClient
+    from tutti_cluster.config import TuttiConfig
+    from tutti_cluster.store import TuttiStore
+
+    n, layers = args.units, args.layers
+    ub = UNIT_TOKENS // BLOCK_TOKENS
+    keys = [0xBE00_0000 + i for i in range(n)]
+    owner_dir = Path(args.owner_path) if args.owner_path else work / "owner-ssd"
+    owner_dir.mkdir(parents=True, exist_ok=True)
+    unit_guess = layers * 2 * ub * BLOCK_BYTES + (1 << 20)
+    cap_gb = (n + 2) * unit_guess / GiB
+    owner_cfg = {"paths": [str(owner_dir)], "capacity_gb": cap_gb, "unit_tokens": UNIT_TOKENS,
+                 "data_dir": str(work / "owner"), "etcd": etcd, "node_id": "bench-owner", "instance": "engine0",
+                 "lease_ttl_s": 10, "protocol": args.protocol}
+    opts = {"config": owner_cfg, "units": n, "layers": layers, "keys": keys, "arena_bytes": 4 * unit_guess}
+    owner = subprocess.Popen([sys.executable, "-m", "tutti_cluster.cluster.bench", "--owner", json.dumps(opts)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(work / "owner.log", "ab"))
+    try:
+        assert owner.stdout is not None
+        ready = json.loads(owner.stdout.readline() or b"{}")
+        if not ready.get("ready") or ready["stored"] != n:
+            raise SystemExit(f"owner failed to start or store (see {work / 'owner.log'}): {ready}")
+        req_dir = work / "req-ssd"
+        req_dir.mkdir(exist_ok=True)
+        cfg = TuttiConfig(paths=[str(req_dir)], capacity_gb=max(0.1, 2 * unit_guess / GiB), unit_tokens=UNIT_TOKENS,
+                          data_dir=str(work / "req"), etcd=[etcd], node_id="bench-requester",
+                          instance="engine0", protocol=args.protocol)
+        kv = _kv(n * ub, layers)
+        store = TuttiStore(cfg)
+        store.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first")
+        client = ClusterClient(store, cfg, arena_bytes=4 * unit_guess, window=args.window, timeout_s=30)
+        unit_bytes = int(ready["unit_bytes"])
+        total = n * unit_bytes
+        assert client.lookup(keys) == n, "requester does not see the owner's units"
+        te = client.transfer
+        local = te.acquire(5)
+        assert local is not None
+        raw, remote = [], []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            for _i in range(n):
+                te.read(ready["segment"], local, int(ready["arena"]), unit_bytes)
+            raw.append(total / (time.perf_counter() - t0) / GiB)
+            client.lookup(keys)
+            t0 = time.perf_counter()
+            placed = client.retrieve_remote(keys, list(range(n * ub)))
+            dt = time.perf_counter() - t0
+            if placed != n:
+                raise SystemExit(f"remote fetch placed {placed} of {n} units: {client.stats}")
+            remote.append(total / dt / GiB)
+        te.release(local)
+        client.close()
+        store.close()
+        raw_med, rem_med = statistics.median(raw), statistics.median(remote)
+        return {"units": n, "unit_bytes": unit_bytes, "layers": layers, "window": args.window,
+                "owner_direct_io": ready["direct_io"], "raw_te_gibps": raw, "remote_fetch_gibps": remote,
+                "raw_te_gibps_median": raw_med, "remote_fetch_gibps_median": rem_med,
+                "ratio": rem_med / raw_med if raw_med else 0.0}
+    finally:
+        if owner.stdin is not None:
+            owner.stdin.close()
+        try:
+            owner.wait(20)
+        except subprocess.TimeoutExpired:
+            owner.kill()
+            owner.wait()
+
+
+def _measure_lookup(args: argparse.Namespace, etcd: str) -> dict[str, Any]:
+    from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
+
+    writer = EtcdDirectory(etcd, "bench-dir", lease_ttl_s=30, timeout_s=30)
+    reader = EtcdDirectory(etcd, "bench-reader", timeout_s=30)
+    before = _gateway(etcd, "/v3/maintenance/status", {})
+    n_keys = args.directory_keys
+    keys = [0xD1_0000_0000 + i * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF for i in range(n_keys)]
+    writer.register(keys)  # queued: start() writes them under the new lease
+    t0 = time.perf_counter()
+    writer.start(NodeRecord("bench-dir", "", ""))
+    reg_s = time.perf_counter() - t0
+    after = _gateway(etcd, "/v3/maintenance/status", {})
+    in_use = "dbSizeInUse" if "dbSizeInUse" in after else "dbSize"
+    per_key = (int(after[in_use]) - int(before.get(in_use, 0))) / n_keys
+    rows = []
+    for batch in (1, 4, 16, 64, 256, 1024, 4096):
+        if batch > n_keys:
+            break
+        reps = max(5, min(args.lookup_reps, 40000 // batch))
+        lat = []
+        for r in range(reps):
+            start = (r * batch) % (n_keys - batch + 1)
+            t0 = time.perf_counter()
+            owners = reader.lookup(keys[start:start + batch], prefix=True)
+            lat.append((time.perf_counter() - t0) * 1e3)
+            if len(owners) != batch:
+                raise SystemExit(f"lookup of {batch} keys found {len(owners)}")
+        lat.sort()
+        rows.append({"batch": batch, "reps": reps, "p50_ms": statistics.median(lat),
+                     "p90_ms": lat[min(len(lat) - 1, int(0.9 * len(lat)))], "us_per_key": statistics.median(lat) * 1e3 / batch})
+    writer.stop(revoke=True)
+    reader.stop(revoke=False)
+    return {"registered_keys": n_keys, "register_seconds": reg_s, "db_bytes_per_replica": per_key,
+            "db_size_field": in_use, "lookup": rows}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tutti_cluster.cluster.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes, finishes in about a minute on 2 cores")
+    p.add_argument("--json", help="write the results to this file")
+    p.add_argument("--etcd", help="use this etcd (host:port) instead of a private one")
+    p.add_argument("--owner-path", help="storage directory of the owner node (default: a temporary directory)")
+    p.add_argument("--units", type=int, help="cache units fetched per repetition (default 16, quick 6)")
+    p.add_argument("--layers", type=int, default=LAYERS, help="model layers (default 32: Llama-3-8B)")
+    p.add_argument("--reps", type=int, help="alternating raw/remote repetitions (default 5, quick 3)")
+    p.add_argument("--window", type=int, default=2, help="units the owner stages ahead")
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--directory-keys", type=int, help="synthetic replicas registered (default 65536, quick 8192)")
+    p.add_argument("--lookup-reps", type=int, default=50)
+    p.add_argument("--owner", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.owner:
+        _owner_main(json.loads(args.owner))
+        return 0
+    logging.basicConfig(level=logging.WARNING)
+    args.units = args.units or (6 if args.quick else 16)
+    args.reps = args.reps or (3 if args.quick else 5)
+    args.directory_keys = args.directory_keys or (8192 if args.quick else 65536)
+    work = Path(tempfile.mkdtemp(prefix="tutti-cluster-bench-"))
+    etcd = None
+    try:
+        if args.etcd:
+            endpoint = args.etcd
+        else:
+            etcd = _Etcd(work)
+            endpoint = etcd.endpoint
+        fetch = _measure_fetch(args, endpoint, work)
+        lookup = _measure_lookup(args, endpoint)
+    finally:
+        if etcd is not None:
+            etcd.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    result = {
+        "machine": {"hostname": socket.gethostname(), "cores": os.cpu_count(), "kernel": platform.release(),
+                    "python": platform.python_version(),
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "mc_tcp_slice_size": os.environ.get("MC_TCP_SLICE_SIZE")},
+        "command": "python -m tutti_cluster.cluster.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "fetch": fetch, "directory": lookup,
+    }
+    f = fetch
+    print(f"remote fetch  {f['remote_fetch_gibps_median']:.3f} GiB/s   raw Transfer Engine "
+          f"{f['raw_te_gibps_median']:.3f} GiB/s   ratio {f['ratio']:.2f}   "
+          f"({f['units']} units x {f['unit_bytes'] / (1 << 20):.1f} MiB, {args.protocol})")
+    d = lookup
+    print(f"directory: {d['db_bytes_per_replica']:.0f} etcd bytes per replica "
+          f"({d['db_size_field']}, {d['registered_keys']} replicas)")
+    for r in d["lookup"]:
+        print(f"  lookup {r['batch']:5d} keys: p50 {r['p50_ms']:8.2f} ms  p90 {r['p90_ms']:8.2f} ms  "
+              f"{r['us_per_key']:7.1f} us/key")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
