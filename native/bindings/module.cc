@@ -174,6 +174,7 @@ PYBIND11_MODULE(_native, m) {
         return s.iocb(id)->errors;
       })
       .def("put_iocb", [](PyStore& p, uint32_t id) { p.get().put_iocb(id); })
+      .def("compute_stream", [](PyStore& p) { return p.get().compute_stream(); })
       .def("read_unit", [](PyStore& p, uint64_t key) {
         Store& s = p.get();
         std::vector<uint8_t> out;

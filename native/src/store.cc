@@ -114,21 +114,25 @@ Status Store::init_queue(uint32_t depth) {
   if (chunks < 2)
     return {Code::kConfig, "staging_bytes (" + std::to_string(opt_.staging_bytes) + ") must hold at least two objects of " +
                                std::to_string(chunk) + " bytes"};
-  const uint32_t workers = std::max<uint32_t>(1, opt_.io_workers);
-  chunks -= chunks % workers;
+  const uint32_t workers = std::max<uint32_t>(1, backend_->num_workers(std::max<uint32_t>(1, opt_.io_workers), opt_.io_sms));
+  const uint32_t nq = backend_->num_queues(workers);
+  if (chunks < nq)
+    return {Code::kConfig, "staging_bytes (" + std::to_string(opt_.staging_bytes) + ") must hold at least " +
+                               std::to_string(nq) + " objects of " + std::to_string(chunk) + " bytes (one per I/O queue)"};
+  chunks -= chunks % nq;
   staging_bytes_ = static_cast<uint64_t>(chunks) * chunk;
   Status st = backend_->alloc_host(staging_bytes_, &staging_);
   if (!st.ok()) return st;
-  // One SQ/CQ pair per kernel worker, each deep enough for all of that worker's chunks.
-  const uint64_t ring_depth = chunks / workers + 1;
+  // One SQ/CQ pair per queue, each deep enough for all of that queue's chunks.
+  const uint64_t ring_depth = chunks / nq + 1;
   const uint64_t per_q = 2 * sizeof(RingCtl) + ring_depth * (sizeof(Sqe) + sizeof(Cqe));
-  queue_bytes_ = align_up(per_q * workers);
+  queue_bytes_ = align_up(per_q * nq);
   st = backend_->alloc_host(queue_bytes_, &queue_mem_);
   if (!st.ok()) return st;
   std::memset(queue_mem_, 0, queue_bytes_);
   std::vector<QueuePair> qs;
   uint8_t* p = static_cast<uint8_t*>(queue_mem_);
-  for (uint32_t w = 0; w < workers; ++w) {
+  for (uint32_t w = 0; w < nq; ++w) {
     QueuePair q;
     q.depth = ring_depth;
     q.sq_ctl = reinterpret_cast<RingCtl*>(p);
@@ -138,14 +142,23 @@ Status Store::init_queue(uint32_t depth) {
     qs.push_back(q);
     p += per_q;
   }
-  iocbs_.assign(depth, Iocb{});
+  iocb_bytes_ = align_up(static_cast<uint64_t>(depth) * sizeof(Iocb));
+  void* iocb_mem = nullptr;
+  st = backend_->alloc_host(iocb_bytes_, &iocb_mem);
+  if (!st.ok()) return st;
+  std::memset(iocb_mem, 0, iocb_bytes_);
+  iocbs_ = static_cast<Iocb*>(iocb_mem);
+  num_iocbs_ = depth;
   for (uint32_t i = depth; i-- > 0;) free_iocbs_.push_back(i);
   requests_.assign(opt_.max_requests, Request{});
   views_.assign(opt_.max_requests, RequestView{});
 
   Agent::Options ao;
   ao.depth = opt_.queue_depth;
-  for (uint32_t i = 0; i < pool_.num_paths(); ++i) ao.fds.push_back(pool_.path(i).fd);
+  for (uint32_t i = 0; i < pool_.num_paths(); ++i) {
+    ao.fds.push_back(pool_.path(i).fd);
+    ao.punt.push_back(pool_.path(i).direct ? 0 : 1);
+  }
   ao.staging = staging_;
   ao.staging_bytes = staging_bytes_;
   ao.poll_rings = backend_->host_agent_polls();
@@ -155,7 +168,7 @@ Status Store::init_queue(uint32_t depth) {
   kctx_.geom = g;
   kctx_.desc = desc_;
   kctx_.extents = &extents_;
-  kctx_.iocbs = iocbs_.data();
+  kctx_.iocbs = iocbs_;
   kctx_.num_iocbs = depth;
   kctx_.requests = views_.data();
   kctx_.max_requests = opt_.max_requests;
@@ -185,6 +198,9 @@ void Store::close() {
     agent_.stop();
     backend_->free_host(staging_, staging_bytes_);
     backend_->free_host(queue_mem_, queue_bytes_);
+    backend_->free_host(iocbs_, iocb_bytes_);
+    iocbs_ = nullptr;
+    num_iocbs_ = 0;
     started_ = false;
   }
   pool_.close();
@@ -338,7 +354,7 @@ Status Store::issue_io(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t e
 }
 
 Status Store::wait_cqe(uint32_t id) {
-  if (id >= iocbs_.size()) return {Code::kInvalid, "no such IOCB"};
+  if (id >= num_iocbs_) return {Code::kInvalid, "no such IOCB"};
   Iocb& b = iocbs_[id];
   auto done = [&] { return __atomic_load_n(&b.done_seq, __ATOMIC_ACQUIRE) == b.issue_seq; };
   for (int spin = 0; spin < 2000 && !done(); ++spin) __builtin_ia32_pause();
@@ -347,7 +363,7 @@ Status Store::wait_cqe(uint32_t id) {
 }
 
 Status Store::post_layer(Request& r, uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
-                         std::vector<uint32_t>* out) {
+                         std::vector<uint32_t>* out, uint64_t event) {
   const uint32_t n = (count + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb;
   std::vector<uint32_t> ids;
   Status st = get_iocb(n, &ids);
@@ -362,7 +378,7 @@ Status Store::post_layer(Request& r, uint32_t id, uint32_t op, uint32_t layer, u
   }
   out->insert(out->end(), ids.begin(), ids.end());
   (void)r;
-  return issue_io(ids.data(), n, 0, 0);
+  return issue_io(ids.data(), n, 0, event);
 }
 
 Status Store::layer(uint32_t layer, uint32_t id, uint64_t event) {
@@ -374,9 +390,8 @@ Status Store::layer(uint32_t layer, uint32_t id, uint64_t event) {
   if (r.layer_issued[layer]) return {Code::kInvalid, "layer " + std::to_string(layer) + " already issued for this request"};
   r.layer_issued[layer] = 1;
   if (r.ctx.empty()) return Status::Ok();
-  (void)event;
   const uint32_t op = static_cast<uint32_t>(r.op == ReqOp::kRetrieve ? IoOp::kRead : IoOp::kWrite);
-  return post_layer(r, id, op, layer, 0, static_cast<uint32_t>(r.ctx.size()), &r.layer_iocbs[layer]);
+  return post_layer(r, id, op, layer, 0, static_cast<uint32_t>(r.ctx.size()), &r.layer_iocbs[layer], event);
 }
 
 Status Store::wait_layer(uint32_t layer, uint32_t id, uint64_t stream) {

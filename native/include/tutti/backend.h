@@ -58,6 +58,17 @@ class Backend {
   virtual Status launch(const uint32_t* iocb_ids, uint32_t n, uint32_t sms, uint64_t event) = 0;
   virtual void stop() = 0;
   virtual double kernel_cpu_seconds() const = 0;
+  // Kernel workers (SQ/CQ pairs served by the I/O kernel) for `io_workers` requested and `sms`
+  // SMs: the host backend has one scatter thread, a GPU one thread block per SM of its partition.
+  virtual uint32_t num_workers(uint32_t io_workers, uint32_t sms) const {
+    (void)sms;
+    return io_workers;
+  }
+  // SQ/CQ pairs the store allocates: one per worker, plus any the backend drives from the host
+  // (the CUDA backend writes commit headers through its own host-owned pair).
+  virtual uint32_t num_queues(uint32_t workers) const { return workers; }
+  // A stream on the SMs left to compute (the complement of the I/O partition), 0 when none.
+  virtual uint64_t compute_stream() const { return 0; }
   // Called by the engine thread when a request starts and before its result is read: a device
   // backend mirrors the request's arrays to the device and copies the kernel's outputs back.
   virtual Status begin_request(uint32_t id, RequestView* view) {

@@ -80,6 +80,8 @@ class Store {
   Status wait_cqe(uint32_t iocb);
   void put_iocb(uint32_t iocb);
   Iocb* iocb(uint32_t id) { return &iocbs_[id]; }
+  // Stream on the SMs outside the I/O partition (CUDA backend), 0 otherwise.
+  uint64_t compute_stream() const { return backend_ ? backend_->compute_stream() : 0; }
 
   // CPU paths for other nodes and replicas.
   Status read_unit(uint64_t key, std::vector<uint8_t>* out);
@@ -114,7 +116,7 @@ class Store {
   Status alloc_slot(uint32_t* slot);
   Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
   Status post_layer(Request& r, uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
-                    std::vector<uint32_t>* iocbs);
+                    std::vector<uint32_t>* iocbs, uint64_t event);
   void release_request(uint32_t id, Request& r);
 
   StoreOptions opt_;
@@ -131,7 +133,10 @@ class Store {
   uint64_t staging_bytes_ = 0;
   void* queue_mem_ = nullptr;
   uint64_t queue_bytes_ = 0;
-  std::vector<Iocb> iocbs_;
+  // The IOCB table lives in backend host memory, so that a device kernel can write done_seq.
+  Iocb* iocbs_ = nullptr;
+  uint32_t num_iocbs_ = 0;
+  uint64_t iocb_bytes_ = 0;
   std::vector<uint32_t> free_iocbs_;
   std::vector<Request> requests_;
   std::vector<RequestView> views_;
