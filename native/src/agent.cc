@@ -129,6 +129,7 @@ void Agent::run() {
           else io_uring_prep_write(e, s.path, buf, s.len, s.file_offset);
         }
         e->flags |= IOSQE_FIXED_FILE;
+        if (s.path < opt_.punt.size() && opt_.punt[s.path]) e->flags |= IOSQE_ASYNC;
         io_uring_sqe_set_data64(e, slot);
         ++prepared;
       }
