@@ -117,6 +117,12 @@ class _FileBaseline:
         self.end_round(None)  # type: ignore[arg-type]
 
 
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous host tensor (for readv/writev)."""
+    arr: Any = t.numpy()
+    return memoryview(arr)
+
+
 def _write_file(path: Path, data: memoryview) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -155,11 +161,11 @@ class PerBlockBaseline(_FileBaseline):
                 self._typed(st).copy_(src)
         else:
             self._typed(st).copy_(src)
-        _write_file(path, memoryview(st.numpy()))
+        _write_file(path, _bytes(st))
 
     def _load_one(self, path: Path, block: int) -> None:
         st = self._staging()
-        _read_file(path, memoryview(st.numpy()))
+        _read_file(path, _bytes(st))
         dst = self.kv.all[:, :, block]
         if self._cuda:
             with torch.cuda.stream(self._local.stream):
@@ -224,11 +230,11 @@ class PerChunkBaseline(_FileBaseline):
                 self._typed(st).copy_(gathered.transpose(0, 1))
         else:
             self._typed(st).copy_(self.kv.all.index_select(2, ids).transpose(0, 1))
-        _write_file(path, memoryview(st.numpy()))
+        _write_file(path, _bytes(st))
 
     def _load_one(self, path: Path, ids: torch.Tensor) -> None:
         st = self._staging()
-        _read_file(path, memoryview(st.numpy()))
+        _read_file(path, _bytes(st))
         if self._cuda:
             with torch.cuda.stream(self._local.stream):
                 gst = self._device_staging()

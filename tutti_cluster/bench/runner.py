@@ -331,9 +331,9 @@ def run(plan: Plan) -> dict[str, Any]:
                     samples.setdefault((name, "retrieve", tokens), []).append(s)
                     system.end_round(rnd)
                     progress.step(f"{label} retrieve")
-        tutti = systems.get("tutti")
-        if tutti is not None and getattr(tutti, "stats", None):
-            info["tutti_stats"] = _jsonable(tutti.stats)
+        stats = getattr(systems.get("tutti"), "stats", None)
+        if stats:
+            info["tutti_stats"] = _jsonable(stats)
     finally:
         if progress is not None:
             progress.close()
