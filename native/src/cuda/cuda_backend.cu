@@ -1,0 +1,933 @@
+// The CUDA backend: the I/O kernel on a green-context SM partition, rings and staging in mapped
+// pinned host memory, stream-ordered issue and completion.
+//
+// Data path (retrieve): the engine thread launches one kernel per layer on the I/O stream (after the
+// caller's event). Each thread block owns one SQ/CQ pair and a fixed share of the staging chunks.
+// Warp 0, lane 0 of the block is the queue manager: it turns the block's IOCTXs into SQEs, polls
+// the CQ, and hands completed chunks to the worker warps through shared memory. A worker warp reads
+// the object straight from mapped pinned memory, sums its checksum and writes the KV blocks in one
+// pass; a mismatch marks the unit failed (a miss). Store runs the other way: workers gather the
+// blocks into staging and checksum them, then the manager posts the write.
+//
+// Memory ordering on mapped memory (the H200 reports hostNativeAtomicSupported = 0): every ring
+// word has one writer; the GPU publishes with system-scope release stores and reads host-written
+// words with system-scope acquire loads; no read-modify-write atomic ever touches host memory.
+// Cross-block accounting (which block finishes an IOCB last) uses device-memory atomics only.
+//
+// Commit IOCBs (headers written after every object of a unit) are run by the host side of this
+// backend through an extra, host-owned SQ/CQ pair, so each ring still has one producer.
+//
+// The driver API (green contexts exist only there on CUDA 13.0) is resolved at run time through
+// cudaGetDriverEntryPointByVersion: the module links no libcuda and imports on hosts without a GPU.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+#include <sys/mman.h>
+
+#include <cuda/atomic>
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "tutti/backend.h"
+
+namespace tutti {
+
+namespace {
+
+constexpr uint32_t kMaxLaunchIocbs = 8;
+constexpr uint32_t kWorkerWarps = 15;
+constexpr uint32_t kThreads = 32 * (1 + kWorkerWarps);
+constexpr uint32_t kMaxChunksPerWorker = 8192;  // 14-bit chunk index in the packed entries
+constexpr uint32_t kValid = 1u << 31;
+constexpr uint32_t kPost = 1u << 30;
+
+// Packed work entry: IOCTX offset inside its IOCB (12 bits), IOCB index inside the launch (4 bits),
+// chunk index inside the block's share (14 bits).
+__host__ __device__ inline uint32_t pack(uint32_t off, uint32_t k, uint32_t chunk) { return off | (k << 12) | (chunk << 16); }
+__device__ inline uint32_t ent_off(uint32_t e) { return e & 0xfff; }
+__device__ inline uint32_t ent_k(uint32_t e) { return (e >> 12) & 0xf; }
+__device__ inline uint32_t ent_chunk(uint32_t e) { return (e >> 16) & 0x3fff; }
+
+struct DevQueue {
+  RingCtl* sq_ctl;
+  Sqe* sq;
+  RingCtl* cq_ctl;
+  Cqe* cq;
+  uint64_t depth;
+};
+
+struct LaunchIocb {
+  uint32_t id, op, layer, ctx_first, ctx_count, pad;
+  uint64_t issue_seq;
+  const Ioctx* ctx;        // device
+  const Extent* extents;   // device
+  const uint64_t* expect;  // device, [unit][obj]: expected checksums (retrieve)
+  uint8_t* failed;         // device, [unit]
+  uint8_t* failed_out;     // mapped host, [unit]
+  uint64_t* sums_out;      // mapped host, [unit][obj]: checksums made by a store
+  uint64_t kv[2];          // the layer's object base pointers
+  uint64_t block_stride;
+};
+
+struct LaunchParams {
+  uint32_t n;
+  uint32_t chunks_per_worker;
+  uint32_t unit_blocks, objs_per_layer, num_objs, vec16;
+  uint64_t block_bytes, obj_bytes, header_bytes, chunk_bytes;
+  uint8_t* staging;       // device view of the staging region
+  const DevQueue* queues; // device array, one per block
+  Iocb* iocbs;            // device view of the IOCB table
+  uint32_t* counters;     // device, [iocb][2]: blocks finished, errors
+  const uint64_t* abort;  // mapped host word, set by stop()
+  LaunchIocb b[kMaxLaunchIocbs];
+};
+
+// ---- device helpers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+  return cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*const_cast<uint64_t*>(p)).load(cuda::memory_order_acquire);
+}
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+  cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*p).store(v, cuda::memory_order_release);
+}
+template <typename T>
+__device__ __forceinline__ T vload(const T* p) {
+  return *const_cast<const volatile T*>(p);
+}
+template <typename T>
+__device__ __forceinline__ void vstore(T* p, T v) {
+  *const_cast<volatile T*>(p) = v;
+}
+
+// Checksum terms of four consecutive words starting at word index `w` (common.cc's definition).
+__device__ __forceinline__ void sum4(const uint4& v, uint32_t w, uint32_t& lo, uint32_t& hi) {
+  lo += v.x + v.y + v.z + v.w;
+  const uint32_t k = 2u * w + 1u;
+  hi += v.x * k + v.y * (k + 2u) + v.z * (k + 4u) + v.w * (k + 6u);
+}
+
+// One warp moves `bytes` from `src` to `dst` (when kCopy) and sums the checksum of the bytes, whose
+// first word is word `word0` of the object. kFromHost: `src` is mapped host memory that the host
+// rewrites between uses, read with ld.global.cv so that no stale cached line is ever used.
+template <bool kCopy, bool kFromHost>
+__device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint32_t word0, uint32_t& lo,
+                                            uint32_t& hi, uint32_t lane) {
+  constexpr uint32_t U = 8;
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  uint4* d = reinterpret_cast<uint4*>(dst);
+  const uint32_t nv = static_cast<uint32_t>(bytes / 16);
+  for (uint32_t base = 0; base < nv; base += 32 * U) {
+    uint4 v[U];
+#pragma unroll
+    for (uint32_t u = 0; u < U; ++u) {
+      const uint32_t i = base + u * 32 + lane;
+      if (i < nv) v[u] = kFromHost ? __ldcv(s + i) : __ldcg(s + i);
+    }
+#pragma unroll
+    for (uint32_t u = 0; u < U; ++u) {
+      const uint32_t i = base + u * 32 + lane;
+      if (i < nv) {
+        if (kCopy) d[i] = v[u];
+        sum4(v[u], word0 + 4 * i, lo, hi);
+      }
+    }
+  }
+}
+
+// The same with 4-byte words, for objects or pointers that are not 16-byte aligned.
+template <bool kCopy, bool kFromHost>
+__device__ __forceinline__ void warp_move4(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint32_t word0, uint32_t& lo,
+                                           uint32_t& hi, uint32_t lane) {
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  const uint32_t nw = static_cast<uint32_t>(bytes / 4);
+  for (uint32_t i = lane; i < nw; i += 32) {
+    const uint32_t v = kFromHost ? __ldcv(s + i) : __ldcg(s + i);
+    if (kCopy) d[i] = v;
+    lo += v;
+    hi += v * (2u * (word0 + i) + 1u);
+  }
+}
+
+template <bool kCopy, bool kFromHost>
+__device__ __forceinline__ void warp_move(bool vec16, const uint8_t* src, uint8_t* dst, uint64_t bytes, uint32_t word0,
+                                          uint32_t& lo, uint32_t& hi, uint32_t lane) {
+  if (vec16) warp_move16<kCopy, kFromHost>(src, dst, bytes, word0, lo, hi, lane);
+  else warp_move4<kCopy, kFromHost>(src, dst, bytes, word0, lo, hi, lane);
+}
+
+__device__ __forceinline__ uint64_t warp_checksum(uint32_t lo, uint32_t hi) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    lo += __shfl_xor_sync(0xffffffffu, lo, o);
+    hi += __shfl_xor_sync(0xffffffffu, hi, o);
+  }
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+// Zeroes the padding of a staging object (store): one warp.
+__device__ __forceinline__ void warp_zero(uint8_t* dst, uint64_t bytes, uint32_t lane) {
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+  for (uint64_t i = lane; i < bytes / 4; i += 32) d[i] = 0;
+}
+
+// Retrieve: verify and scatter one object from staging. Store: gather one object into staging and
+// record its checksum. Runs on one warp.
+__device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint32_t off, uint8_t* chunk, uint32_t lane,
+                               uint32_t* errors) {
+  const Ioctx x = B.ctx[B.ctx_first + off];
+  const bool read = B.op == static_cast<uint32_t>(IoOp::kRead);
+  uint32_t lo = 0, hi = 0;
+  for (uint32_t e = 0; e < x.extent_count; ++e) {
+    const Extent ext = B.extents[x.extent_first + e];
+    for (uint32_t j = 0; j < ext.num_blocks; ++j) {
+      const uint64_t ub = ext.unit_offset_blocks + j;
+      uint8_t* kv = reinterpret_cast<uint8_t*>(B.kv[x.obj] + (ext.first_block + j) * B.block_stride);
+      uint8_t* st = chunk + ub * p.block_bytes;
+      const uint32_t w0 = static_cast<uint32_t>(ub * p.block_bytes / 4);
+      if (read) warp_move<true, true>(p.vec16, st, kv, p.block_bytes, w0, lo, hi, lane);
+      else warp_move<true, false>(p.vec16, kv, st, p.block_bytes, w0, lo, hi, lane);
+    }
+  }
+  const uint64_t payload = static_cast<uint64_t>(p.unit_blocks) * p.block_bytes;
+  if (payload < p.obj_bytes) {
+    if (read) warp_move<false, true>(p.vec16, chunk + payload, nullptr, p.obj_bytes - payload,
+                                     static_cast<uint32_t>(payload / 4), lo, hi, lane);
+    else warp_zero(chunk + payload, p.obj_bytes - payload, lane);  // zeros add nothing to the sums
+  }
+  const uint64_t sum = warp_checksum(lo, hi);
+  const uint64_t at = static_cast<uint64_t>(x.unit) * p.num_objs + static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj;
+  if (lane == 0) {
+    if (read) {
+      if (sum != B.expect[at]) {
+        // A corrupt object is a miss: the unit is reported failed and never counts as a hit.
+        vstore<uint8_t>(&B.failed[x.unit], 2);
+        vstore<uint8_t>(&B.failed_out[x.unit], 2);
+        atomicAdd(errors, 1u);
+      }
+    } else {
+      vstore<uint64_t>(&B.sums_out[at], sum);
+    }
+  }
+  // Staging writes (store) and result words must reach the host before the chunk is handed on.
+  __threadfence_system();
+  __syncwarp();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__ LaunchParams p) {
+  extern __shared__ uint32_t smem[];
+  const uint32_t C = p.chunks_per_worker;
+  uint32_t* ready = smem;             // [C] manager -> workers
+  uint32_t* freed = smem + C;         // [C] workers -> manager, kValid | kPost? | entry
+  uint32_t* chunk_ent = smem + 2 * C; // [C] entry of the chunk's current IOCTX
+  uint32_t* free_stack = smem + 3 * C;
+  __shared__ uint32_t ready_head, ready_claim, freed_claim, all_done;
+  __shared__ uint32_t errors[kMaxLaunchIocbs];
+
+  const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  for (uint32_t i = tid; i < C; i += blockDim.x) freed[i] = 0;
+  if (tid < kMaxLaunchIocbs) errors[tid] = 0;
+  if (tid == 0) ready_head = ready_claim = freed_claim = all_done = 0;
+  __syncthreads();
+
+  const DevQueue q = p.queues[blockIdx.x];
+  const uint64_t chunk0 = static_cast<uint64_t>(blockIdx.x) * C;
+  auto chunk_ptr = [&](uint32_t c) { return p.staging + (chunk0 + c) * p.chunk_bytes; };
+
+  if (warp == 0) {
+    if (lane == 0) {
+      // ---- queue manager ----
+      uint32_t total = 0;
+      for (uint32_t k = 0; k < p.n; ++k)
+        if (p.b[k].ctx_count > blockIdx.x) total += (p.b[k].ctx_count - blockIdx.x + gridDim.x - 1) / gridDim.x;
+      uint32_t nfree = C;
+      for (uint32_t c = 0; c < C; ++c) free_stack[c] = c;
+      uint64_t sq_head = vload(&q.sq_ctl->head);  // own word: the last kernel left it here
+      uint64_t cq_tail = vload(&q.cq_ctl->tail);  // own word
+      uint32_t fh = 0, done = 0, k = 0, off = blockIdx.x, nap = 32;
+      while (k < p.n && off >= p.b[k].ctx_count) ++k;
+      while (done < total) {
+        bool progress = false, posted = false;
+        // (a) Chunks handed back by the workers: free, or (store) post its write.
+        for (;;) {
+          const uint32_t e = vload(&freed[fh % C]);
+          if (!(e & kValid)) break;
+          vstore<uint32_t>(&freed[fh % C], 0);
+          ++fh;
+          progress = true;
+          const uint32_t c = ent_chunk(e);
+          if (e & kPost) {
+            const LaunchIocb& B = p.b[ent_k(e)];
+            const Ioctx& x = B.ctx[B.ctx_first + ent_off(e)];
+            Sqe* s = &q.sq[sq_head % q.depth];
+            vstore<uint64_t>(&s->tag, c);
+            vstore<uint64_t>(&s->file_offset, x.file_offset + p.header_bytes +
+                                                  (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
+            vstore<uint64_t>(&s->buf_offset, (chunk0 + c) * p.chunk_bytes);
+            vstore<uint64_t>(reinterpret_cast<uint64_t*>(&s->len),
+                             static_cast<uint64_t>(p.obj_bytes) | (static_cast<uint64_t>(x.path) << 32) |
+                                 (static_cast<uint64_t>(IoOp::kWrite) << 48));
+            ++sq_head;
+            posted = true;
+          } else {
+            free_stack[nfree++] = c;
+            ++done;
+          }
+        }
+        // (b) Completions from the agent.
+        const uint64_t h = load_acquire_sys(&q.cq_ctl->head);
+        if (h != cq_tail) {
+          progress = true;
+          for (; cq_tail < h; ++cq_tail) {
+            const Cqe* ce = &q.cq[cq_tail % q.depth];
+            const uint32_t c = static_cast<uint32_t>(vload(&ce->tag));
+            const int64_t res = vload(&ce->res);
+            const uint32_t e = chunk_ent[c];
+            const LaunchIocb& B = p.b[ent_k(e)];
+            const bool ok = res == static_cast<int64_t>(p.obj_bytes);
+            if (B.op == static_cast<uint32_t>(IoOp::kRead) && ok) {
+              ready[ready_head % C] = e;
+              __threadfence_block();
+              vstore<uint32_t>(&ready_head, ready_head + 1);
+              continue;
+            }
+            if (!ok) {
+              const uint32_t unit = B.ctx[B.ctx_first + ent_off(e)].unit;
+              vstore<uint8_t>(&B.failed[unit], 1);
+              vstore<uint8_t>(&B.failed_out[unit], 1);
+              atomicAdd(&errors[ent_k(e)], 1u);
+            }
+            free_stack[nfree++] = c;
+            ++done;
+          }
+          store_release_sys(&q.cq_ctl->tail, cq_tail);
+        }
+        // (c) New IOCTXs while chunks are free.
+        while (nfree > 0 && k < p.n) {
+          const LaunchIocb& B = p.b[k];
+          const uint32_t cur = off;
+          const uint32_t ck = k;
+          off += gridDim.x;
+          while (k < p.n && off >= p.b[k].ctx_count) {
+            ++k;
+            off = blockIdx.x;
+          }
+          progress = true;
+          const Ioctx& x = B.ctx[B.ctx_first + cur];
+          if (x.slot == UINT32_MAX || vload(&B.failed[x.unit]) != 0) {
+            ++done;  // a missing or already failed unit needs no I/O
+            continue;
+          }
+          const uint32_t c = free_stack[--nfree];
+          const uint32_t e = pack(cur, ck, c);
+          chunk_ent[c] = e;
+          if (B.op == static_cast<uint32_t>(IoOp::kRead)) {
+            Sqe* s = &q.sq[sq_head % q.depth];
+            vstore<uint64_t>(&s->tag, c);
+            vstore<uint64_t>(&s->file_offset, x.file_offset + p.header_bytes +
+                                                  (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
+            vstore<uint64_t>(&s->buf_offset, (chunk0 + c) * p.chunk_bytes);
+            vstore<uint64_t>(reinterpret_cast<uint64_t*>(&s->len),
+                             static_cast<uint64_t>(p.obj_bytes) | (static_cast<uint64_t>(x.path) << 32) |
+                                 (static_cast<uint64_t>(IoOp::kRead) << 48));
+            ++sq_head;
+            posted = true;
+          } else {
+            ready[ready_head % C] = e;  // gather first, post after
+            __threadfence_block();
+            vstore<uint32_t>(&ready_head, ready_head + 1);
+          }
+        }
+        // The SQ holds more entries than the block has chunks, so a post never overruns it.
+        if (posted) store_release_sys(&q.sq_ctl->head, sq_head);
+        if (progress) {
+          nap = 32;
+        } else {
+          if (vload(p.abort) != 0) {
+            for (uint32_t i = 0; i < p.n; ++i) atomicAdd(&errors[i], 1u);  // the store is closing: give up
+            break;
+          }
+          __nanosleep(nap);
+          nap = min(nap * 2, 1024u);
+        }
+      }
+      __threadfence_block();
+      vstore<uint32_t>(&all_done, 1);
+    }
+  } else {
+    // ---- worker warps ----
+    for (;;) {
+      uint32_t idx = 0, have = 0, e = 0;
+      if (lane == 0) {
+        idx = atomicAdd(&ready_claim, 1u);
+        uint32_t nap = 32;
+        for (;;) {
+          if (vload(&ready_head) > idx) {
+            have = 1;
+            break;
+          }
+          if (vload(&all_done)) break;
+          __nanosleep(nap);
+          nap = min(nap * 2, 256u);
+        }
+        if (have) {
+          __threadfence_block();
+          e = vload(&ready[idx % C]);
+        }
+      }
+      have = __shfl_sync(0xffffffffu, have, 0);
+      if (!have) break;
+      e = __shfl_sync(0xffffffffu, e, 0);
+      const uint32_t k = ent_k(e);
+      process_object(p, p.b[k], ent_off(e), chunk_ptr(ent_chunk(e)), lane, &errors[k]);
+      if (lane == 0) {
+        const uint32_t slot = atomicAdd(&freed_claim, 1u);
+        const uint32_t post = p.b[k].op == static_cast<uint32_t>(IoOp::kRead) ? 0u : kPost;
+        __threadfence_block();
+        vstore<uint32_t>(&freed[slot % C], kValid | post | e);
+      }
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    // The block that finishes an IOCB last publishes its completion to the host.
+    for (uint32_t k = 0; k < p.n; ++k) {
+      const uint32_t id = p.b[k].id;
+      if (errors[k]) atomicAdd(&p.counters[2 * id + 1], errors[k]);
+      __threadfence_system();
+      if (atomicAdd(&p.counters[2 * id], 1u) == gridDim.x - 1) {
+        __threadfence();
+        const uint32_t errs = atomicExch(&p.counters[2 * id + 1], 0u);
+        p.counters[2 * id] = 0;
+        vstore<uint64_t>(&p.iocbs[id].errors, errs);
+        __threadfence_system();
+        store_release_sys(&p.iocbs[id].done_seq, p.b[k].issue_seq);
+      }
+    }
+  }
+}
+
+// ---- host side ---------------------------------------------------------------------------------
+
+std::string cuda_msg(const char* what, cudaError_t e) { return std::string(what) + ": " + cudaGetErrorString(e); }
+
+struct Driver {
+  PFN_cuDeviceGet_v2000 DeviceGet = nullptr;
+  PFN_cuDeviceGetDevResource_v12040 DeviceGetDevResource = nullptr;
+  PFN_cuDevSmResourceSplitByCount_v12040 DevSmResourceSplitByCount = nullptr;
+  PFN_cuDevResourceGenerateDesc_v12040 DevResourceGenerateDesc = nullptr;
+  PFN_cuGreenCtxCreate_v12040 GreenCtxCreate = nullptr;
+  PFN_cuGreenCtxDestroy_v12040 GreenCtxDestroy = nullptr;
+  PFN_cuCtxFromGreenCtx_v12040 CtxFromGreenCtx = nullptr;
+  PFN_cuGreenCtxStreamCreate_v12050 GreenCtxStreamCreate = nullptr;
+  PFN_cuCtxPushCurrent_v4000 CtxPushCurrent = nullptr;
+  PFN_cuCtxPopCurrent_v4000 CtxPopCurrent = nullptr;
+  PFN_cuStreamDestroy_v4000 StreamDestroy = nullptr;
+
+  template <typename F>
+  static bool get(const char* name, unsigned version, F* fn) {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess || p == nullptr)
+      return false;
+    *fn = reinterpret_cast<F>(p);
+    return true;
+  }
+  bool load(std::string* missing) {
+    bool ok = true;
+    auto need = [&](bool got, const char* name) {
+      if (!got) {
+        ok = false;
+        *missing += std::string(missing->empty() ? "" : ", ") + name;
+      }
+    };
+    need(get("cuDeviceGet", 2000, &DeviceGet), "cuDeviceGet");
+    need(get("cuDeviceGetDevResource", 12040, &DeviceGetDevResource), "cuDeviceGetDevResource");
+    need(get("cuDevSmResourceSplitByCount", 12040, &DevSmResourceSplitByCount), "cuDevSmResourceSplitByCount");
+    need(get("cuDevResourceGenerateDesc", 12040, &DevResourceGenerateDesc), "cuDevResourceGenerateDesc");
+    need(get("cuGreenCtxCreate", 12040, &GreenCtxCreate), "cuGreenCtxCreate");
+    need(get("cuGreenCtxDestroy", 12040, &GreenCtxDestroy), "cuGreenCtxDestroy");
+    need(get("cuCtxFromGreenCtx", 12040, &CtxFromGreenCtx), "cuCtxFromGreenCtx");
+    need(get("cuGreenCtxStreamCreate", 12050, &GreenCtxStreamCreate), "cuGreenCtxStreamCreate");
+    need(get("cuCtxPushCurrent", 4000, &CtxPushCurrent), "cuCtxPushCurrent");
+    need(get("cuCtxPopCurrent", 4000, &CtxPopCurrent), "cuCtxPopCurrent");
+    need(get("cuStreamDestroy", 4000, &StreamDestroy), "cuStreamDestroy");
+    return ok;
+  }
+};
+
+// Device and mapped host arrays of one request slot, grown on demand and reused.
+struct RequestMem {
+  uint8_t* dev = nullptr;
+  uint64_t dev_bytes = 0;
+  uint8_t* host = nullptr;  // mapped pinned: [upload (dev_bytes)][sums_out][failed_out]
+  uint64_t host_bytes = 0;
+  cudaEvent_t uploaded = nullptr;
+  // Current request.
+  Ioctx* ctx = nullptr;
+  Extent* extents = nullptr;
+  uint64_t* expect = nullptr;
+  uint8_t* failed = nullptr;
+  uint64_t* sums_out = nullptr;    // host address
+  uint8_t* failed_out = nullptr;   // host address
+  uint64_t nsums = 0;
+  uint32_t units = 0;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {}
+  ~CudaBackend() override { stop(); }
+
+  Status init();
+  std::string name() const override { return "cuda"; }
+  bool host_agent_polls() const override { return true; }
+  Status alloc_host(uint64_t bytes, void** ptr) override;
+  void free_host(void* ptr, uint64_t bytes) override;
+  uint32_t num_workers(uint32_t io_workers, uint32_t sms) const override {
+    (void)io_workers;
+    uint32_t s = std::max<uint32_t>(8, (sms + 7) / 8 * 8);
+    return std::min<uint32_t>(s, std::max<uint32_t>(8, (num_sms_ - 8) / 8 * 8));
+  }
+  uint32_t num_queues(uint32_t workers) const override { return workers + 1; }
+  uint64_t compute_stream() const override { return reinterpret_cast<uint64_t>(compute_stream_); }
+  Status start(KernelContext* ctx, uint32_t workers) override;
+  Status launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) override;
+  void stop() override;
+  double kernel_cpu_seconds() const override { return 0; }
+  Status begin_request(uint32_t id, RequestView* view) override;
+  Status end_request(uint32_t id, RequestView* view) override;
+  bool stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) override;
+
+ private:
+  Status make_partition(uint32_t sms);
+  Status host_commit(const uint32_t* ids, uint32_t n);
+  void push() {
+    if (io_ctx_) drv_.CtxPushCurrent(io_ctx_);
+  }
+  void pop() {
+    if (io_ctx_) {
+      CUcontext c;
+      drv_.CtxPopCurrent(&c);
+    }
+  }
+  uint64_t dev_addr(const void* host) const {
+    // Mapped host memory: the device address is the host address on UVA systems, which every
+    // 64-bit CUDA platform is; kept as a function so that a non-UVA mapping would change one place.
+    return reinterpret_cast<uint64_t>(host);
+  }
+
+  int device_;
+  Driver drv_;
+  int num_sms_ = 0;
+  bool green_ = false;
+  CUgreenCtx io_green_ = nullptr, compute_green_ = nullptr;
+  CUcontext io_ctx_ = nullptr;
+  cudaStream_t io_stream_ = nullptr, compute_stream_ = nullptr;
+  KernelContext* k_ = nullptr;
+  uint32_t workers_ = 0, grid_ = 0, per_worker_ = 0;
+  std::vector<cudaEvent_t> events_;
+  DevQueue* dev_queues_ = nullptr;
+  uint32_t* counters_ = nullptr;
+  uint64_t* abort_ = nullptr;  // mapped host page
+  std::vector<RequestMem> req_;
+  std::vector<uint32_t> host_free_;
+  bool vec16_ = false;
+  bool started_ = false;
+};
+
+Status CudaBackend::init() {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) return {Code::kDevice, cuda_msg("no usable CUDA device", e)};
+  if (device_ < 0 || device_ >= count)
+    return {Code::kDevice, "CUDA device " + std::to_string(device_) + " does not exist (" + std::to_string(count) + " found)"};
+  if ((e = cudaSetDevice(device_)) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaSetDevice", e)};
+  if ((e = cudaFree(nullptr)) != cudaSuccess) return {Code::kDevice, cuda_msg("CUDA context", e)};
+  int mapped = 0;
+  cudaDeviceGetAttribute(&mapped, cudaDevAttrCanMapHostMemory, device_);
+  int uva = 0;
+  cudaDeviceGetAttribute(&uva, cudaDevAttrUnifiedAddressing, device_);
+  if (!mapped || !uva) return {Code::kDevice, "device cannot map pinned host memory with unified addressing"};
+  cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_);
+  std::string missing;
+  green_ = drv_.load(&missing);
+  if (!green_ && (!drv_.CtxPushCurrent || !drv_.CtxPopCurrent)) drv_ = Driver{};
+  return Status::Ok();
+}
+
+Status CudaBackend::alloc_host(uint64_t bytes, void** ptr) {
+  // mmap, not cudaHostAlloc: io_uring registers anonymous memory on every kernel, while memory from
+  // the NVIDIA device file is refused by some. Cacheable (not write-combined): the host reads rings.
+  cudaSetDevice(device_);
+  bytes = align_up(bytes);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (p == MAP_FAILED) return {Code::kCapacityExceeded, errno_message("mmap pinned staging", errno)};
+  cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e != cudaSuccess) {
+    munmap(p, bytes);
+    return {Code::kDevice, cuda_msg("cudaHostRegister", e)};
+  }
+  void* dp = nullptr;
+  e = cudaHostGetDevicePointer(&dp, p, 0);
+  if (e != cudaSuccess || dp != p) {
+    cudaHostUnregister(p);
+    munmap(p, bytes);
+    return {Code::kDevice, "mapped host memory has a device address other than its host address"};
+  }
+  *ptr = p;
+  return Status::Ok();
+}
+
+void CudaBackend::free_host(void* ptr, uint64_t bytes) {
+  if (!ptr) return;
+  cudaHostUnregister(ptr);
+  munmap(ptr, align_up(bytes));
+}
+
+Status CudaBackend::make_partition(uint32_t sms) {
+  if (!green_) return {Code::kDevice, "green contexts unavailable"};
+  CUdevice dev;
+  if (drv_.DeviceGet(&dev, device_) != CUDA_SUCCESS) return {Code::kDevice, "cuDeviceGet failed"};
+  CUdevResource all{};
+  if (drv_.DeviceGetDevResource(dev, &all, CU_DEV_RESOURCE_TYPE_SM) != CUDA_SUCCESS)
+    return {Code::kDevice, "cuDeviceGetDevResource failed"};
+  CUdevResource group{}, rest{};
+  unsigned int ng = 1;
+  CUresult r = drv_.DevSmResourceSplitByCount(&group, &ng, &all, &rest, 0, sms);
+  if (r != CUDA_SUCCESS || ng != 1) return {Code::kDevice, "cuDevSmResourceSplitByCount(" + std::to_string(sms) + ") failed"};
+  CUdevResourceDesc d_io = nullptr, d_rest = nullptr;
+  if (drv_.DevResourceGenerateDesc(&d_io, &group, 1) != CUDA_SUCCESS ||
+      drv_.DevResourceGenerateDesc(&d_rest, &rest, 1) != CUDA_SUCCESS)
+    return {Code::kDevice, "cuDevResourceGenerateDesc failed"};
+  if (drv_.GreenCtxCreate(&io_green_, d_io, dev, CU_GREEN_CTX_DEFAULT_STREAM) != CUDA_SUCCESS)
+    return {Code::kDevice, "cuGreenCtxCreate (I/O partition) failed"};
+  if (drv_.CtxFromGreenCtx(&io_ctx_, io_green_) != CUDA_SUCCESS) return {Code::kDevice, "cuCtxFromGreenCtx failed"};
+  CUstream s = nullptr;
+  if (drv_.GreenCtxStreamCreate(&s, io_green_, CU_STREAM_NON_BLOCKING, 0) != CUDA_SUCCESS)
+    return {Code::kDevice, "cuGreenCtxStreamCreate (I/O) failed"};
+  io_stream_ = reinterpret_cast<cudaStream_t>(s);
+  grid_ = group.sm.smCount;
+  if (rest.sm.smCount > 0 && drv_.GreenCtxCreate(&compute_green_, d_rest, dev, CU_GREEN_CTX_DEFAULT_STREAM) == CUDA_SUCCESS) {
+    CUstream cs = nullptr;
+    if (drv_.GreenCtxStreamCreate(&cs, compute_green_, CU_STREAM_NON_BLOCKING, 0) == CUDA_SUCCESS)
+      compute_stream_ = reinterpret_cast<cudaStream_t>(cs);
+  }
+  return Status::Ok();
+}
+
+Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
+  k_ = ctx;
+  workers_ = workers;
+  cudaSetDevice(device_);
+  const uint32_t nq = workers + 1;
+  if (ctx->queues.size() != nq) return {Code::kDevice, "CUDA backend expects one SQ/CQ pair per worker plus one"};
+  per_worker_ = ctx->num_chunks / nq;
+  if (per_worker_ == 0) return {Code::kConfig, "staging too small: no chunk per I/O thread block"};
+  if (per_worker_ > kMaxChunksPerWorker)
+    return {Code::kConfig, "staging too large: " + std::to_string(per_worker_) + " chunks per I/O thread block (at most " +
+                               std::to_string(kMaxChunksPerWorker) + ")"};
+  Status st = make_partition(workers);
+  if (!st.ok()) {
+    // No green contexts (older driver): the kernel still runs, on a stream of the whole device.
+    green_ = false;
+    io_ctx_ = nullptr;
+    cudaError_t e = cudaStreamCreateWithFlags(&io_stream_, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaStreamCreate", e)};
+    grid_ = workers;
+  }
+  if (grid_ > workers) grid_ = workers;  // one block per SQ/CQ pair
+  // Objects and pointers 16-byte aligned: the kernel moves 16-byte vectors.
+  vec16_ = ctx->geom.block_bytes % 16 == 0 && ctx->chunk_bytes % 16 == 0;
+  for (const LayerKV& l : ctx->extents->layers()) {
+    vec16_ = vec16_ && l.block_stride % 16 == 0;
+    for (uint32_t i = 0; i < l.nptr; ++i) vec16_ = vec16_ && l.ptr[i] % 16 == 0;
+  }
+  std::vector<DevQueue> qs(workers);
+  for (uint32_t w = 0; w < workers; ++w) {
+    const QueuePair& q = ctx->queues[w];
+    qs[w] = DevQueue{q.sq_ctl, q.sq, q.cq_ctl, q.cq, q.depth};
+  }
+  cudaError_t e;
+  if ((e = cudaMalloc(&dev_queues_, sizeof(DevQueue) * workers)) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
+  if ((e = cudaMemcpy(dev_queues_, qs.data(), sizeof(DevQueue) * workers, cudaMemcpyHostToDevice)) != cudaSuccess)
+    return {Code::kDevice, cuda_msg("cudaMemcpy", e)};
+  if ((e = cudaMalloc(&counters_, sizeof(uint32_t) * 2 * ctx->num_iocbs)) != cudaSuccess)
+    return {Code::kDevice, cuda_msg("cudaMalloc", e)};
+  cudaMemset(counters_, 0, sizeof(uint32_t) * 2 * ctx->num_iocbs);
+  void* a = nullptr;
+  st = alloc_host(kAlign, &a);
+  if (!st.ok()) return st;
+  abort_ = static_cast<uint64_t*>(a);
+  *abort_ = 0;
+  push();
+  events_.assign(ctx->num_iocbs, nullptr);
+  for (auto& ev : events_)
+    if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess) {
+      pop();
+      return {Code::kDevice, cuda_msg("cudaEventCreate", e)};
+    }
+  const size_t smem = sizeof(uint32_t) * 4 * per_worker_;
+  if (smem > 48 * 1024 &&
+      (e = cudaFuncSetAttribute(io_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))) != cudaSuccess) {
+    pop();
+    return {Code::kConfig, cuda_msg("staging too large for the I/O kernel's shared memory", e)};
+  }
+  req_.assign(ctx->max_requests, RequestMem{});
+  for (auto& m : req_) cudaEventCreateWithFlags(&m.uploaded, cudaEventDisableTiming);
+  pop();
+  const uint32_t base = workers * per_worker_;
+  for (uint32_t c = per_worker_; c-- > 0;) host_free_.push_back(base + c);
+  cudaDeviceSynchronize();
+  started_ = true;
+  return Status::Ok();
+}
+
+Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
+  RequestMem& m = req_[id];
+  const Geometry& g = k_->geom;
+  const uint64_t nctx = static_cast<uint64_t>(v->num_units) * g.objs_per_layer;
+  const uint64_t next = nctx ? v->ctx[nctx - 1].extent_first + v->ctx[nctx - 1].extent_count : 0;
+  const uint64_t nsums = static_cast<uint64_t>(v->num_units) * g.num_objs();
+  auto al = [](uint64_t b) { return (b + 255) / 256 * 256; };
+  const uint64_t o_ext = al(nctx * sizeof(Ioctx));
+  const uint64_t o_exp = o_ext + al(next * sizeof(Extent));
+  const uint64_t o_fail = o_exp + al(nsums * 8);
+  const uint64_t dev_bytes = o_fail + al(v->num_units) + 256;
+  const uint64_t host_bytes = dev_bytes + al(nsums * 8) + al(v->num_units) + 256;
+  cudaSetDevice(device_);
+  if (m.uploaded) cudaEventSynchronize(m.uploaded);  // the upload area of the last request is free
+  if (dev_bytes > m.dev_bytes) {
+    if (m.dev) cudaFree(m.dev);
+    m.dev = nullptr;
+    m.dev_bytes = 0;
+    const uint64_t want = std::max<uint64_t>(dev_bytes, 2 * m.dev_bytes);
+    cudaError_t e = cudaMalloc(&m.dev, want);
+    if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc (request arrays)", e)};
+    m.dev_bytes = want;
+  }
+  if (host_bytes > m.host_bytes) {
+    free_host(m.host, m.host_bytes);
+    m.host = nullptr;
+    m.host_bytes = 0;
+    void* p = nullptr;
+    const uint64_t want = align_up(std::max<uint64_t>(host_bytes, 2 * m.host_bytes));
+    Status st = alloc_host(want, &p);
+    if (!st.ok()) return st;
+    m.host = static_cast<uint8_t*>(p);
+    m.host_bytes = want;
+  }
+  uint8_t* up = m.host;
+  std::memcpy(up, v->ctx, nctx * sizeof(Ioctx));
+  std::memcpy(up + o_ext, v->extents, next * sizeof(Extent));
+  std::memcpy(up + o_exp, v->checksums, nsums * 8);
+  std::memcpy(up + o_fail, v->unit_failed, v->num_units);
+  m.ctx = reinterpret_cast<Ioctx*>(m.dev);
+  m.extents = reinterpret_cast<Extent*>(m.dev + o_ext);
+  m.expect = reinterpret_cast<uint64_t*>(m.dev + o_exp);
+  m.failed = m.dev + o_fail;
+  m.sums_out = reinterpret_cast<uint64_t*>(m.host + al(dev_bytes));
+  m.failed_out = m.host + al(dev_bytes) + al(nsums * 8);
+  m.nsums = nsums;
+  m.units = v->num_units;
+  // Results start as the engine's view: expected sums stay put on retrieve, known misses stay failed.
+  std::memcpy(m.sums_out, v->checksums, nsums * 8);
+  std::memcpy(m.failed_out, v->unit_failed, v->num_units);
+  push();
+  cudaError_t e = cudaMemcpyAsync(m.dev, up, o_fail + v->num_units, cudaMemcpyHostToDevice, io_stream_);
+  if (e == cudaSuccess) e = cudaEventRecord(m.uploaded, io_stream_);
+  pop();
+  if (e != cudaSuccess) return {Code::kDevice, cuda_msg("request upload", e)};
+  return Status::Ok();
+}
+
+Status CudaBackend::end_request(uint32_t id, RequestView* v) {
+  RequestMem& m = req_[id];
+  // Every IOCB of the request is complete (the store waited on done_seq, which the kernel publishes
+  // after fencing these words), so the mapped results can be read here.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  std::memcpy(v->checksums, m.sums_out, m.nsums * 8);
+  std::memcpy(v->unit_failed, m.failed_out, m.units);
+  return Status::Ok();
+}
+
+Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) {
+  if (!started_) return {Code::kDevice, "CUDA backend not started"};
+  if (n == 0) return Status::Ok();
+  if (k_->iocbs[ids[0]].op == static_cast<uint32_t>(IoOp::kCommit)) return host_commit(ids, n);
+  const Geometry& g = k_->geom;
+  uint32_t grid = grid_;
+  if (sms && sms < grid) grid = std::max<uint32_t>(1, sms);
+  push();
+  cudaError_t e = cudaSuccess;
+  if (event) e = cudaStreamWaitEvent(io_stream_, reinterpret_cast<cudaEvent_t>(event), 0);
+  for (uint32_t first = 0; first < n && e == cudaSuccess; first += kMaxLaunchIocbs) {
+    LaunchParams p{};
+    p.n = std::min(kMaxLaunchIocbs, n - first);
+    p.chunks_per_worker = per_worker_;
+    p.unit_blocks = g.unit_blocks;
+    p.objs_per_layer = g.objs_per_layer;
+    p.num_objs = g.num_objs();
+    p.vec16 = vec16_;
+    p.block_bytes = g.block_bytes;
+    p.obj_bytes = g.obj_bytes;
+    p.header_bytes = g.header_bytes;
+    p.chunk_bytes = k_->chunk_bytes;
+    p.staging = reinterpret_cast<uint8_t*>(dev_addr(k_->staging));
+    p.queues = dev_queues_;
+    p.iocbs = reinterpret_cast<Iocb*>(dev_addr(k_->iocbs));
+    p.counters = counters_;
+    p.abort = abort_;
+    for (uint32_t i = 0; i < p.n; ++i) {
+      const Iocb& b = k_->iocbs[ids[first + i]];
+      const RequestMem& m = req_[b.request];
+      const LayerKV& l = k_->extents->layers()[b.layer];
+      LaunchIocb& L = p.b[i];
+      L.id = ids[first + i];
+      L.op = b.op;
+      L.layer = b.layer;
+      L.ctx_first = b.ctx_first;
+      L.ctx_count = b.ctx_count;
+      L.issue_seq = b.issue_seq;
+      L.ctx = m.ctx;
+      L.extents = m.extents;
+      L.expect = m.expect;
+      L.failed = m.failed;
+      L.failed_out = reinterpret_cast<uint8_t*>(dev_addr(m.failed_out));
+      L.sums_out = reinterpret_cast<uint64_t*>(dev_addr(m.sums_out));
+      L.kv[0] = l.ptr[0];
+      L.kv[1] = l.ptr[1];
+      L.block_stride = l.block_stride;
+    }
+    const size_t smem = sizeof(uint32_t) * 4 * per_worker_;
+    io_kernel<<<grid, kThreads, smem, io_stream_>>>(p);
+    e = cudaGetLastError();
+    for (uint32_t i = 0; i < p.n && e == cudaSuccess; ++i) e = cudaEventRecord(events_[ids[first + i]], io_stream_);
+  }
+  pop();
+  if (e != cudaSuccess) return {Code::kDevice, cuda_msg("I/O kernel launch", e)};
+  return Status::Ok();
+}
+
+bool CudaBackend::stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) {
+  for (uint32_t i = 0; i < n; ++i)
+    if (cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), events_[ids[i]], 0) != cudaSuccess) return false;
+  return true;
+}
+
+// Writes the headers of a store's units through the host-owned queue pair (commit after write).
+Status CudaBackend::host_commit(const uint32_t* ids, uint32_t n) {
+  const Geometry& g = k_->geom;
+  const QueuePair& qp = k_->queues[workers_];
+  SpscRing<Sqe> sq = qp.sq_ring();
+  SpscRing<Cqe> cq = qp.cq_ring();
+  struct Pending {
+    uint32_t iocb, unit;
+  };
+  std::vector<Pending> inflight(k_->num_chunks);
+  uint32_t outstanding = 0;
+  auto drain = [&](bool block) {
+    Cqe c;
+    bool any = false;
+    for (;;) {
+      while (cq.pop(&c)) {
+        const uint32_t chunk = static_cast<uint32_t>(c.tag);
+        const Pending pd = inflight[chunk];
+        Iocb& b = k_->iocbs[pd.iocb];
+        if (c.res != static_cast<int64_t>(g.header_bytes)) {
+          k_->requests[b.request].unit_failed[pd.unit] = 1;
+          b.errors++;
+        }
+        host_free_.push_back(chunk);
+        --outstanding;
+        any = true;
+      }
+      if (any || !block || outstanding == 0) return;
+      k_->kernel_bell->wait([&] { return !cq.empty(); }, 1000);
+    }
+  };
+  for (uint32_t i = 0; i < n; ++i) {
+    Iocb& b = k_->iocbs[ids[i]];
+    RequestView& r = k_->requests[b.request];
+    for (uint32_t off = 0; off < b.ctx_count; ++off) {
+      const uint32_t unit = b.ctx_first + off;
+      const Ioctx& x = r.ctx[static_cast<uint64_t>(unit) * g.objs_per_layer];
+      if (x.slot == UINT32_MAX || r.unit_failed[unit]) continue;
+      while (host_free_.empty()) drain(true);
+      const uint32_t chunk = host_free_.back();
+      host_free_.pop_back();
+      uint8_t* buf = k_->staging + static_cast<uint64_t>(chunk) * k_->chunk_bytes;
+      encode_header(g, k_->desc, r.keys[unit], r.commit_seq_base + unit, r.checksums + static_cast<uint64_t>(unit) * g.num_objs(),
+                    buf);
+      Sqe s{};
+      s.tag = chunk;
+      s.file_offset = x.file_offset;
+      s.buf_offset = static_cast<uint64_t>(chunk) * k_->chunk_bytes;
+      s.len = static_cast<uint32_t>(g.header_bytes);
+      s.path = static_cast<uint16_t>(x.path);
+      s.op = static_cast<uint16_t>(IoOp::kWrite);
+      inflight[chunk] = Pending{ids[i], unit};
+      while (!sq.push(s)) drain(true);
+      ++outstanding;
+      k_->agent->kick();
+    }
+  }
+  while (outstanding) drain(true);
+  for (uint32_t i = 0; i < n; ++i) {
+    Iocb& b = k_->iocbs[ids[i]];
+    __atomic_store_n(&b.done_seq, b.issue_seq, __ATOMIC_RELEASE);
+  }
+  k_->done_bell->notify();
+  return Status::Ok();
+}
+
+void CudaBackend::stop() {
+  if (!started_) return;
+  started_ = false;
+  cudaSetDevice(device_);
+  __atomic_store_n(abort_, 1, __ATOMIC_RELEASE);
+  push();
+  cudaStreamSynchronize(io_stream_);
+  for (auto& ev : events_)
+    if (ev) cudaEventDestroy(ev);
+  events_.clear();
+  for (auto& m : req_) {
+    if (m.uploaded) cudaEventDestroy(m.uploaded);
+    if (m.dev) cudaFree(m.dev);
+  }
+  pop();
+  for (auto& m : req_) free_host(m.host, m.host_bytes);
+  req_.clear();
+  if (dev_queues_) cudaFree(dev_queues_);
+  if (counters_) cudaFree(counters_);
+  dev_queues_ = nullptr;
+  counters_ = nullptr;
+  free_host(abort_, kAlign);
+  abort_ = nullptr;
+  if (green_) {
+    if (io_stream_) drv_.StreamDestroy(reinterpret_cast<CUstream>(io_stream_));
+    if (compute_stream_) drv_.StreamDestroy(reinterpret_cast<CUstream>(compute_stream_));
+    if (compute_green_) drv_.GreenCtxDestroy(compute_green_);
+    if (io_green_) drv_.GreenCtxDestroy(io_green_);
+  } else if (io_stream_) {
+    cudaStreamDestroy(io_stream_);
+  }
+  io_stream_ = compute_stream_ = nullptr;
+  io_green_ = compute_green_ = nullptr;
+  io_ctx_ = nullptr;
+  host_free_.clear();
+}
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int device, Status* status) {
+  auto b = std::make_unique<CudaBackend>(device);
+  *status = b->init();
+  if (!status->ok()) return nullptr;
+  return b;
+}
+
+}  // namespace tutti

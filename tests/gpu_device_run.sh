@@ -1,0 +1,57 @@
+#!/bin/bash
+# Builds the native module with the CUDA backend on the GPU host and runs the GPU tests and
+# benchmarks there. Usage: tests/gpu_device_run.sh PHASE (check | full), from the repository root,
+# with the Debian liburing packages in .deb/ and the wheels the image lacks in .whl/.
+# Writes logs and JSON under $OUT (or ./gpu-out).
+set -u
+PHASE=${1:-check}
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+
+log "machine"
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nproc; free -g; df -h / /dev/shm; uname -r; } 2>&1 | tee "$OUT/machine.txt"
+
+log "wheels and liburing"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/uring && for f in .deb/*.deb; do dpkg -x "$f" /tmp/uring; done
+
+log "build"
+cmake -S . -B /tmp/b -G Ninja -DTUTTI_CUDA=on -DPython_EXECUTABLE="$(which python3)" \
+  -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DLIBURING_INCLUDE=/tmp/uring/usr/include \
+  -DLIBURING_LIB=/tmp/uring/usr/lib/x86_64-linux-gnu/liburing.a > "$OUT/build.log" 2>&1 &&
+  ninja -C /tmp/b >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+cp /tmp/b/_native*.so tutti_cluster/
+export PYTHONPATH=$PWD:/tmp/site
+python3 -c "from tutti_cluster import _native; print('has_cuda', _native.has_cuda)"
+
+BENCH='import sys; from tutti_cluster.bench import main; sys.exit(main(sys.argv[1:]))'
+SHM="/dev/shm/tb0 /dev/shm/tb1 /dev/shm/tb2 /dev/shm/tb3"
+mkdir -p /dev/shm/tb0 /dev/shm/tb1 /dev/shm/tb2 /dev/shm/tb3 /var/tmp/tutti-disk
+
+if [ "$PHASE" = check ]; then
+  log "gpu tests"
+  TUTTI_STRESS_IOCTX=${TUTTI_STRESS_IOCTX:-500000} timeout 300 python3 -m pytest -q -x -m gpu --timeout=150 \
+    tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -25
+  log "driver 128K"
+  timeout 150 python3 tests/gpu_bench_driver.py --paths $SHM --tokens 128K --json "$OUT/driver.json" 2>&1 | tail -40
+  log "bench tutti 128K shm"
+  timeout 150 python3 -c "$BENCH" --device cuda --paths $SHM --systems tutti --prefix-tokens 128K --limit-gb 2 \
+    --json "$OUT/bench_check.json" 2>&1 | grep -v "it/s\]" | tail -15
+fi
+
+if [ "$PHASE" = full ]; then
+  log "gpu tests"
+  timeout 200 python3 -m pytest -q -m gpu --timeout=150 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -8
+  log "bench /dev/shm (stand-in for an NVMe array)"
+  timeout 240 python3 -c "$BENCH" --device cuda --paths $SHM --prefix-tokens 16K,32K,64K,128K \
+    --json "$OUT/bench_shm.json" 2>&1 | grep -v "it/s\]" | tail -24
+  log "bench disk (O_DIRECT, caches dropped)"
+  timeout 200 python3 -c "$BENCH" --device cuda --paths /var/tmp/tutti-disk --prefix-tokens 16K,32K,64K,128K \
+    --systems tutti,per-chunk,kvikio --drop-caches --limit-gb 2 --json "$OUT/bench_disk.json" 2>&1 | grep -v "it/s\]" | tail -20
+  log "driver 128K and 640K"
+  timeout 200 python3 tests/gpu_bench_driver.py --paths $SHM --tokens 128K 640K --json "$OUT/driver.json" 2>&1 | tail -60
+fi
+rm -rf /dev/shm/tb0 /dev/shm/tb1 /dev/shm/tb2 /dev/shm/tb3 /var/tmp/tutti-disk
+log "done"

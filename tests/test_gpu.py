@@ -1,0 +1,404 @@
+"""The CUDA backend on a real GPU: byte-exact round trips into paged CUDA tensors for every layout,
+concurrent requests, ring stress, stream ordering, checksum failures, compute on the complement
+SM partition, and two store processes on two GPUs.
+
+Every test here is marked ``gpu`` and skips, saying why, where no CUDA device or no CUDA build is
+present. ``test_cuda_backend_without_a_device`` runs where the build has CUDA but the host has no
+GPU (the CI host): it checks that the CUDA backend fails cleanly there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tutti_cluster import TuttiConfig, TuttiStore, _native
+from tutti_cluster.errors import DeviceError
+from tutti_cluster.kv_layout import LayerKV
+
+try:
+    import torch
+
+    HAVE_GPU = torch.cuda.is_available()
+except ImportError:  # the CI image may lack torch entirely
+    torch = None  # type: ignore[assignment]
+    HAVE_GPU = False
+
+LAYOUTS = ["kv_first", "block_first", "kv_tuple", "interleaved", "mla"]
+
+needs_gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _native.has_cuda, reason="this build of the native module has no CUDA backend"),
+    pytest.mark.skipif(not HAVE_GPU, reason="no CUDA device visible to torch"),
+]
+
+
+def gpu(f: Any) -> Any:
+    for m in needs_gpu:
+        f = m(f)
+    return f
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def _bits(t: "torch.Tensor") -> "torch.Tensor":
+    """The raw bits of a tensor, for byte-exact comparison."""
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _random(shape: tuple[int, ...], dtype: "torch.dtype", gen: "torch.Generator") -> "torch.Tensor":
+    if dtype.itemsize == 2:
+        x = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, device="cuda", generator=gen)
+    else:
+        x = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device="cuda", generator=gen)
+    return x.view(dtype)
+
+
+def make_gpu_kv(layout: str, layers: int, blocks: int, block_shape: tuple[int, ...] = (16, 2, 64),
+                dtype: "torch.dtype | None" = None, seed: int = 0) -> list:
+    """Random paged KV caches on the GPU in ``layout``. block_shape: (tokens, heads, head_size)."""
+    dtype = dtype or torch.bfloat16
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    t, h, d = block_shape
+    if layout == "kv_first":
+        return [_random((2, blocks, t, h, d), dtype, gen) for _ in range(layers)]
+    if layout == "block_first":
+        return [_random((blocks, 2, t, h, d), dtype, gen) for _ in range(layers)]
+    if layout == "kv_tuple":
+        return [(_random((blocks, t, h, d), dtype, gen), _random((blocks, t, h, d), dtype, gen)) for _ in range(layers)]
+    if layout == "interleaved":
+        return [_random((blocks, t, h, 2 * d), dtype, gen) for _ in range(layers)]
+    if layout == "mla":
+        return [_random((blocks, t, h * d), dtype, gen) for _ in range(layers)]
+    raise ValueError(layout)
+
+
+def objects(layer: Any, layout: str) -> list:
+    """[kv] -> tensor indexed by block on dim 0."""
+    if layout == "kv_first":
+        return [layer[0], layer[1]]
+    if layout == "block_first":
+        return [layer[:, 0], layer[:, 1]]
+    if layout == "kv_tuple":
+        return list(layer)
+    return [layer]
+
+
+def clone(kv: list) -> list:
+    return [tuple(x.clone() for x in l) if isinstance(l, tuple) else l.clone() for l in kv]
+
+
+def poison(kv: list, value: int = 0x5A5A) -> None:
+    for l in kv:
+        for x in l if isinstance(l, tuple) else (l,):
+            _bits(x).fill_(value if x.element_size() == 2 else value * 65537)
+
+
+def assert_moved(want: list, src_blocks: Any, got: list, dst_blocks: Any, layout: str) -> None:
+    src = torch.as_tensor(np.asarray(src_blocks), device="cuda")
+    dst = torch.as_tensor(np.asarray(dst_blocks), device="cuda")
+    for l in range(len(want)):
+        for a, b in zip(objects(want[l], layout), objects(got[l], layout)):
+            x, y = _bits(a).index_select(0, src), _bits(b).index_select(0, dst)
+            assert torch.equal(x, y), f"layer {l}: retrieved blocks differ from the stored ones"
+
+
+def open_gpu_store(dirs: list[Path], kv: list, layout: str, block_tokens: int = 16, **cfg: Any) -> TuttiStore:
+    base = dict(paths=[str(d) for d in dirs], capacity_gb=0.25, unit_tokens=64, staging_mb=8, backend="cuda",
+                io_sms=8, instance="gpu")
+    base.update(cfg)
+    s = TuttiStore(TuttiConfig(**base))
+    s.register_kv_caches(kv, block_tokens=block_tokens, layout=layout)
+    return s
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> list[Path]:
+    out = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        out.append(d)
+    return out
+
+
+@pytest.fixture
+def shm_dirs() -> Any:
+    """Two directories on /dev/shm (tmpfs) where it exists, for the larger tests."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="tutti-gpu-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    out = [root / "a", root / "b"]
+    for d in out:
+        d.mkdir()
+    yield out
+    shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- without a GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not _native.has_cuda, reason="this build of the native module has no CUDA backend")
+@pytest.mark.skipif(HAVE_GPU, reason="a GPU is present: the GPU tests cover the backend")
+def test_cuda_backend_without_a_device(dirs: list[Path]) -> None:
+    """A CUDA build imports and runs the CPU backend anywhere; the CUDA backend says why it cannot start."""
+    buf = np.zeros(4096 * 8, dtype=np.uint8)
+    ptr = buf.__array_interface__["data"][0]
+    layer = LayerKV((ptr,), 4096, 4096, 8, device="cuda", dtype="uint8", block_shape=(4096,))
+    s = TuttiStore(TuttiConfig(paths=[str(d) for d in dirs], capacity_gb=0.01, unit_tokens=16, backend="cuda"))
+    with pytest.raises(DeviceError):
+        s.register_kv_caches([layer, layer], block_tokens=16)
+    s.close()
+
+
+# ---- round trips ---------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_every_layout(dirs: list[Path], layout: str) -> None:
+    kv = make_gpu_kv(layout, layers=4, blocks=160, seed=1)
+    rng = np.random.default_rng(11)
+    with open_gpu_store(dirs, kv, layout) as s:
+        assert s.stats()["backend"] == "cuda"
+        ub = s.unit_blocks
+        keys = [int(k) for k in rng.integers(1, 1 << 62, 24)]
+        src = rng.permutation(160)[: 24 * ub]
+        res = s.store(keys, src)
+        assert res.ok and res.committed_units == list(range(24)), res
+        assert s.lookup(keys) == 24
+        want = clone(kv)
+        poison(kv)
+        dst = rng.permutation(160)[: 24 * ub]
+        res = s.retrieve(keys, dst)
+        torch.cuda.synchronize()
+        assert res.ok, res
+        assert_moved(want, src, kv, dst, layout)
+        # Blocks outside the request keep the poison.
+        rest = torch.as_tensor(sorted(set(range(160)) - set(dst.tolist())), device="cuda")
+        first = objects(kv[0], layout)[0]
+        assert bool((_bits(first).index_select(0, rest) == 0x5A5A).all())
+        # The GPU's checksums are the CPU's: read_unit verifies every object on the CPU.
+        data = s.read_unit(keys[3])
+        assert len(data) == s.geometry()["slot_bytes"]
+
+
+@gpu
+def test_unaligned_objects_and_padding(dirs: list[Path]) -> None:
+    """60-byte blocks (not 16-byte multiples) and objects padded to 4 KiB: the 4-byte kernel path."""
+    kv = make_gpu_kv("kv_first", layers=3, blocks=64, block_shape=(3, 1, 5), dtype=torch.float32, seed=2)
+    rng = np.random.default_rng(3)
+    with open_gpu_store(dirs, kv, "kv_first", block_tokens=3, unit_tokens=12) as s:
+        keys = list(range(100, 110))
+        src = rng.permutation(64)[:40]
+        assert s.store(keys, src).ok
+        want = clone(kv)
+        poison(kv)
+        dst = rng.permutation(64)[:40]
+        assert s.retrieve(keys, dst).ok
+        torch.cuda.synchronize()
+        assert_moved(want, src, kv, dst, "kv_first")
+
+
+@gpu
+def test_layer_calls_are_stream_ordered(dirs: list[Path]) -> None:
+    """store_layer runs after the caller's queued work; wait_layer orders the caller's stream after
+    the retrieve, with no host synchronisation in between."""
+    kv = make_gpu_kv("kv_first", layers=2, blocks=64, seed=4)
+    with open_gpu_store(dirs, kv, "kv_first") as s:
+        blocks = list(range(32))
+        keys = list(range(1, 9))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # keeps the current stream busy for ~0.1 s
+        for l in kv:
+            l[:, :32].fill_(1.5)  # queued behind the sleep
+        req = s.begin_store(keys, blocks)
+        for layer in range(2):
+            s.store_layer(layer, req)  # must gather the 1.5s, not the random contents
+        assert s.finish(req).ok
+        poison(kv)
+        torch.cuda.synchronize()
+        dst = list(range(32, 64))
+        req = s.begin_retrieve(keys, dst)
+        for layer in range(2):
+            s.retrieve_layer(layer, req)
+        seen = []
+        for layer in range(2):
+            s.wait_layer(layer, req)  # stream wait: returns at once
+            seen.append(kv[layer][:, 32:].clone())  # queued on the current stream after the I/O
+        assert s.finish(req).ok
+        torch.cuda.synchronize()
+        for x in seen:
+            assert bool((x == 1.5).all()), "the current stream ran ahead of the retrieve"
+
+
+@gpu
+def test_concurrent_requests(shm_dirs: list[Path]) -> None:
+    kv = make_gpu_kv("kv_first", layers=8, blocks=1024, seed=5)
+    rng = np.random.default_rng(5)
+    with open_gpu_store(shm_dirs, kv, "kv_first", capacity_gb=1.0, staging_mb=16) as s:
+        ub = s.unit_blocks
+        groups = [[int(k) for k in rng.integers(1, 1 << 62, 32)] for _ in range(4)]
+        srcs = [rng.permutation(1024)[: 32 * ub] for _ in groups]
+        reqs = [s.begin_store(k, b) for k, b in zip(groups, srcs)]
+        for layer in range(8):
+            for r in reqs:
+                s.store_layer(layer, r)
+        assert all(s.finish(r).ok for r in reqs)
+        want = clone(kv)
+        poison(kv)
+        perm = rng.permutation(1024)
+        dsts = [perm[i * 32 * ub : (i + 1) * 32 * ub] for i in range(4)]  # disjoint destinations
+        reqs = [s.begin_retrieve(k, b) for k, b in zip(groups, dsts)]
+        for layer in range(8):
+            for r in reversed(reqs):
+                s.retrieve_layer(layer, r)
+        results = [s.finish(r) for r in reqs]
+        torch.cuda.synchronize()
+        assert all(r.ok for r in results), results
+        for src, dst in zip(srcs, dsts):
+            assert_moved(want, src, kv, dst, "kv_first")
+
+
+@gpu
+def test_corrupt_object_is_a_miss(dirs: list[Path]) -> None:
+    kv = make_gpu_kv("block_first", layers=2, blocks=64, seed=6)
+    with open_gpu_store(dirs[:1], kv, "block_first") as s:
+        keys = list(range(1, 9))
+        blocks = list(range(32))
+        assert s.store(keys, blocks).ok
+        g = s.geometry()
+        pool = next(dirs[0].glob("tutti-*.pool"))
+        with open(pool, "r+b") as f:  # flip bytes inside the first object of slot 0
+            f.seek(g["header_bytes"] + 100)
+            b = f.read(4)
+            f.seek(g["header_bytes"] + 100)
+            f.write(bytes(x ^ 0xFF for x in b))
+        res = s.retrieve(keys, list(range(32, 64)))
+        assert len(res.failed_units) == 1, res
+        assert s.stats()["checksum_failures"] == 1
+        assert s.lookup(keys) < len(keys)  # the damaged unit was dropped
+
+
+@gpu
+@pytest.mark.slow
+def test_ring_stress_millions_of_ioctxs(shm_dirs: list[Path]) -> None:
+    """4 KiB objects through a small staging area: >= 2M IOCTXs, the rings wrap thousands of times."""
+    layers, blocks = 8, 4096
+    kv = make_gpu_kv("kv_first", layers=layers, blocks=blocks, seed=7)
+    rng = np.random.default_rng(7)
+    target = int(os.environ.get("TUTTI_STRESS_IOCTX", 2_000_000))
+    with open_gpu_store(shm_dirs, kv, "kv_first", unit_tokens=16, staging_mb=1, capacity_gb=0.1,
+                        queue_depth=128) as s:
+        units = 2048
+        keys = [int(k) for k in rng.integers(1, 1 << 62, units)]
+        src = rng.permutation(blocks)[:units]
+        assert s.store(keys, src).ok
+        want = clone(kv)
+        per_round = units * 2 * layers
+        rounds = -(-target // per_round)
+        for r in range(rounds):
+            dst = rng.permutation(blocks)[:units]
+            res = s.retrieve(keys, dst)
+            assert res.ok, (r, res)
+        torch.cuda.synchronize()
+        assert_moved(want, src, kv, dst, "kv_first")
+        st = s.stats()
+        assert st["agent_ops"] >= rounds * per_round
+        assert st["checksum_failures"] == 0 and st["io_errors"] == 0
+
+
+@gpu
+def test_compute_on_the_complement_partition(shm_dirs: list[Path]) -> None:
+    """A matrix product on the complement stream while a large retrieve runs: both are right."""
+    kv = make_gpu_kv("kv_first", layers=8, blocks=4096, seed=8)  # 8 layers x 4096 x 8 KiB = 256 MiB
+    rng = np.random.default_rng(8)
+    with open_gpu_store(shm_dirs, kv, "kv_first", capacity_gb=1.0, unit_tokens=256, staging_mb=32) as s:
+        h = s.compute_stream()
+        assert h != 0, "no complement partition (green contexts unavailable?)"
+        ub = s.unit_blocks
+        n = 4096 // ub
+        keys = [int(k) for k in rng.integers(1, 1 << 62, n)]
+        src = rng.permutation(4096)
+        assert s.store(keys, src).ok
+        want = clone(kv)
+        poison(kv)
+        a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        ref = (a.float() @ a.float()).to(torch.bfloat16)
+        torch.cuda.synchronize()
+        compute = torch.cuda.ExternalStream(h)
+        dst = rng.permutation(4096)
+        req = s.begin_retrieve(keys, dst)
+        for layer in range(8):
+            s.retrieve_layer(layer, req)
+        outs = []
+        with torch.cuda.stream(compute):
+            for _ in range(20):
+                outs.append(a @ a)
+        res = s.finish(req)
+        compute.synchronize()
+        torch.cuda.synchronize()
+        assert res.ok, res
+        assert_moved(want, src, kv, dst, "kv_first")
+        for o in outs:
+            err = (o.float() - ref.float()).norm() / ref.float().norm()
+            assert err < 1e-2
+
+
+# ---- two processes on two GPUs -------------------------------------------------------------------
+
+
+def _worker(device: int, paths: list[str]) -> dict[str, Any]:
+    """One GPU process: its own store instance and queues on the shared paths."""
+    torch.cuda.set_device(device)
+    kv = make_gpu_kv("kv_first", layers=8, blocks=2048, seed=device)
+    rng = np.random.default_rng(device)
+    s = TuttiStore(TuttiConfig(paths=paths, capacity_gb=1.0, unit_tokens=256, staging_mb=32, backend="cuda",
+                               device=device, instance=f"gpu{device}"))
+    s.register_kv_caches([t for t in kv], block_tokens=16, layout="kv_first")
+    n = 2048 // s.unit_blocks
+    keys = [int(k) for k in rng.integers(1, 1 << 62, n)]
+    src = rng.permutation(2048)
+    assert s.store(keys, src).ok
+    want = clone(kv)
+    poison(kv)
+    dst = rng.permutation(2048)
+    res = s.retrieve(keys, dst)
+    torch.cuda.synchronize()
+    assert res.ok, res
+    assert_moved(want, src, kv, dst, "kv_first")
+    st = s.stats()
+    s.close()
+    return {"device": device, "units": n, "bytes_read": st["bytes_read"], "backend": st["backend"]}
+
+
+@gpu
+@pytest.mark.skipif(not HAVE_GPU or torch.cuda.device_count() < 2, reason="needs two GPUs in one host")
+def test_two_processes_two_gpus(shm_dirs: list[Path]) -> None:
+    paths = [str(d) for d in shm_dirs]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "worker", str(dev), *paths], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=str(Path(__file__).parent))
+        for dev in (0, 1)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-2000:]
+    results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+    assert sorted(r["device"] for r in results) == [0, 1]
+    # Each process owns its share of every path.
+    for d in shm_dirs:
+        assert sorted(p.name for p in d.glob("tutti-*.pool")) == ["tutti-gpu0.pool", "tutti-gpu1.pool"]
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
+    print(json.dumps(_worker(int(sys.argv[2]), sys.argv[3:])))
