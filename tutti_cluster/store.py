@@ -134,6 +134,13 @@ class TuttiStore:
         self.num_layers = len(layers)
         self.device = device
         self._layers = layers
+        if device == "cuda":
+            import torch  # only CUDA stores need it
+
+            # One reusable event per layer: each call records it on the caller's stream, and the
+            # backend makes the I/O stream wait on it at once, so a later record does not interfere.
+            self._torch_device = torch.device("cuda", self.config.device)
+            self._events = [torch.cuda.Event() for _ in layers]
         log.info("store %s: %d layers, %s, %d blocks/unit, GPU file %d bytes, backend %s",
                  self.config.instance, len(layers), desc, unit_blocks, nat.geometry()["slot_bytes"], backend)
 
@@ -189,21 +196,56 @@ class TuttiStore:
         if have != op:
             raise TuttiError(f"request {req} is a {'retrieve' if have == _RETRIEVE else 'store'} request")
 
+    def _event(self, layer: int, event: int) -> int:
+        """The CUDA event (handle) the layer's I/O is ordered after: ``event`` when given, else one
+        recorded now on the caller's current stream. 0 on CPU stores."""
+        if event or self.device != "cuda" or not 0 <= layer < len(self._events):
+            return event
+        import torch
+
+        ev = self._events[layer]
+        ev.record(torch.cuda.current_stream(self._torch_device))
+        return int(ev.cuda_event)
+
     def retrieve_layer(self, layer: int, req: int, event: int = 0) -> None:
-        """Starts moving ``layer`` of the request from storage into its KV blocks (asynchronous)."""
+        """Starts moving ``layer`` of the request from storage into its KV blocks (asynchronous).
+
+        On CUDA the I/O kernel starts after ``event`` (a ``cudaEvent_t`` handle), or, when 0, after
+        the work queued so far on the caller's current stream.
+        """
         self._check(req, _RETRIEVE)
-        self._n.layer(layer, req, event)
+        self._n.layer(layer, req, self._event(layer, event))
 
     def store_layer(self, layer: int, req: int, event: int = 0) -> None:
-        """Starts writing ``layer`` of the request's KV blocks to its GPU files (asynchronous)."""
-        self._check(req, _STORE)
-        self._n.layer(layer, req, event)
+        """Starts writing ``layer`` of the request's KV blocks to its GPU files (asynchronous).
 
-    def wait_layer(self, layer: int, req: int) -> None:
-        """Blocks until ``layer`` of the request has moved."""
+        On CUDA the gather starts after ``event``, or after the work queued so far on the caller's
+        current stream (the kernels that wrote the KV blocks).
+        """
+        self._check(req, _STORE)
+        self._n.layer(layer, req, self._event(layer, event))
+
+    def wait_layer(self, layer: int, req: int, stream: int | None = None) -> None:
+        """Waits until ``layer`` of the request has moved.
+
+        CPU stores block the calling thread. CUDA stores make ``stream`` (a ``cudaStream_t`` handle;
+        None: the caller's current stream) wait for the layer's I/O kernel, without blocking the
+        host; ``stream=0`` blocks the host instead.
+        """
         if req not in self._ops:
             raise TuttiError(f"no request {req} in flight")
-        self._n.wait_layer(layer, req)
+        if stream is None:
+            stream = 0
+            if self.device == "cuda":
+                import torch
+
+                stream = int(torch.cuda.current_stream(self._torch_device).cuda_stream)
+        self._n.wait_layer(layer, req, stream)
+
+    def compute_stream(self) -> int:
+        """A ``cudaStream_t`` handle on the SMs outside the I/O partition (CUDA stores with green
+        contexts), for the engine's compute; 0 when there is none."""
+        return int(self._n.compute_stream())
 
     def finish(self, req: int) -> RequestResult:
         """Completes a request: commits stored units, unpins retrieved ones, reports failures."""
