@@ -209,6 +209,11 @@ class NodeDaemon:
 
         if not self.config.etcd:
             raise ConfigError("cluster mode needs etcd endpoints (TUTTI_ETCD): the replica directory lives there")
+        if self.config.mooncake_master:
+            # Replicas live in Tutti's pools, not in Mooncake Store segments: the master has no part
+            # in registering or moving them (docs/CLUSTER.md, "Directory choice").
+            log.info("mooncake_master %s is not used by the replica directory (etcd) or the data path",
+                     self.config.mooncake_master)
         slot = max((v.slot_bytes() for v in self._instances.values()), default=0)
         self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes, slot_bytes=slot)
         self.stage = StageServer(self.transfer, self._read_unit, host=self.host, port=self.stage_port,

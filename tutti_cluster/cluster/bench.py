@@ -128,11 +128,23 @@ def _owner_main(opts: dict[str, Any]) -> None:
     link.attach(store)
     res = store.store(opts["keys"], list(range(n * ub)))
     link.flush()
+    # The owner's own limit in this run: the store's CPU read path (read_unit), which the stage
+    # endpoint runs for every remote fetch, serially and with the stager's two threads.
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    nbytes = sum(len(store.read_unit(k)) for k in opts["keys"])
+    serial = nbytes / (time.perf_counter() - t0) / GiB
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as ex:
+        nbytes = sum(len(b) for b in ex.map(store.read_unit, opts["keys"]))
+    threaded = nbytes / (time.perf_counter() - t0) / GiB
     assert daemon.transfer is not None and daemon.stage is not None
     print(json.dumps({"ready": True, "stored": res.units, "segment": daemon.transfer.segment,
                       "arena": daemon.transfer.base, "stage": daemon.stage.address,
                       "unit_bytes": store.geometry()["slot_bytes"],
-                      "direct_io": bool(store.stats().get("direct_io"))}), flush=True)
+                      "direct_io": bool(store.stats().get("direct_io")),
+                      "read_unit_gibps": serial, "read_unit_2threads_gibps": threaded}), flush=True)
     sys.stdin.read()  # the benchmark closes our stdin when it is done
     link.close()
     store.close()
@@ -165,9 +177,10 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
             raise SystemExit(f"owner failed to start or store (see {work / 'owner.log'}): {ready}")
         req_dir = work / "req-ssd"
         req_dir.mkdir(exist_ok=True)
-        cfg = TuttiConfig(paths=[str(req_dir)], capacity_gb=max(0.1, 2 * unit_guess / GiB), unit_tokens=UNIT_TOKENS,
-                          data_dir=str(work / "req"), etcd=[etcd], node_id="bench-requester",
-                          instance="engine0", protocol=args.protocol)
+        req_cfg: dict[str, Any] = {"paths": [str(req_dir)], "capacity_gb": max(0.1, 2 * unit_guess / GiB),
+                                   "unit_tokens": UNIT_TOKENS, "data_dir": str(work / "req"), "etcd": [etcd],
+                                   "node_id": "bench-requester", "instance": "engine0", "protocol": args.protocol}
+        cfg = TuttiConfig(**req_cfg)
         kv = _kv(n * ub, layers)
         store = TuttiStore(cfg)
         store.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first")
@@ -196,7 +209,8 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
         store.close()
         raw_med, rem_med = statistics.median(raw), statistics.median(remote)
         return {"units": n, "unit_bytes": unit_bytes, "layers": layers, "window": args.window,
-                "owner_direct_io": ready["direct_io"], "raw_te_gibps": raw, "remote_fetch_gibps": remote,
+                "owner_direct_io": ready["direct_io"], "owner_read_unit_gibps": ready["read_unit_gibps"],
+                "owner_read_unit_2threads_gibps": ready["read_unit_2threads_gibps"], "raw_te_gibps": raw, "remote_fetch_gibps": remote,
                 "raw_te_gibps_median": raw_med, "remote_fetch_gibps_median": rem_med,
                 "ratio": rem_med / raw_med if raw_med else 0.0}
     finally:
@@ -212,8 +226,8 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
 def _measure_lookup(args: argparse.Namespace, etcd: str) -> dict[str, Any]:
     from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 
-    writer = EtcdDirectory(etcd, "bench-dir", lease_ttl_s=30, timeout_s=30)
-    reader = EtcdDirectory(etcd, "bench-reader", timeout_s=30)
+    writer = EtcdDirectory(etcd, "bench-dir", lease_ttl_s=30, timeout_s=30, max_txn_ops=args.txn_ops)
+    reader = EtcdDirectory(etcd, "bench-reader", timeout_s=30, max_txn_ops=args.txn_ops)
     before = _gateway(etcd, "/v3/maintenance/status", {})
     n_keys = args.directory_keys
     keys = [0xD1_0000_0000 + i * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF for i in range(n_keys)]
@@ -242,7 +256,7 @@ def _measure_lookup(args: argparse.Namespace, etcd: str) -> dict[str, Any]:
                      "p90_ms": lat[min(len(lat) - 1, int(0.9 * len(lat)))], "us_per_key": statistics.median(lat) * 1e3 / batch})
     writer.stop(revoke=True)
     reader.stop(revoke=False)
-    return {"registered_keys": n_keys, "register_seconds": reg_s, "db_bytes_per_replica": per_key,
+    return {"registered_keys": n_keys, "txn_ops": reader.max_txn_ops, "register_seconds": reg_s, "db_bytes_per_replica": per_key,
             "db_size_field": in_use, "lookup": rows}
 
 
@@ -259,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
     p.add_argument("--directory-keys", type=int, help="synthetic replicas registered (default 65536, quick 8192)")
     p.add_argument("--lookup-reps", type=int, default=50)
+    p.add_argument("--txn-ops", type=int, default=1024, help="directory operations per etcd transaction")
+    p.add_argument("--only", choices=["fetch", "lookup"], help="run one part only")
     p.add_argument("--owner", help=argparse.SUPPRESS)
     return p
 
@@ -280,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             etcd = _Etcd(work)
             endpoint = etcd.endpoint
-        fetch = _measure_fetch(args, endpoint, work)
-        lookup = _measure_lookup(args, endpoint)
+        fetch = _measure_fetch(args, endpoint, work) if args.only != "lookup" else None
+        lookup = _measure_lookup(args, endpoint) if args.only != "fetch" else None
     finally:
         if etcd is not None:
             etcd.stop()
@@ -295,15 +311,19 @@ def main(argv: list[str] | None = None) -> int:
         "fetch": fetch, "directory": lookup,
     }
     f = fetch
-    print(f"remote fetch  {f['remote_fetch_gibps_median']:.3f} GiB/s   raw Transfer Engine "
+    if f is not None:
+        print(f"remote fetch  {f['remote_fetch_gibps_median']:.3f} GiB/s   raw Transfer Engine "
           f"{f['raw_te_gibps_median']:.3f} GiB/s   ratio {f['ratio']:.2f}   "
-          f"({f['units']} units x {f['unit_bytes'] / (1 << 20):.1f} MiB, {args.protocol})")
+              f"({f['units']} units x {f['unit_bytes'] / (1 << 20):.1f} MiB, {args.protocol})")
+        print(f"owner store.read_unit {f['owner_read_unit_gibps']:.3f} GiB/s (2 threads "
+              f"{f['owner_read_unit_2threads_gibps']:.3f}), O_DIRECT {f['owner_direct_io']}")
     d = lookup
-    print(f"directory: {d['db_bytes_per_replica']:.0f} etcd bytes per replica "
-          f"({d['db_size_field']}, {d['registered_keys']} replicas)")
-    for r in d["lookup"]:
-        print(f"  lookup {r['batch']:5d} keys: p50 {r['p50_ms']:8.2f} ms  p90 {r['p90_ms']:8.2f} ms  "
-              f"{r['us_per_key']:7.1f} us/key")
+    if d is not None:
+        print(f"directory: {d['db_bytes_per_replica']:.0f} etcd bytes per replica "
+              f"({d['db_size_field']}, {d['registered_keys']} replicas, {d['txn_ops']} ops per transaction)")
+        for r in d["lookup"]:
+            print(f"  lookup {r['batch']:5d} keys: p50 {r['p50_ms']:8.2f} ms  p90 {r['p90_ms']:8.2f} ms  "
+                  f"{r['us_per_key']:7.1f} us/key")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0

@@ -8,8 +8,10 @@ Layout (all keys bound to the owning node's lease, so a dead node's entries vani
 - ``tutti/u/<key as 16 hex digits>/<node_id>``: empty value; one per replica of a cache unit.
 
 A lookup of N keys is one etcd transaction of N range reads (one per key prefix), so one round trip;
-batches above ``max_txn_ops`` (etcd's ``--max-txn-ops``, 128 by default) are split into several
-transactions, and a prefix lookup stops at the first chunk that ends in a miss.
+batches above ``max_txn_ops`` are split into several transactions sent at once (still about one
+round trip of wall time, and etcd serves concurrent read transactions in parallel). The client uses
+1024 operations per transaction (start etcd with ``--max-txn-ops 1024`` or more) and shrinks the
+chunks by itself when etcd refuses them (etcd's default limit is 128).
 
 The etcd client is :mod:`tutti_cluster.cluster.etcd` (gRPC, no protobuf package needed).
 
@@ -28,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from tutti_cluster.cluster.etcd import EtcdClient, op_delete, op_put, op_range, prefix_end
+from tutti_cluster.cluster.etcd import EtcdClient, EtcdError, KeyValue, op_delete, op_put, op_range, prefix_end
 from tutti_cluster.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class DirectoryStats:
     lookups: int = 0
     lookup_keys: int = 0
     lookup_errors: int = 0
+    lookups_skipped: int = 0  # while etcd is known to be down (back-off)
     registered: int = 0
     unregistered: int = 0
     put_errors: int = 0
@@ -108,7 +111,7 @@ class EtcdDirectory:
     """
 
     def __init__(self, endpoints: str, node_id: str, lease_ttl_s: int = 10, timeout_s: float = 2.0,
-                 max_txn_ops: int = 4096) -> None:
+                 max_txn_ops: int = 1024) -> None:
         if not node_id or "/" in node_id:
             raise ConfigError(f"node_id must be non-empty and contain no '/': {node_id!r}")
         if lease_ttl_s < 2:
@@ -131,6 +134,8 @@ class EtcdDirectory:
         self._pending_deletes: set[int] = set()  # evictions etcd did not take yet
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._down_until = 0.0  # lookups are skipped until then after a failure (back-off)
+        self._backoff = 0.0
         self._nodes: dict[str, NodeRecord] = {}
         self._nodes_at = 0.0
 
@@ -246,15 +251,28 @@ class EtcdDirectory:
                 self._rotate()
 
     # -- replicas ---------------------------------------------------------------------------------
+    def _run(self, ops: Sequence[bytes]) -> list[list[KeyValue] | None]:
+        """Run ``ops`` in transactions of at most ``max_txn_ops``, sent concurrently.
+
+        etcd refuses transactions above its ``--max-txn-ops`` (128 by default); on that answer the
+        chunk size shrinks (once per directory, remembered) and the call is retried.
+        """
+        while True:
+            n = self.max_txn_ops
+            try:
+                res = self.client.txn_many([ops[i:i + n] for i in range(0, len(ops), n)])
+                return [r for chunk in res for r in chunk]
+            except EtcdError as exc:
+                if not exc.too_many_ops or n == 1:
+                    raise
+                self.max_txn_ops = max(1, min(128, n // 2))
+                log.warning("etcd refuses %d operations per transaction; using %d", n, self.max_txn_ops)
+
     def _put_keys(self, keys: Sequence[int], lease: int) -> None:
-        for i in range(0, len(keys), self.max_txn_ops):
-            chunk = keys[i:i + self.max_txn_ops]
-            self.client.txn([op_put(unit_key(k, self.node_id).encode(), b"", lease) for k in chunk])
+        self._run([op_put(unit_key(k, self.node_id).encode(), b"", lease) for k in keys])
 
     def _delete_keys(self, keys: Sequence[int]) -> None:
-        for i in range(0, len(keys), self.max_txn_ops):
-            chunk = keys[i:i + self.max_txn_ops]
-            self.client.txn([op_delete(unit_key(k, self.node_id).encode()) for k in chunk])
+        self._run([op_delete(unit_key(k, self.node_id).encode()) for k in keys])
 
     def register(self, keys: Iterable[int]) -> bool:
         """Record local replicas of ``keys``; True if etcd has them now, False if queued for replay."""
@@ -320,33 +338,34 @@ class EtcdDirectory:
         out: list[list[str]] = []
         if not ks:
             return out
-        for i in range(0, len(ks), self.max_txn_ops):
-            chunk = ks[i:i + self.max_txn_ops]
+        responses: list[list[KeyValue] | None] = []
+        if time.monotonic() < self._down_until:
+            self.stats.lookups_skipped += 1
+        else:
             ops = []
-            for k in chunk:
+            for k in ks:
                 start = unit_key(k).encode()
                 ops.append(op_range(start, prefix_end(start), keys_only=True))
             try:
-                responses = self.client.txn(ops)
+                responses = self._run(ops)
+                self._backoff = 0.0
             except Exception as exc:
+                # Back off so that a dead or partitioned etcd costs one deadline, not one per lookup.
                 self.stats.lookup_errors += 1
+                self._backoff = min(5.0, max(0.25, 2 * self._backoff))
+                self._down_until = time.monotonic() + self._backoff
                 log.debug("directory lookup failed (treated as misses): %s", exc)
                 self._rotate()
+        for kvs in responses:
+            owners = []
+            for kv in kvs or ():
+                node = kv.key.decode().rsplit("/", 1)[1]
+                if exclude_self and node == self.node_id:
+                    continue
+                owners.append(node)
+            if prefix and not owners:
                 break
-            stop = False
-            for kvs in responses:
-                owners = []
-                for kv in kvs or ():
-                    node = kv.key.decode().rsplit("/", 1)[1]
-                    if exclude_self and node == self.node_id:
-                        continue
-                    owners.append(node)
-                if prefix and not owners:
-                    stop = True
-                    break
-                out.append(owners)
-            if stop:
-                break
+            out.append(owners)
         if not prefix:
             out.extend([] for _ in range(len(ks) - len(out)))
         return out

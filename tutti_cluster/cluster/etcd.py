@@ -22,7 +22,16 @@ log = logging.getLogger(__name__)
 
 
 class EtcdError(TuttiError):
-    """etcd did not answer, or answered with an error."""
+    """etcd did not answer, or answered with an error (``code``: the gRPC status name)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def too_many_ops(self) -> bool:
+        """etcd refused a transaction above its ``--max-txn-ops``."""
+        return "too many operations" in str(self)
 
 
 # -- protobuf wire format ---------------------------------------------------------------------------
@@ -48,7 +57,7 @@ def _int_field(num: int, value: int) -> bytes:
     return _varint(num << 3) + _varint(value) if value else b""
 
 
-def _fields(buf: bytes) -> Iterator[tuple[int, Any]]:
+def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, Any]]:
     """Yield (field number, value) of a message: ints for varints, memoryviews for bytes."""
     mv = memoryview(buf)
     i, n = 0, len(mv)
@@ -165,23 +174,41 @@ class EtcdClient:
         self._revoke = self._channel.unary_unary("/etcdserverpb.Lease/LeaseRevoke")
         self._keepalive = self._channel.stream_stream("/etcdserverpb.Lease/LeaseKeepAlive")
 
+    def _error(self, exc: Any) -> EtcdError:
+        code = exc.code() if hasattr(exc, "code") else None
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return EtcdError(f"etcd {self.endpoint}: {getattr(code, 'name', code)}: {details}", getattr(code, "name", ""))
+
     def _call(self, method: Any, request: bytes) -> bytes:
         try:
             return bytes(method(request, timeout=self.timeout_s))
         except self._grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
-            raise EtcdError(f"etcd {self.endpoint}: {code}: {exc.details() if hasattr(exc, 'details') else exc}") \
-                from None
+            raise self._error(exc) from None
 
-    def txn(self, ops: Sequence[bytes]) -> list[list[KeyValue] | None]:
-        """Run the RequestOps unconditionally in one transaction; one entry per op (kvs for ranges)."""
-        req = b"".join(_bytes_field(2, op) for op in ops)  # TxnRequest.success
-        resp = self._call(self._txn, req)
+    @staticmethod
+    def _parse_txn(resp: bytes) -> list[list[KeyValue] | None]:
         out: list[list[KeyValue] | None] = []
         for num, v in _fields(resp):
             if num == 3:  # ResponseOp
                 for inner_num, inner in _fields(v):
                     out.append(_parse_range_response(inner) if inner_num == 1 else None)
+        return out
+
+    def txn(self, ops: Sequence[bytes]) -> list[list[KeyValue] | None]:
+        """Run the RequestOps unconditionally in one transaction; one entry per op (kvs for ranges)."""
+        req = b"".join(_bytes_field(2, op) for op in ops)  # TxnRequest.success
+        return self._parse_txn(self._call(self._txn, req))
+
+    def txn_many(self, batches: Sequence[Sequence[bytes]]) -> list[list[list[KeyValue] | None]]:
+        """Several transactions sent at once (about one round trip of wall time); raises on any failure."""
+        futures = [self._txn.future(b"".join(_bytes_field(2, op) for op in ops), timeout=self.timeout_s)
+                   for ops in batches]
+        out = []
+        for f in futures:
+            try:
+                out.append(self._parse_txn(bytes(f.result())))
+            except self._grpc.RpcError as exc:
+                raise self._error(exc) from None
         return out
 
     def get_prefix(self, prefix: bytes) -> list[KeyValue]:
@@ -214,7 +241,7 @@ class EtcdClient:
             for resp in responses:
                 return next((v for num, v in _fields(bytes(resp)) if num == 3), 0)
         except self._grpc.RpcError as exc:
-            raise EtcdError(f"etcd {self.endpoint}: keepalive: {exc.code()}") from None
+            raise self._error(exc) from None
         return 0
 
     def lease_revoke(self, lease_id: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import socket
 import socketserver
 import threading
@@ -248,8 +249,9 @@ class StageStream:
     """
 
     def __init__(self, transfer: TransferNode, stage_addr: str, segment: str, keys: Sequence[int],
-                 window: int = 2, timeout_s: float = 5.0) -> None:
+                 window: int = 2, timeout_s: float = 5.0, depth: int = 2) -> None:
         self.transfer = transfer
+        self.depth = max(1, depth)
         self.stage_addr = stage_addr
         self.segment = segment
         self.keys = [int(k) & 0xFFFFFFFFFFFFFFFF for k in keys]
@@ -260,60 +262,104 @@ class StageStream:
         self.bytes = 0
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
+        # A puller thread reads the owner's announcements and pulls each unit into one of `depth`
+        # local slots while the consumer works on the previous one (the Transfer Engine and the
+        # store's scatter both release the GIL), so pull and scatter overlap.
         host, _, port = self.stage_addr.rpartition(":")
         try:
             sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
         except OSError as exc:
             self.error = f"connect {self.stage_addr}: {exc}"
             return
-        local: int | None = None
-        try:
-            sock.settimeout(self.timeout_s)
-            rfile = sock.makefile("rb")
-            sock.sendall(json.dumps({"op": "stage", "keys": self.keys, "window": self.window}).encode() + b"\n")
-            expected = iter(self.keys)
-            while True:
-                line = rfile.readline(MAX_LINE)
-                if not line:
-                    self.error = "owner closed the stream"
-                    return
-                msg = json.loads(line)
-                if msg.get("end"):
-                    return
-                if "error" in msg:
-                    self.error = str(msg["error"])
-                    return
-                key = int(msg["key"])
-                if key != next(expected, None):
-                    self.error = "owner answered out of order"
-                    return
-                if "miss" in msg:
-                    self.miss = str(msg["miss"])
-                    return
-                n = int(msg["len"])
-                if self.transfer.slot_bytes == 0:
-                    self.transfer.configure(n)
-                if n > self.transfer.slot_bytes:
-                    self.error = f"unit of {n} bytes exceeds the {self.transfer.slot_bytes}-byte local slots"
-                    return
-                if local is None:
-                    local = self.transfer.acquire(self.timeout_s)
-                    if local is None:
-                        self.error = "no free local slot"
+        ready: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
+        free: queue.Queue[int] = queue.Queue()
+        held: list[int] = []
+        stop = threading.Event()
+
+        def local_slot() -> int | None:
+            if len(held) < self.depth:
+                addr = self.transfer.acquire(0 if held else self.timeout_s)
+                if addr is not None:
+                    held.append(addr)
+                    return addr
+                if not held:
+                    return None
+            deadline = time.monotonic() + self.timeout_s
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    return free.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+            return None
+
+        def puller() -> None:
+            try:
+                sock.settimeout(self.timeout_s)
+                rfile = sock.makefile("rb")
+                sock.sendall(json.dumps({"op": "stage", "keys": self.keys, "window": self.window}).encode() + b"\n")
+                expected = iter(self.keys)
+                while not stop.is_set():
+                    line = rfile.readline(MAX_LINE)
+                    if not line:
+                        self.error = "owner closed the stream"
                         return
-                self.transfer.read(self.segment, local, int(msg["addr"]), n)
-                sock.sendall(json.dumps({"op": "done", "addr": msg["addr"]}).encode() + b"\n")
-                self.bytes += n
+                    msg = json.loads(line)
+                    if msg.get("end"):
+                        return
+                    if "error" in msg:
+                        self.error = str(msg["error"])
+                        return
+                    key = int(msg["key"])
+                    if key != next(expected, None):
+                        self.error = "owner answered out of order"
+                        return
+                    if "miss" in msg:
+                        self.miss = str(msg["miss"])
+                        return
+                    n = int(msg["len"])
+                    if self.transfer.slot_bytes == 0 and not held:
+                        self.transfer.configure(n)
+                    if n > self.transfer.slot_bytes:
+                        self.error = f"unit of {n} bytes exceeds the {self.transfer.slot_bytes}-byte local slots"
+                        return
+                    local = local_slot()
+                    if local is None:
+                        if not stop.is_set():
+                            self.error = "no free local slot"
+                        return
+                    self.transfer.read(self.segment, local, int(msg["addr"]), n)
+                    sock.sendall(json.dumps({"op": "done", "addr": msg["addr"]}).encode() + b"\n")
+                    self.bytes += n
+                    ready.put((key, local, n))
+            except (OSError, ValueError, KeyError, TuttiError) as exc:
+                if not stop.is_set():
+                    self.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                ready.put(None)
+
+        thread = threading.Thread(target=puller, name="tutti-stage-pull", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is None:
+                    break
+                key, local, n = item
                 yield key, self.transfer.view(local, n)
-        except (OSError, ValueError, KeyError, TuttiError) as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
+                free.put(local)
         finally:
-            if local is not None:
-                self.transfer.release(local)
+            stop.set()
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            thread.join(self.timeout_s + 1)
             try:
                 sock.close()
             except OSError:
                 pass
+            for addr in held:
+                self.transfer.release(addr)
 
 
 def ping(stage_addr: str, timeout_s: float = 2.0) -> bool:
