@@ -79,7 +79,16 @@ void Agent::stop() {
   efd_ = -1;
 }
 
-double Agent::cpu_seconds() const { return static_cast<double>(cpu_ns_.load()) * 1e-9; }
+double thread_cpu_seconds(clockid_t clock) {
+  struct timespec ts;
+  if (clock_gettime(clock, &ts) != 0) return 0;
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+double Agent::cpu_seconds() const {
+  // Reading another thread's CPU clock is one syscall: done on demand, never in the agent's loop.
+  return has_clock_.load() ? thread_cpu_seconds(clock_) : last_cpu_s_;
+}
 
 void Agent::run() {
   auto* ring = static_cast<io_uring*>(ring_);
@@ -99,13 +108,7 @@ void Agent::run() {
   };
   arm_event();
   io_uring_submit(ring);
-  clockid_t cid;
-  pthread_getcpuclockid(pthread_self(), &cid);
-  auto account = [&] {
-    struct timespec ts;
-    clock_gettime(cid, &ts);
-    cpu_ns_.store(ts.tv_sec * 1000000000LL + ts.tv_nsec, std::memory_order_relaxed);
-  };
+  if (pthread_getcpuclockid(pthread_self(), &clock_) == 0) has_clock_ = true;
   uint32_t rr = 0;
   uint64_t idle_spins = 0;
   while (!stop_.load(std::memory_order_relaxed)) {
@@ -171,7 +174,6 @@ void Agent::run() {
       idle_spins = 0;
       continue;
     }
-    account();
     if (opt_.poll_rings && ++idle_spins < 20000) {
       // The producer is a GPU kernel, which cannot write an eventfd: poll its rings.
       __builtin_ia32_pause();
@@ -192,7 +194,8 @@ void Agent::run() {
     sleeping_.store(0, std::memory_order_seq_cst);
     idle_spins = 0;
   }
-  account();
+  last_cpu_s_ = thread_cpu_seconds(clock_);
+  has_clock_ = false;
 }
 
 }  // namespace tutti

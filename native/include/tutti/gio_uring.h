@@ -8,6 +8,8 @@
 // NVMe backend replaces it by queue pairs that the kernel rings itself, with the rest unchanged.
 #pragma once
 
+#include <time.h>
+
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -74,6 +76,8 @@ struct QueuePair {
 };
 
 void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int timeout_us);
+// CPU seconds used so far by the thread whose clock is `clock`.
+double thread_cpu_seconds(clockid_t clock);
 void futex_wake_all(std::atomic<uint32_t>* word);
 
 // Wakes sleeping consumers; `notify` costs one fence when nobody sleeps.
@@ -136,8 +140,9 @@ class Agent {
   void* ring_ = nullptr;  // struct io_uring*, kept opaque in the header
   bool fixed_bufs_ = false;
   std::atomic<uint64_t> ops_{0};
-  std::atomic<int64_t> cpu_ns_{0};
-  pthread_t tid_{};
+  std::atomic<bool> has_clock_{false};
+  clockid_t clock_{};  // the agent thread's CPU clock, read on demand by stats()
+  double last_cpu_s_ = 0;
 };
 
 }  // namespace tutti
