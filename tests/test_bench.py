@@ -141,3 +141,18 @@ def test_bad_input_gets_clear_errors(tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(DeviceError):
             main(["--quick", "--device", "cuda", "--paths", str(tmp_path)])
+
+
+def test_leftovers_of_killed_runs_are_removed(tmp_path: Path) -> None:
+    from tutti_cluster.bench.runner import remove_stale_runs
+
+    # A pid above the kernel's pid_max belongs to no process; our own pid is alive.
+    dead = tmp_path / "tutti-bench-4194305"
+    (dead / "tutti").mkdir(parents=True)
+    (dead / "per-block-x-0.blk").write_bytes(b"x")
+    alive = tmp_path / f"tutti-bench-{os.getpid()}"
+    alive.mkdir()
+    other = tmp_path / "tutti-bench-notes"
+    other.mkdir()
+    remove_stale_runs([tmp_path])
+    assert not dead.exists() and alive.exists() and other.exists()

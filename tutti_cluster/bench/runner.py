@@ -281,8 +281,19 @@ def _make_system(name: str, plan: Plan, kv: KVData, work: list[Path]) -> BenchSy
     return KvikioBaseline(kv, work, threads=8)
 
 
+def remove_stale_runs(dirs: Sequence[Path]) -> None:
+    """Remove ``tutti-bench-<pid>`` directories left by runs whose process is gone (killed)."""
+    for d in dirs:
+        for w in d.glob("tutti-bench-*"):
+            pid = w.name.removeprefix("tutti-bench-")
+            if w.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                logger.info("removing %s, left by an earlier run", w)
+                shutil.rmtree(w, ignore_errors=True)
+
+
 def run(plan: Plan) -> dict[str, Any]:
     """Run the benchmark; returns the report (the JSON object).  Cleans up its files."""
+    remove_stale_runs(plan.dirs)
     check_room(plan)
     work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
     systems: dict[str, BenchSystem] = {}
