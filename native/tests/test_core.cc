@@ -1,0 +1,230 @@
+// Native unit tests of the core's pieces: rings, checksum, index, extents, headers, file pool, store.
+// Prints "N passed, M failed"; exit status 0 only when all pass.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tutti/index.h"
+#include "tutti/layout.h"
+#include "tutti/pool.h"
+#include "tutti/ring.h"
+#include "tutti/store.h"
+
+using namespace tutti;
+
+static int g_pass = 0, g_fail = 0;
+#define CHECK(cond)                                                   \
+  do {                                                                \
+    if (!(cond)) {                                                    \
+      std::fprintf(stderr, "%s:%d: CHECK(%s)\n", __FILE__, __LINE__, #cond); \
+      throw 1;                                                        \
+    }                                                                 \
+  } while (0)
+
+static void run(const char* name, void (*f)()) {
+  try {
+    f();
+    ++g_pass;
+    std::printf("ok   %s\n", name);
+  } catch (...) {
+    ++g_fail;
+    std::printf("FAIL %s\n", name);
+  }
+}
+
+static void test_ring_spsc_threads() {
+  RingCtl ctl{};
+  std::vector<uint64_t> mem(7);  // not a power of two: indices wrap by modulo
+  SpscRing<uint64_t> r(&ctl, mem.data(), mem.size());
+  const uint64_t n = 2000000;
+  std::thread prod([&] {
+    for (uint64_t i = 0; i < n; ++i)
+      while (!r.push(i)) std::this_thread::yield();
+  });
+  uint64_t expect = 0, v;
+  while (expect < n)
+    if (r.pop(&v)) {
+      CHECK(v == expect);
+      ++expect;
+    }
+  prod.join();
+  CHECK(r.empty());
+  CHECK(ctl.head == n && ctl.tail == n);
+}
+
+static void test_checksum_pieces_and_sensitivity() {
+  std::vector<uint32_t> w(4096);
+  std::mt19937 rng(1);
+  for (auto& x : w) x = rng();
+  uint64_t whole = checksum(w.data(), w.size() * 4);
+  uint64_t a = checksum(w.data(), 1000 * 4, 0);
+  uint64_t b = checksum(w.data() + 1000, (w.size() - 1000) * 4, 1000);
+  CHECK(checksum_combine(a, b) == whole);
+  std::swap(w[10], w[11]);  // reordered words change the weighted sum
+  CHECK(checksum(w.data(), w.size() * 4) != whole);
+  std::swap(w[10], w[11]);
+  w[77] ^= 0x100;
+  CHECK(checksum(w.data(), w.size() * 4) != whole);
+  std::vector<uint32_t> zeros(4096, 0);
+  CHECK(checksum(zeros.data(), zeros.size() * 4) == 0);
+}
+
+static void test_index_lru_and_pins() {
+  Index ix;
+  for (uint64_t k = 1; k <= 4; ++k) ix.insert(k, static_cast<uint32_t>(k * 10));
+  uint64_t keys[] = {1, 2, 9, 3};
+  CHECK(ix.lookup_prefix(keys, 4) == 2);  // touches 1 and 2
+  CHECK(ix.pin(3));
+  uint64_t k;
+  uint32_t slot;
+  CHECK(ix.evict_lru(&k, &slot) && k == 4 && slot == 40);
+  CHECK(ix.evict_lru(&k, &slot) && k == 1);  // 3 is pinned
+  CHECK(ix.evict_lru(&k, &slot) && k == 2);
+  CHECK(!ix.evict_lru(&k, &slot));
+  ix.unpin(3);
+  CHECK(ix.evict_lru(&k, &slot) && k == 3);
+  CHECK(ix.size() == 0);
+}
+
+static void test_extents() {
+  LayerKV l;
+  l.nptr = 2;
+  l.ptr[0] = 0x1000;
+  l.ptr[1] = 0x100000;
+  l.block_stride = 64;
+  l.block_bytes = 64;
+  l.num_blocks = 100;
+  ExtentMap m;
+  CHECK(m.init({l, l}).ok());
+  std::vector<Extent> out;
+  int64_t ids[] = {5, 6, 7, 20, 99, 98};
+  CHECK(m.build(ids, 6, &out).ok());
+  CHECK(out.size() == 4);
+  CHECK(out[0].first_block == 5 && out[0].num_blocks == 3 && out[0].unit_offset_blocks == 0);
+  CHECK(out[1].first_block == 20 && out[1].num_blocks == 1 && out[1].unit_offset_blocks == 3);
+  CHECK(out[2].first_block == 99 && out[3].first_block == 98);
+  int64_t bad[] = {99, 100};
+  out.clear();
+  CHECK(m.build(bad, 2, &out).code() == Code::kLayout);
+  CHECK(m.addr(1, 1, 3) == reinterpret_cast<uint8_t*>(0x100000 + 3 * 64));
+}
+
+static void test_header_round_trip() {
+  LayerKV l;
+  l.nptr = 2;
+  l.ptr[0] = l.ptr[1] = 1;
+  l.block_bytes = 32768;
+  l.block_stride = 32768;
+  l.num_blocks = 8;
+  Geometry g;
+  CHECK(make_geometry(std::vector<LayerKV>(32, l), 16, "bf16[16,8,128]x2", &g).ok());
+  CHECK(g.obj_bytes == 512 * 1024 && g.num_objs() == 64 && g.header_bytes == 4096);
+  CHECK(g.slot_bytes == 4096 + 64ull * 512 * 1024);
+  std::vector<uint64_t> sums(64), back(64);
+  for (size_t i = 0; i < sums.size(); ++i) sums[i] = i * 7 + 1;
+  std::vector<uint8_t> buf(g.header_bytes);
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, sums.data(), buf.data());
+  uint64_t key, seq;
+  CHECK(decode_header(g, buf.data(), &key, &seq, back.data()) && key == 42 && seq == 9 && back == sums);
+  buf[200] ^= 1;  // a damaged header is no header
+  CHECK(!decode_header(g, buf.data(), &key, &seq, back.data()));
+  Geometry other;
+  CHECK(make_geometry(std::vector<LayerKV>(32, l), 16, "fp16[16,8,128]x2", &other).ok());
+  CHECK(other.layout_id != g.layout_id);
+}
+
+static std::string temp_dir() {
+  char tmpl[] = "/tmp/tutti-native-XXXXXX";
+  CHECK(mkdtemp(tmpl) != nullptr);
+  return tmpl;
+}
+
+static void test_pool_round_robin() {
+  std::string a = temp_dir(), b = temp_dir();
+  LayerKV l;
+  l.nptr = 1;
+  l.ptr[0] = 1;
+  l.block_bytes = l.block_stride = 4096;
+  l.num_blocks = 4;
+  Geometry g;
+  CHECK(make_geometry({l}, 1, "x", &g).ok());
+  FilePool p;
+  CHECK(p.open({a, b}, {3 * g.slot_bytes, 3 * g.slot_bytes}, "t", g, DirectMode::kAuto, false).ok());
+  CHECK(p.num_slots() == 6);
+  uint32_t s[6];
+  for (auto& x : s) CHECK(p.alloc(&x));
+  for (int i = 0; i < 6; ++i) CHECK(p.path_of(s[i]) == static_cast<uint32_t>(i % 2));
+  uint32_t extra;
+  CHECK(!p.alloc(&extra));
+  FilePool q;  // the same share in a second open is refused
+  CHECK(q.open({a, b}, {3 * g.slot_bytes, 3 * g.slot_bytes}, "t", g, DirectMode::kAuto, false).code() == Code::kConfig);
+  p.close();
+  std::string cmd = "rm -rf " + a + " " + b;
+  CHECK(std::system(cmd.c_str()) == 0);
+}
+
+static void test_store_round_trip_with_random_blocks() {
+  std::string dir = temp_dir();
+  const uint32_t layers = 3, blocks = 64, unit_blocks = 4;
+  const uint64_t bb = 4096;
+  std::vector<std::vector<uint8_t>> kv(layers * 2, std::vector<uint8_t>(blocks * bb));
+  std::mt19937_64 rng(3);
+  for (auto& t : kv)
+    for (auto& x : t) x = static_cast<uint8_t>(rng());
+  std::vector<LayerKV> ls(layers);
+  for (uint32_t i = 0; i < layers; ++i) {
+    ls[i].nptr = 2;
+    ls[i].ptr[0] = reinterpret_cast<uint64_t>(kv[2 * i].data());
+    ls[i].ptr[1] = reinterpret_cast<uint64_t>(kv[2 * i + 1].data());
+    ls[i].block_bytes = ls[i].block_stride = bb;
+    ls[i].num_blocks = blocks;
+  }
+  StoreOptions o;
+  o.paths = {dir};
+  o.capacity = {64ull << 20};
+  o.instance = "t";
+  o.unit_blocks = unit_blocks;
+  o.staging_bytes = 1 << 20;
+  std::unique_ptr<Store> s;
+  CHECK(Store::open(o, ls, "u8", &s).ok());
+  CHECK(s->init_queue(64).ok());
+  std::vector<int64_t> ids(blocks);
+  for (uint32_t i = 0; i < blocks; ++i) ids[i] = i;
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<uint64_t> keys = {11, 12, 13, 14};
+  uint32_t req;
+  RequestResult r;
+  CHECK(s->begin(ReqOp::kStore, keys.data(), 4, ids.data(), 16, &req).ok());
+  for (uint32_t l = 0; l < layers; ++l) CHECK(s->layer(l, req, 0).ok());
+  CHECK(s->finish(req, &r).ok() && r.failed_units.empty() && r.committed_units.size() == 4);
+  auto want = kv;
+  for (auto& t : kv) std::memset(t.data(), 0, t.size());
+  CHECK(s->begin(ReqOp::kRetrieve, keys.data(), 4, ids.data() + 16, 16, &req).ok());
+  for (uint32_t l = 0; l < layers; ++l) CHECK(s->layer(l, req, 0).ok());
+  CHECK(s->finish(req, &r).ok() && r.failed_units.empty());
+  for (uint32_t t = 0; t < kv.size(); ++t)
+    for (uint32_t i = 0; i < 16; ++i)
+      CHECK(std::memcmp(want[t].data() + ids[i] * bb, kv[t].data() + ids[16 + i] * bb, bb) == 0);
+  s.reset();
+  std::string cmd = "rm -rf " + dir;
+  CHECK(std::system(cmd.c_str()) == 0);
+}
+
+int main() {
+  run("ring_spsc_threads", test_ring_spsc_threads);
+  run("checksum_pieces_and_sensitivity", test_checksum_pieces_and_sensitivity);
+  run("index_lru_and_pins", test_index_lru_and_pins);
+  run("extents", test_extents);
+  run("header_round_trip", test_header_round_trip);
+  run("pool_round_robin", test_pool_round_robin);
+  run("store_round_trip_with_random_blocks", test_store_round_trip_with_random_blocks);
+  std::printf("%d passed, %d failed\n", g_pass, g_fail);
+  return g_fail == 0 ? 0 : 1;
+}
