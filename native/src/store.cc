@@ -1,6 +1,8 @@
 #include "tutti/store.h"
 
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/vfs.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -157,7 +159,12 @@ Status Store::init_queue(uint32_t depth) {
   ao.depth = opt_.queue_depth;
   for (uint32_t i = 0; i < pool_.num_paths(); ++i) {
     ao.fds.push_back(pool_.path(i).fd);
-    ao.punt.push_back(pool_.path(i).direct ? 0 : 1);
+    // Memory-backed file systems complete every request inline, O_DIRECT or not (tmpfs accepts
+    // O_DIRECT since Linux 6.6): punt those to io_uring's workers so that copies run in parallel.
+    struct statfs sfs{};
+    const bool memory_fs = statfs(pool_.path(i).dir.c_str(), &sfs) == 0 &&
+                           (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC);
+    ao.punt.push_back(memory_fs || !pool_.path(i).direct ? 1 : 0);
   }
   ao.staging = staging_;
   ao.staging_bytes = staging_bytes_;

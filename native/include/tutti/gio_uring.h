@@ -114,9 +114,9 @@ class Agent {
     void* staging = nullptr;
     uint64_t staging_bytes = 0;
     bool poll_rings = false;  // spin on the SQs (the producer is a GPU that cannot ring a doorbell)
-    // Per registered file: hand its requests to io_uring's worker threads (IOSQE_ASYNC). Buffered
-    // files whose pages are in memory (tmpfs) are otherwise copied inline by the agent thread, one
-    // request at a time; O_DIRECT files need no punting.
+    // Per registered file: hand its requests to io_uring's worker threads (IOSQE_ASYNC). Requests
+    // that complete inline (page-cache hits, tmpfs even with O_DIRECT) are otherwise copied by the
+    // agent thread one at a time; O_DIRECT files on block devices need no punting.
     std::vector<uint8_t> punt;
   };
   ~Agent();
