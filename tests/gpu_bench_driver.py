@@ -57,6 +57,7 @@ def run(paths: list[Path], n_tokens: int, staging_mb: int, unit_tokens: int, lay
         t.view(torch.int16).random_(-(2**15), 2**15 - 1, generator=gen)
     want = [digest(t) for t in kv]
     kv_bytes = LAYERS * 2 * n_blocks * BLOCK_BYTES
+    paths = [p / "tutti-driver" for p in paths]
     for p in paths:
         shutil.rmtree(p, ignore_errors=True)
         p.mkdir(parents=True)
@@ -145,7 +146,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     results = []
     for t in a.tokens:
-        r = run(a.paths, tokens(t), a.staging_mb, a.unit_tokens, layer_timing=tokens(t) == 128 << 10)
+        r = run(a.paths, tokens(t), a.staging_mb, a.unit_tokens, layer_timing=True)
         print(json.dumps({k: v for k, v in r.items() if k != "stats"}, indent=1), flush=True)
         results.append(r)
     if a.json:

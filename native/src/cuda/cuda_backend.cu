@@ -26,6 +26,8 @@
 
 #include <cuda/atomic>
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -81,10 +83,17 @@ struct LaunchParams {
   Iocb* iocbs;            // device view of the IOCB table
   uint32_t* counters;     // device, [iocb][2]: blocks finished, errors
   const uint64_t* abort;  // mapped host word, set by stop()
+  unsigned long long* trace;  // device, [4]: worker busy ns, manager idle ns, block ns, objects
   LaunchIocb b[kMaxLaunchIocbs];
 };
 
 // ---- device helpers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ unsigned long long now_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
   return cuda::atomic_ref<uint64_t, cuda::thread_scope_system>(*const_cast<uint64_t*>(p)).load(cuda::memory_order_acquire);
@@ -227,6 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
   __shared__ uint32_t errors[kMaxLaunchIocbs];
 
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned long long t_start = now_ns();
   for (uint32_t i = tid; i < C; i += blockDim.x) freed[i] = 0;
   if (tid < kMaxLaunchIocbs) errors[tid] = 0;
   if (tid == 0) ready_head = ready_claim = freed_claim = all_done = 0;
@@ -247,6 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
       uint64_t sq_head = vload(&q.sq_ctl->head);  // own word: the last kernel left it here
       uint64_t cq_tail = vload(&q.cq_ctl->tail);  // own word
       uint32_t fh = 0, done = 0, k = 0, off = blockIdx.x, nap = 32;
+      unsigned long long idle_ns = 0;
       while (k < p.n && off >= p.b[k].ctx_count) ++k;
       while (done < total) {
         bool progress = false, posted = false;
@@ -350,14 +361,17 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
             break;
           }
           __nanosleep(nap);
+          idle_ns += nap;
           nap = min(nap * 2, 1024u);
         }
       }
+      atomicAdd(&p.trace[1], idle_ns);
       __threadfence_block();
       vstore<uint32_t>(&all_done, 1);
     }
   } else {
     // ---- worker warps ----
+    unsigned long long busy = 0, objs = 0;
     for (;;) {
       uint32_t idx = 0, have = 0, e = 0;
       if (lane == 0) {
@@ -381,7 +395,10 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
       if (!have) break;
       e = __shfl_sync(0xffffffffu, e, 0);
       const uint32_t k = ent_k(e);
+      const unsigned long long t0 = now_ns();
       process_object(p, p.b[k], ent_off(e), chunk_ptr(ent_chunk(e)), lane, &errors[k]);
+      busy += now_ns() - t0;
+      ++objs;
       if (lane == 0) {
         const uint32_t slot = atomicAdd(&freed_claim, 1u);
         const uint32_t post = p.b[k].op == static_cast<uint32_t>(IoOp::kRead) ? 0u : kPost;
@@ -389,9 +406,14 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
         vstore<uint32_t>(&freed[slot % C], kValid | post | e);
       }
     }
+    if (lane == 0 && objs) {
+      atomicAdd(&p.trace[0], busy);
+      atomicAdd(&p.trace[3], objs);
+    }
   }
   __syncthreads();
   if (tid == 0) {
+    atomicAdd(&p.trace[2], now_ns() - t_start);
     // The block that finishes an IOCB last publishes its completion to the host.
     for (uint32_t k = 0; k < p.n; ++k) {
       const uint32_t id = p.b[k].id;
@@ -533,6 +555,8 @@ class CudaBackend final : public Backend {
   DevQueue* dev_queues_ = nullptr;
   uint32_t* counters_ = nullptr;
   uint64_t* abort_ = nullptr;  // mapped host page
+  unsigned long long* trace_ = nullptr;  // device counters, printed at stop() with TUTTI_CUDA_TRACE=1
+  uint64_t launches_ = 0;
   std::vector<RequestMem> req_;
   std::vector<uint32_t> host_free_;
   bool vec16_ = false;
@@ -658,6 +682,8 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   if ((e = cudaMalloc(&counters_, sizeof(uint32_t) * 2 * ctx->num_iocbs)) != cudaSuccess)
     return {Code::kDevice, cuda_msg("cudaMalloc", e)};
   cudaMemset(counters_, 0, sizeof(uint32_t) * 2 * ctx->num_iocbs);
+  if ((e = cudaMalloc(&trace_, 4 * sizeof(unsigned long long))) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
+  cudaMemset(trace_, 0, 4 * sizeof(unsigned long long));
   void* a = nullptr;
   st = alloc_host(kAlign, &a);
   if (!st.ok()) return st;
@@ -781,6 +807,7 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
     p.iocbs = reinterpret_cast<Iocb*>(dev_addr(k_->iocbs));
     p.counters = counters_;
     p.abort = abort_;
+    p.trace = trace_;
     for (uint32_t i = 0; i < p.n; ++i) {
       const Iocb& b = k_->iocbs[ids[first + i]];
       const RequestMem& m = req_[b.request];
@@ -804,6 +831,7 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
     }
     const size_t smem = sizeof(uint32_t) * 4 * per_worker_;
     io_kernel<<<grid, kThreads, smem, io_stream_>>>(p);
+    ++launches_;
     e = cudaGetLastError();
     for (uint32_t i = 0; i < p.n && e == cudaSuccess; ++i) e = cudaEventRecord(events_[ids[first + i]], io_stream_);
   }
@@ -901,6 +929,17 @@ void CudaBackend::stop() {
   pop();
   for (auto& m : req_) free_host(m.host, m.host_bytes);
   req_.clear();
+  if (trace_ && std::getenv("TUTTI_CUDA_TRACE")) {
+    unsigned long long t[4] = {0, 0, 0, 0};
+    cudaMemcpy(t, trace_, sizeof(t), cudaMemcpyDeviceToHost);
+    std::fprintf(stderr,
+                 "tutti cuda trace: %llu launches x %u blocks, block time %.3f s, manager idle %.3f s, worker busy %.3f s "
+                 "over %llu objects (%.1f us each)\n",
+                 static_cast<unsigned long long>(launches_), grid_, t[2] * 1e-9, t[1] * 1e-9, t[0] * 1e-9, t[3],
+                 t[3] ? t[0] * 1e-3 / t[3] : 0.0);
+  }
+  if (trace_) cudaFree(trace_);
+  trace_ = nullptr;
   if (dev_queues_) cudaFree(dev_queues_);
   if (counters_) cudaFree(counters_);
   dev_queues_ = nullptr;
