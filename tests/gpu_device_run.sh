@@ -43,15 +43,15 @@ fi
 
 if [ "$PHASE" = full ]; then
   log "gpu tests"
-  TUTTI_CUDA_TRACE=1 timeout 120 python3 -m pytest -q -m gpu --timeout=100 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -6
+  TUTTI_CUDA_TRACE=1 timeout 100 python3 -m pytest -q -m gpu --timeout=90 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -6
   log "bench /dev/shm (stand-in for an NVMe array)"
-  TUTTI_CUDA_TRACE=1 timeout 210 python3 -c "$BENCH" --device cuda --paths $SHM --prefix-tokens 16K,32K,64K,128K \
+  TUTTI_CUDA_TRACE=1 timeout 200 python3 -c "$BENCH" --device cuda --paths $SHM --prefix-tokens 16K,32K,64K,128K \
     --json "$OUT/bench_shm.json" 2>&1 | grep -v "it/s\]" | tail -26
-  log "bench disk (O_DIRECT, caches dropped)"
-  timeout 100 python3 -c "$BENCH" --device cuda --paths /var/tmp/tutti-disk --prefix-tokens 16K,32K,64K,128K \
-    --systems tutti --drop-caches --limit-gb 2 --json "$OUT/bench_disk.json" 2>&1 | grep -v "it/s\]" | tail -12
   log "driver 640K"
-  TUTTI_CUDA_TRACE=1 timeout 100 python3 tests/gpu_bench_driver.py --paths $SHM --tokens 640K --json "$OUT/driver.json" 2>&1 | grep -v "^ \"/dev\|^ \]\|paths" | tail -28
+  TUTTI_CUDA_TRACE=1 timeout 90 python3 tests/gpu_bench_driver.py --paths $SHM --tokens 640K --json "$OUT/driver.json" 2>&1 | grep -v "^ \"/dev\|^ \]\|paths" | tail -28
+  log "bench disk (O_DIRECT, caches dropped)"
+  timeout 80 python3 -c "$BENCH" --device cuda --paths /var/tmp/tutti-disk --prefix-tokens ${DISK_PREFIXES:-16K,128K} \
+    --systems tutti --drop-caches --limit-gb 2 --json "$OUT/bench_disk.json" 2>&1 | grep -v "it/s\]" | tail -12
 fi
 rm -rf /dev/shm/tb0 /dev/shm/tb1 /dev/shm/tb2 /dev/shm/tb3 /var/tmp/tutti-disk
 log "done"
