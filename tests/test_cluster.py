@@ -224,3 +224,25 @@ def test_node_with_full_disk_keeps_serving_reads(tmp_path: Path, tiny_tmpfs: Pat
         b.close()
         a.close()
         etcd.stop()
+
+
+def test_corrupt_unit_on_owner_is_a_miss_never_wrong_data(cluster):
+    """Flip bytes inside A's pool file (a real fault on a real file): B's fetch stops at the first
+    corrupt unit, reports no error, and every unit it did place is byte-exact."""
+    _, nodes = cluster
+    assert nodes["A"].call(op="store", keys=KEYS_A)["ok"]
+    slot = int(nodes["A"].call(op="stats")["store"]["slot_bytes"])
+    pool = Path(nodes["A"].config["paths"][0]) / "tutti-engine0.pool"
+    size = pool.stat().st_size
+    with open(pool, "r+b") as f:
+        for s in range(size // slot):
+            f.seek(s * slot + slot // 2)
+            b = f.read(1)
+            f.seek(s * slot + slot // 2)
+            f.write(bytes([b[0] ^ 0xFF]))
+    f = nodes["B"].call(op="fetch", keys=KEYS_A)
+    assert f["ok"] and f["lookup"] == len(KEYS_A)  # the directory still lists them
+    assert f["placed"] == 0 and f["exact"] == []
+    # A stopped advertising the unit it found corrupt.
+    assert nodes["A"].call(op="stats")["daemon"]["unreadable_units"] >= 1  # read ahead may see more
+    assert nodes["C"].call(op="lookup", keys=KEYS_A)["hits"] == 0

@@ -58,7 +58,11 @@ def geometry_of(store: Any) -> dict[str, Any]:
 
 
 class _InstanceView:
-    """The daemon's read-only view of one engine instance's pools."""
+    """The daemon's read-only view of one engine instance's pools.
+
+    Reads take a reference on the current read-only store; a reopen swaps in a new store and closes
+    the old one only after its last reader is done (the stage endpoint reads from several threads).
+    """
 
     def __init__(self, config: TuttiConfig, name: str, geometry: dict[str, Any], capacity: list[int]) -> None:
         self.name = name
@@ -67,7 +71,9 @@ class _InstanceView:
         self.config = config.model_copy(update={"instance": name, "unit_tokens": geometry["unit_tokens"]})
         self.store: Any = None
         self.opened_at = 0.0
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
+        self._readers: dict[int, int] = {}  # id(store) -> reads in flight
+        self._reopen = threading.Lock()
 
     def open(self) -> list[int]:
         """(Re)open the pools read-only and return the keys their headers hold."""
@@ -79,26 +85,56 @@ class _InstanceView:
         layer = LayerKV(ptrs=tuple(1 for _ in range(g["nptr"])), block_stride=g["block_stride"],
                         block_bytes=g["block_bytes"], num_blocks=g["num_blocks"], device="cpu",
                         dtype=g.get("dtype", ""), block_shape=tuple(g.get("block_shape", ())))
-        with self.lock:
-            if self.store is not None:
-                self.store.close()
-                self.store = None
+        with self._reopen:
             st = TuttiStore(self.config)
             st.register_kv_caches([layer] * g["num_layers"], block_tokens=g["block_tokens"], read_only=True)
-            self.store = st
-            self.opened_at = time.monotonic()
+            with self.lock:
+                old, self.store = self.store, st
+                self.opened_at = time.monotonic()
+                while old is not None and self._readers.get(id(old), 0):
+                    self.lock.wait()
+            if old is not None:
+                old.close()
             return st.keys()
 
-    def read_unit(self, key: int, refresh_after_s: float = 0.2) -> bytes | None:
-        """The unit's bytes, or None. A key committed after our last open triggers one reopen."""
+    def _acquire(self, key: int) -> Any:
+        with self.lock:
+            st = self.store
+            if st is None or st.lookup([key]) != 1:
+                return None
+            self._readers[id(st)] = self._readers.get(id(st), 0) + 1
+            return st
+
+    def _release(self, st: Any) -> None:
+        with self.lock:
+            n = self._readers[id(st)] - 1
+            if n:
+                self._readers[id(st)] = n
+            else:
+                del self._readers[id(st)]
+                self.lock.notify_all()
+
+    def read_into(self, key: int, view: memoryview | None = None, refresh_after_s: float = 0.2) -> bytes | int | None:
+        """The unit's bytes (``view`` None) or the number of bytes written into ``view``; None if absent.
+
+        A key committed after our last open triggers one reopen (at most every ``refresh_after_s``).
+        Raises NotFound when the unit is listed but fails verification (evicted and overwritten
+        under us, or corrupt).
+        """
         for attempt in range(2):
-            with self.lock:
-                st = self.store
-            if st is not None and st.lookup([key]) == 1:
+            st = self._acquire(key)
+            if st is not None:
                 try:
-                    return bytes(st.read_unit(key))
-                except NotFound:
-                    return None  # evicted or overwritten under us: the checksum said so
+                    reader = getattr(st, "read_unit_into", None)
+                    if view is not None and reader is not None:
+                        return int(reader(key, view))
+                    data = st.read_unit(key)
+                finally:
+                    self._release(st)
+                if view is None:
+                    return bytes(data)
+                view[:len(data)] = data
+                return len(data)
             if attempt == 0 and time.monotonic() - self.opened_at >= refresh_after_s:
                 try:
                     self.open()
@@ -107,28 +143,12 @@ class _InstanceView:
                     return None
         return None
 
-    def read_into(self, key: int, view: memoryview) -> int | None:
-        """Like :meth:`read_unit`, straight into ``view`` when the store can (no bytes object)."""
-        for attempt in range(2):
-            with self.lock:
-                st = self.store
-            if st is not None and st.lookup([key]) == 1:
-                reader = getattr(st, "read_unit_into", None)
-                try:
-                    if reader is not None:
-                        return int(reader(key, view))
-                    data = st.read_unit(key)
-                except NotFound:
-                    return None
-                view[:len(data)] = data
-                return len(data)
-            if attempt == 0 and time.monotonic() - self.opened_at >= 0.2:
-                try:
-                    self.open()
-                except TuttiError as exc:
-                    log.warning("cannot reopen instance %s: %s", self.name, exc)
-                    return None
-        return None
+    def read_unit(self, key: int) -> bytes | None:
+        try:
+            got = self.read_into(key)
+        except NotFound:
+            return None
+        return got if isinstance(got, bytes) else None
 
     def slot_bytes(self) -> int:
         with self.lock:
@@ -136,9 +156,11 @@ class _InstanceView:
 
     def close(self) -> None:
         with self.lock:
-            if self.store is not None:
-                self.store.close()
-                self.store = None
+            st, self.store = self.store, None
+            while st is not None and self._readers.get(id(st), 0):
+                self.lock.wait()
+        if st is not None:
+            st.close()
 
 
 class NodeDaemon:
@@ -163,7 +185,8 @@ class NodeDaemon:
         self.directory: Any = None
         self.transfer: Any = None
         self.stage: Any = None
-        self.counters = {"commits": 0, "evictions": 0, "lookups": 0, "attaches": 0, "stage_reads": 0}
+        self.counters = {"commits": 0, "evictions": 0, "lookups": 0, "attaches": 0, "stage_reads": 0,
+                         "unreadable_units": 0}
 
     # -- state ------------------------------------------------------------------------------------
     def _state_file(self) -> Path:
@@ -286,27 +309,31 @@ class NodeDaemon:
 
     def _read_unit(self, key: int) -> bytes | None:
         """Stage endpoint reader: the unit from whichever local instance holds it."""
-        with self._lock:
-            owners = list(self._index.get(key, ()))
-            views = [self._instances[o] for o in owners if o in self._instances]
-        self.counters["stage_reads"] += 1
-        for view in views:
-            data = view.read_unit(key)
-            if data is not None:
-                return data
-        return None
+        got = self._read_any(key, None)
+        return got if isinstance(got, bytes) else None
 
-    def _read_into(self, key: int, view: memoryview) -> int | None:
-        """Stage endpoint reader straight into a registered slot."""
+    def _read_any(self, key: int, view: memoryview | None) -> bytes | int | None:
         with self._lock:
             owners = list(self._index.get(key, ()))
             views = [self._instances[o] for o in owners if o in self._instances]
         self.counters["stage_reads"] += 1
         for v in views:
-            got = v.read_into(key, view)
+            try:
+                got = v.read_into(key, view)
+            except NotFound:
+                # Listed but unreadable (overwritten after an eviction we have not heard of yet, or
+                # corrupt): stop advertising it so that other nodes do not keep asking.
+                self.counters["unreadable_units"] += 1
+                self._evict(v.name, [key])
+                continue
             if got is not None:
                 return got
         return None
+
+    def _read_into(self, key: int, view: memoryview) -> int | None:
+        """Stage endpoint reader straight into a registered slot."""
+        got = self._read_any(key, view)
+        return got if isinstance(got, int) else None
 
     # -- requests ---------------------------------------------------------------------------------
     def _serve(self, rfile: Any, wfile: Any) -> None:

@@ -116,19 +116,23 @@ class ClusterClient:
                 break
             stream = StageStream(transfer, rec.stage, rec.segment, ks[placed:run], self.window, self.timeout_s)
             got = 0
-            for key, view in stream:
-                i = placed + got
-                try:
-                    self.store.scatter_unit(view, block_ids[i * ub:(i + 1) * ub])
-                    if keep_replica:
-                        self.store.import_unit(view)
-                        self.stats["replicas_kept"] += 1
-                except TuttiError as exc:
-                    # A unit that fails verification is a miss, never wrong data.
-                    log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
-                    stream.error = str(exc)
-                    break
-                got += 1
+            units = iter(stream)
+            try:
+                for key, view in units:
+                    i = placed + got
+                    try:
+                        self.store.scatter_unit(view, block_ids[i * ub:(i + 1) * ub])
+                        if keep_replica:
+                            self.store.import_unit(view)
+                            self.stats["replicas_kept"] += 1
+                    except TuttiError as exc:
+                        # A unit that fails verification is a miss, never wrong data.
+                        log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
+                        stream.error = str(exc)
+                        break
+                    got += 1
+            finally:
+                units.close()  # type: ignore[attr-defined]  # ends the puller, returns its slots
             self.stats["remote_units"] += got
             self.stats["remote_bytes"] += stream.bytes
             placed += got
