@@ -32,18 +32,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
-    """Block until 127.0.0.1:port accepts connections; raise if the process exits or time runs out."""
+def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None,
+              host: str = "127.0.0.1") -> None:
+    """Block until host:port accepts connections; raise if the process exits or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout} s")
 
 
 def mooncake_master_bin() -> str | None:
@@ -60,8 +61,9 @@ class EtcdServer:
     `start(wipe=True)` starts from an empty data directory, as a replaced etcd pod would.
     """
 
-    def __init__(self, workdir: Path, max_txn_ops: int = 4096) -> None:
+    def __init__(self, workdir: Path, max_txn_ops: int = 4096, host: str = "127.0.0.1") -> None:
         self.workdir = workdir
+        self.host = host
         self.client_port = free_port()
         self.peer_port = free_port()
         self.max_txn_ops = max_txn_ops
@@ -70,13 +72,13 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     def start(self, wipe: bool = False) -> None:
         data = self.workdir / "etcd-data"
         if wipe and data.exists():
             shutil.rmtree(data)
-        client = f"http://127.0.0.1:{self.client_port}"
+        client = f"http://{self.host}:{self.client_port}"
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
             ETCD_BIN, "--name", "tutti-test", "--data-dir", str(data),
@@ -90,8 +92,8 @@ class EtcdServer:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        wait_port(self.client_port, proc=self.proc)
-        # The client port opens before the member has elected itself leader; wait for a write.
+        wait_port(self.client_port, proc=self.proc, host=self.host)
+        # The client port opens before the member has elected itself leader; wait for health.
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 20.0) -> None:
@@ -102,7 +104,7 @@ class EtcdServer:
         last = ""
         while time.monotonic() < deadline:
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.client_port, timeout=2)
+                conn = http.client.HTTPConnection(self.host, self.client_port, timeout=2)
                 conn.request("GET", "/health")
                 last = conn.getresponse().read().decode()
                 conn.close()
@@ -316,7 +318,8 @@ class NodeProcess:
 
     def __init__(self, name: str, etcd: str, workdir: Path, lease_ttl_s: int = 3, capacity_gb: float = 0.05,
                  paths: list[str] | None = None, timeout_s: float = 3.0, with_daemon: bool = True,
-                 instance: str = "engine0", data_dir: Path | None = None, mooncake_master: str | None = None) -> None:
+                 instance: str = "engine0", data_dir: Path | None = None, mooncake_master: str | None = None,
+                 prefix: list[str] | None = None) -> None:
         self.name = name
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -331,8 +334,9 @@ class NodeProcess:
             self.config["mooncake_master"] = mooncake_master
         self.timeout_s = timeout_s
         self.log = open(self.workdir / "node.log", "ab")
+        # `prefix` runs the node elsewhere, e.g. ["ip", "netns", "exec", ns] (which execs: same PID).
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "node",
+            list(prefix or []) + [sys.executable, __file__, "node",
              json.dumps({"config": self.config, "timeout_s": timeout_s, "with_daemon": with_daemon})],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, cwd=str(self.workdir))
         first = self._read(60.0)

@@ -166,10 +166,12 @@ class _InstanceView:
 class NodeDaemon:
     """The daemon of one node. :meth:`start` returns once it serves; :meth:`stop` ends it."""
 
-    def __init__(self, config: TuttiConfig, *, host: str = "127.0.0.1", stage_port: int = 0,
+    def __init__(self, config: TuttiConfig, *, host: str | None = None, stage_port: int = 0,
                  arena_bytes: int = 256 << 20, directory_timeout_s: float = 2.0) -> None:
         self.config = config
         self.data_dir = Path(config.data_dir)
+        # The address the Transfer Engine and the stage endpoint listen on and advertise: by default
+        # the one on the route to etcd (see local_address_towards).
         self.host = host
         self.stage_port = stage_port
         self.arena_bytes = arena_bytes
@@ -237,6 +239,10 @@ class NodeDaemon:
             # in registering or moving them (docs/CLUSTER.md, "Directory choice").
             log.info("mooncake_master %s is not used by the replica directory (etcd) or the data path",
                      self.config.mooncake_master)
+        from tutti_cluster.cluster.directory import local_address_towards
+
+        if self.host is None:
+            self.host = local_address_towards(",".join(self.config.etcd))
         slot = max((v.slot_bytes() for v in self._instances.values()), default=0)
         self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes, slot_bytes=slot)
         self.stage = StageServer(self.transfer, self._read_unit, host=self.host, port=self.stage_port,

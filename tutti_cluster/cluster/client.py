@@ -21,7 +21,7 @@ import socket
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from tutti_cluster.cluster.directory import EtcdDirectory
+from tutti_cluster.cluster.directory import EtcdDirectory, local_address_towards
 from tutti_cluster.errors import ConfigError, TuttiError
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class ClusterClient:
     """Cluster lookups and remote fetches for one engine store (see the module docstring)."""
 
     def __init__(self, store: Any, config: Any = None, *, directory: EtcdDirectory | None = None,
-                 arena_bytes: int = 0, window: int = 2, timeout_s: float = 5.0, host: str = "127.0.0.1") -> None:
+                 arena_bytes: int = 0, window: int = 2, timeout_s: float = 5.0, host: str | None = None) -> None:
         self.store = store
         self.config = config if config is not None else store.config
         if directory is None:
@@ -42,7 +42,7 @@ class ClusterClient:
         self.directory = directory
         self.window = window
         self.timeout_s = timeout_s
-        self.host = host
+        self.host = host or local_address_towards(",".join(f"{h}:{p}" for h, p in directory.endpoints))
         self.arena_bytes = arena_bytes
         self._transfer: Any = None
         self._owners: OrderedDict[int, list[str]] = OrderedDict()  # from the last lookups

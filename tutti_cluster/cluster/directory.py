@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,22 @@ def parse_endpoints(endpoints: str) -> list[tuple[str, int]]:
     if not out:
         raise ConfigError("no etcd endpoint given")
     return out
+
+
+def local_address_towards(endpoints: str) -> str:
+    """This host's address on the route to the first etcd endpoint.
+
+    That is the address other nodes can reach us at (they reach the same etcd), without another
+    setting: 127.0.0.1 when etcd runs on loopback, the node's routable address otherwise. Nothing is
+    sent (a UDP socket only picks the route).
+    """
+    host, port = parse_endpoints(endpoints)[0]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"
 
 
 @dataclass
