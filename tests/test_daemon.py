@@ -111,6 +111,9 @@ def test_daemon_keeps_serving_a_dead_engines_units_to_other_nodes(tmp_path: Path
     b = NodeProcess("B", etcd.endpoint, tmp_path, lease_ttl_s=3)
     try:
         assert a.call(op="store", keys=KEYS)["units"] == len(KEYS)
+        # B's daemon answers node-wide lookups: nothing local, A holds the prefix.
+        r = ask(b.config, op="lookup", keys=KEYS + [1])
+        assert r["local"] == 0 and r["remote"] == [["A"]] * len(KEYS)
         a.kill()
         assert ask(cfg, op="ping")["ok"]
         f = b.call(op="fetch", keys=KEYS)

@@ -503,6 +503,7 @@ class DaemonLink:
         self._geometry: dict[str, Any] | None = None
         self._stop = False
         self._inflight = 0
+        self._overflow = False
         self.dropped = 0
         self._thread = threading.Thread(target=self._sender, name="tutti-daemon-link", daemon=True)
         self._thread.start()
@@ -560,6 +561,7 @@ class DaemonLink:
         with self._cv:
             if len(self._queue) >= self.max_queue:
                 self.dropped += 1
+                self._overflow = True  # the daemon must rescan us: re-attach once it keeps up
                 return
             self._queue.append((op, key))
             self._cv.notify()
@@ -573,6 +575,9 @@ class DaemonLink:
                     return
                 batch, self._queue = self._queue, []
                 self._inflight = len(batch)
+                if self._overflow:
+                    self._overflow = False
+                    need_attach = True
             if not batch:
                 continue
             try:
