@@ -122,11 +122,21 @@ def test_legacy_kv_first_and_pair() -> None:
     assert layer_kv_from_vllm((k, v), NUM_BLOCKS).ptrs == (k.data_ptr(), v.data_ptr())
 
 
-def test_heads_outside_blocks_are_refused() -> None:
-    # LHBNC: heads outermost, so one block's bytes are split over HEADS runs.
-    t = torch.randn(HEADS, NUM_BLOCKS, TOKENS, 2 * HEAD).permute(1, 0, 2, 3)
-    with pytest.raises(LayoutError, match="contiguous"):
-        layer_kv_from_vllm(t, NUM_BLOCKS)
+def _lhbnc(heads: int) -> torch.Tensor:
+    # LHBNC: heads outside the blocks, so one block's bytes are split over `heads` runs.
+    return torch.randn(heads, NUM_BLOCKS, TOKENS, 2 * HEAD).permute(1, 0, 2, 3)
+
+
+def test_heads_outside_blocks_give_one_object_per_head() -> None:
+    t = _lhbnc(2)
+    d = layer_kv_from_vllm(t, NUM_BLOCKS)
+    assert d.ptrs == (t.data_ptr(), t.data_ptr() + NUM_BLOCKS * TOKENS * 2 * HEAD * 4)
+    assert d.block_bytes == TOKENS * 2 * HEAD * 4 and d.block_stride == d.block_bytes
+
+
+def test_more_than_two_head_runs_are_refused() -> None:
+    with pytest.raises(LayoutError, match="block-compact"):
+        layer_kv_from_vllm(_lhbnc(4), NUM_BLOCKS)
 
 
 def test_tensor_without_the_block_count_is_refused() -> None:
@@ -140,13 +150,15 @@ def test_kernel_block_split_maps_onto_blocks() -> None:
     assert d.num_blocks == NUM_BLOCKS and d.block_bytes == 2 * HEADS * (TOKENS // 2) * 2 * HEAD * 4
 
 
-@pytest.mark.parametrize("form", ["lbhnc", "kv_first", "pair", "split"])
+@pytest.mark.parametrize("form", ["lbhnc", "lhbnc", "kv_first", "pair", "split"])
 def test_store_round_trip_through_vllm_layouts(tmp_path, form) -> None:
     """Stores two units from blocks [0..3] and retrieves them into blocks [8..11]: same bytes."""
     layers = []
     for _ in range(2):
         if form == "lbhnc":
             layers.append(_lbhnc())
+        elif form == "lhbnc":
+            layers.append(_lhbnc(2))
         elif form == "kv_first":
             layers.append(torch.randn(2, NUM_BLOCKS, TOKENS, HEADS, HEAD))
         elif form == "pair":

@@ -200,7 +200,8 @@ def layer_kv_from_vllm(t: Any, num_blocks: int) -> LayerKV:
     - vLLM's standardised per-layer view ``[B, H, N, C]`` (blocks outermost; K and V inside each
       block, MLA with ``H == 1``): one object per block. A view with ``k * num_blocks`` kernel blocks
       (virtual block splitting) maps ``k`` consecutive kernel blocks onto one block when they are
-      dense. Layouts whose blocks are not contiguous (``LHBNC``: heads outside blocks) are refused.
+      dense. Views with the heads outside the blocks (``LHBNC``, ``BHLNC``) give one object per head
+      run; the store takes two per block, so more than two KV heads per rank there is refused.
     - legacy ``[2, num_blocks, ...]`` (K and V planes) and a ``(K, V)`` pair of tensors.
     """
     if isinstance(t, (tuple, list)):
@@ -214,11 +215,9 @@ def layer_kv_from_vllm(t: Any, num_blocks: int) -> LayerKV:
     if ratio == 1:
         try:
             return layer_kv_from_tensor(t, "interleaved")
-        except LayoutError as e:
-            raise LayoutError(
-                f"KV cache {shape} strides {tuple(t.stride())}: each block must be contiguous "
-                "(use a block-compact layout such as LBHNC or LBNHC)"
-            ) from e
+        except LayoutError:
+            pass
+        return _head_split(t, shape)
     # ratio kernel blocks per block: only dense tensors keep a block contiguous.
     es = t.element_size()
     inner = prod(shape[1:])
@@ -228,6 +227,27 @@ def layer_kv_from_vllm(t: Any, num_blocks: int) -> LayerKV:
         (t.data_ptr(),), inner * ratio * es, inner * ratio * es, num_blocks,
         "cuda" if str(t.device).startswith("cuda") else str(t.device),
         str(t.dtype).replace("torch.", ""), (ratio, *shape[1:]),
+    )
+
+
+def _head_split(t: Any, shape: tuple[int, ...]) -> LayerKV:
+    """``[B, H, N, C]`` views whose heads lie outside the blocks (LHBNC, BHLNC): one object per head.
+
+    Each ``[N, C]`` run must be contiguous; the store takes at most two objects per block.
+    """
+    strides, es = tuple(t.stride()), t.element_size()
+    if len(shape) != 4 or strides[3] != 1 or (shape[2] > 1 and strides[2] != shape[3]):
+        raise LayoutError(f"KV cache {shape} strides {strides}: a block's tokens must be contiguous")
+    if shape[1] > 2:
+        raise LayoutError(
+            f"KV cache {shape} strides {strides} splits each block into {shape[1]} head runs; the store "
+            "takes at most 2 objects per block: use a block-compact layout (VLLM_KV_CACHE_LAYOUT=LBHNC or LBNHC)"
+        )
+    ptrs = tuple(t.data_ptr() + h * strides[1] * es for h in range(shape[1]))
+    return LayerKV(
+        ptrs, strides[0] * es, shape[2] * shape[3] * es, shape[0],
+        "cuda" if str(t.device).startswith("cuda") else str(t.device),
+        str(t.dtype).replace("torch.", ""), (shape[2], shape[3]),
     )
 
 
@@ -310,7 +330,7 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
     """One Prometheus counter per stat: ``vllm:tutti_<stat>_total`` (units)."""
 
     _DOC = {
-        "lookup_hit_units": "Cache units found in the Tutti store by scheduler lookups.",
+        "lookup_hit_units": "Cache units the scheduler found in the Tutti store and scheduled to load.",
         "load_units": "Cache units the Tutti store loaded into KV blocks.",
         "load_failed_units": "Cache units whose load failed (missing or corrupt) and were recomputed.",
         "store_units": "Cache units committed to the Tutti store.",
@@ -463,7 +483,7 @@ class TuttiConnector(KVConnectorBase_V1):
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
         cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", set())
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             new_ids = cached.new_block_ids[i]
