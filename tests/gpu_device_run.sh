@@ -53,5 +53,14 @@ if [ "$PHASE" = full ]; then
   timeout 80 python3 -c "$BENCH" --device cuda --paths /var/tmp/tutti-disk --prefix-tokens ${DISK_PREFIXES:-16K,128K} \
     --systems tutti --drop-caches --limit-gb 2 --json "$OUT/bench_disk.json" 2>&1 | grep -v "it/s\]" | tail -12
 fi
+if [ "$PHASE" = x2 ]; then
+  log "two processes, two GPUs; concurrent requests"
+  timeout 90 python3 -m pytest -q -m gpu --timeout=80 -k "two_processes or concurrent or compute" tests/test_gpu.py 2>&1 | tee "$OUT/tests_x2.log" | tail -4
+  for qd in 64 24; do
+    log "bench tutti 128K, staging 2 GiB, queue depth $qd"
+    TUTTI_STAGING_MB=2048 TUTTI_QUEUE_DEPTH=$qd TUTTI_CUDA_TRACE=1 timeout 75 python3 -c "$BENCH" --device cuda --paths $SHM \
+      --systems tutti --prefix-tokens 128K --limit-gb 4 --json "$OUT/bench_shm_2g_qd$qd.json" 2>&1 | grep -v "it/s\]" | tail -9
+  done
+fi
 rm -rf /dev/shm/tb0 /dev/shm/tb1 /dev/shm/tb2 /dev/shm/tb3 /var/tmp/tutti-disk
 log "done"
