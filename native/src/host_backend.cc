@@ -39,7 +39,9 @@ class HostBackend final : public Backend {
     launch_ = SpscRing<uint32_t>(&launch_ctl_, launch_mem_.data(), launch_mem_.size());
     posted_.assign(ctx->num_iocbs, 0);
     done_.assign(ctx->num_iocbs, 0);
-    for (uint32_t c = ctx->num_chunks; c-- > 0;) free_chunks_.push_back(c);
+    const Geometry& g = ctx->geom;
+    group_ = g.objs_per_layer == 2 && ctx->chunk_bytes == g.obj_bytes && ctx->num_chunks >= 4 ? 2 : 1;
+    for (uint32_t c = ctx->num_chunks / group_; c-- > 0;) free_slots_.push_back(c);
     stop_ = false;
     thread_ = std::thread([this] { run(); });
     return Status::Ok();
@@ -66,6 +68,8 @@ class HostBackend final : public Backend {
 
  private:
   void run();
+  uint32_t group_size(const Iocb& b, const RequestView& r, uint32_t off) const;
+  uint64_t move_object(uint32_t layer, const RequestView& r, const Ioctx& x, uint8_t* obj, bool to_blocks);
   bool post(uint32_t id, SpscRing<Sqe>& sq);
   void complete(const Cqe& c);
   void finish_ctx(uint32_t id);
@@ -75,7 +79,8 @@ class HostBackend final : public Backend {
   std::vector<uint32_t> launch_mem_;
   SpscRing<uint32_t> launch_;
   std::vector<uint32_t> posted_, done_;
-  std::vector<uint32_t> free_chunks_;
+  uint32_t group_ = 1;                // staging chunks per slot (2: K and V move as one I/O)
+  std::vector<uint32_t> free_slots_;  // slots of group_ adjacent staging chunks
   std::deque<uint32_t> active_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
@@ -99,7 +104,7 @@ void HostBackend::run() {
     // Post as many IOCTXs as staging chunks allow, oldest IOCB first.
     bool posted_any = false;
     for (uint32_t a : active_) {
-      if (free_chunks_.empty()) break;
+      if (free_slots_.empty()) break;
       posted_any |= post(a, sq);
     }
     if (posted_any) {
@@ -119,29 +124,68 @@ void HostBackend::run() {
   has_clock_ = false;
 }
 
+// IOCTXs that go in one storage I/O: K and V of one unit and layer are adjacent in the GPU file, so
+// when their chunks are adjacent in staging too they move as one I/O of twice the size.
+uint32_t HostBackend::group_size(const Iocb& b, const RequestView& r, uint32_t off) const {
+  if (group_ < 2 || static_cast<IoOp>(b.op) == IoOp::kCommit || off + 1 >= b.ctx_count) return 1;
+  const Ioctx& x = r.ctx[b.ctx_first + off];
+  const Ioctx& y = r.ctx[b.ctx_first + off + 1];
+  return x.obj == 0 && y.unit == x.unit && y.obj == 1 ? 2 : 1;
+}
+
+// Moves one object between staging and its KV blocks (`to_blocks`: retrieve) in one pass that also
+// sums the staging-side bytes; returns the object's checksum.
+uint64_t HostBackend::move_object(uint32_t layer, const RequestView& r, const Ioctx& x, uint8_t* obj, bool to_blocks) {
+  const Geometry& g = k_->geom;
+  const LayerKV& l = k_->extents->layers()[layer];
+  uint64_t sum = 0;
+  auto piece = [&](uint8_t* blocks, uint64_t at, uint64_t n) {
+    uint64_t cs = to_blocks ? checksum_copy(blocks, obj + at, n, at / 4) : checksum_copy(obj + at, blocks, n, at / 4);
+    sum = checksum_combine(sum, cs);
+  };
+  for (uint32_t e = 0; e < x.extent_count; ++e) {
+    const Extent& ext = r.extents[x.extent_first + e];
+    const uint64_t at = static_cast<uint64_t>(ext.unit_offset_blocks) * g.block_bytes;
+    if (l.block_stride == g.block_bytes) {
+      piece(k_->extents->addr(layer, x.obj, ext.first_block), at, ext.num_blocks * g.block_bytes);
+    } else {
+      for (uint32_t j = 0; j < ext.num_blocks; ++j)
+        piece(k_->extents->addr(layer, x.obj, ext.first_block + j), at + j * g.block_bytes, g.block_bytes);
+    }
+  }
+  const uint64_t payload = g.payload_bytes();
+  if (payload < g.obj_bytes) {  // alignment padding: zero on store, checked on retrieve
+    if (!to_blocks) std::memset(obj + payload, 0, g.obj_bytes - payload);
+    sum = checksum_combine(sum, checksum(obj + payload, g.obj_bytes - payload, payload / 4));
+  }
+  return sum;
+}
+
 // Posts the IOCB's next IOCTXs; IOCTXs that need no I/O (a missing unit) complete at once.
 bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
   Iocb& b = k_->iocbs[id];
   RequestView& r = k_->requests[b.request];
   const Geometry& g = k_->geom;
+  const auto op = static_cast<IoOp>(b.op);
   bool any = false;
-  while (posted_[id] < b.ctx_count && !free_chunks_.empty()) {
+  while (posted_[id] < b.ctx_count && !free_slots_.empty()) {
     const uint32_t off = posted_[id];
-    const auto op = static_cast<IoOp>(b.op);
     // Commit IOCBs walk units; layer IOCBs walk the request's IOCTX array.
     const uint32_t idx = b.ctx_first + off;
     const Ioctx& x = op == IoOp::kCommit ? r.ctx[idx * g.objs_per_layer] : r.ctx[idx];
     const uint32_t unit = op == IoOp::kCommit ? idx : x.unit;
+    const uint32_t n = group_size(b, r, off);
     if (x.slot == UINT32_MAX || r.unit_failed[unit]) {
-      posted_[id]++;
-      finish_ctx(id);
+      posted_[id] += n;
+      for (uint32_t k = 0; k < n; ++k) finish_ctx(id);
       continue;
     }
-    const uint32_t chunk = free_chunks_.back();
-    uint8_t* buf = k_->staging + static_cast<uint64_t>(chunk) * k_->chunk_bytes;
+    const uint32_t slot = free_slots_.back();
+    const uint64_t buf_offset = static_cast<uint64_t>(slot) * group_ * k_->chunk_bytes;
+    uint8_t* buf = k_->staging + buf_offset;
     Sqe s{};
-    s.tag = make_tag(id, chunk, off);
-    s.buf_offset = static_cast<uint64_t>(chunk) * k_->chunk_bytes;
+    s.tag = make_tag(id, slot, off);
+    s.buf_offset = buf_offset;
     s.path = static_cast<uint16_t>(x.path);
     if (op == IoOp::kCommit) {
       const uint64_t* sums = r.checksums + static_cast<uint64_t>(unit) * g.num_objs();
@@ -151,30 +195,18 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
       s.op = static_cast<uint16_t>(IoOp::kWrite);
     } else {
       s.file_offset = x.file_offset + g.obj_offset(b.layer, x.obj);
-      s.len = static_cast<uint32_t>(g.obj_bytes);
+      s.len = static_cast<uint32_t>(n * g.obj_bytes);
       s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kRead : IoOp::kWrite);
-      if (op == IoOp::kWrite) {
-        // Gather the unit's blocks into staging; the padding stays zero.
-        const LayerKV& l = k_->extents->layers()[b.layer];
-        for (uint32_t e = 0; e < x.extent_count; ++e) {
-          const Extent& ext = r.extents[x.extent_first + e];
-          uint8_t* dst = buf + static_cast<uint64_t>(ext.unit_offset_blocks) * g.block_bytes;
-          if (l.block_stride == g.block_bytes) {
-            std::memcpy(dst, k_->extents->addr(b.layer, x.obj, ext.first_block), ext.num_blocks * g.block_bytes);
-          } else {
-            for (uint32_t j = 0; j < ext.num_blocks; ++j)
-              std::memcpy(dst + j * g.block_bytes, k_->extents->addr(b.layer, x.obj, ext.first_block + j), g.block_bytes);
-          }
+      if (op == IoOp::kWrite)
+        for (uint32_t k = 0; k < n; ++k) {
+          const Ioctx& xk = r.ctx[idx + k];
+          r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj] =
+              move_object(b.layer, r, xk, buf + k * k_->chunk_bytes, false);
         }
-        const uint64_t payload = g.payload_bytes();
-        if (payload < g.obj_bytes) std::memset(buf + payload, 0, g.obj_bytes - payload);
-        r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj] =
-            checksum(buf, g.obj_bytes);
-      }
     }
     if (!sq.push(s)) break;  // SQ full: retry after completions
-    free_chunks_.pop_back();
-    posted_[id]++;
+    free_slots_.pop_back();
+    posted_[id] += n;
     any = true;
   }
   return any;
@@ -182,7 +214,7 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
 
 void HostBackend::complete(const Cqe& c) {
   const uint32_t id = static_cast<uint32_t>(c.tag >> 32);
-  const uint32_t chunk = static_cast<uint32_t>((c.tag >> 12) & 0xfffff);
+  const uint32_t slot = static_cast<uint32_t>((c.tag >> 12) & 0xfffff);
   const uint32_t off = static_cast<uint32_t>(c.tag & 0xfff);
   Iocb& b = k_->iocbs[id];
   RequestView& r = k_->requests[b.request];
@@ -191,32 +223,26 @@ void HostBackend::complete(const Cqe& c) {
   const uint32_t idx = b.ctx_first + off;
   const Ioctx& x = op == IoOp::kCommit ? r.ctx[idx * g.objs_per_layer] : r.ctx[idx];
   const uint32_t unit = op == IoOp::kCommit ? idx : x.unit;
-  const uint64_t want = op == IoOp::kCommit ? g.header_bytes : g.obj_bytes;
-  uint8_t* buf = k_->staging + static_cast<uint64_t>(chunk) * k_->chunk_bytes;
+  const uint32_t n = group_size(b, r, off);
+  const uint64_t want = op == IoOp::kCommit ? g.header_bytes : n * g.obj_bytes;
+  uint8_t* buf = k_->staging + static_cast<uint64_t>(slot) * group_ * k_->chunk_bytes;
   if (c.res != static_cast<int64_t>(want)) {
     r.unit_failed[unit] = 1;
     b.errors++;
   } else if (op == IoOp::kRead) {
-    const uint64_t expect = r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj];
-    if (checksum(buf, g.obj_bytes) != expect) {
-      r.unit_failed[unit] = 2;  // a corrupt object is a miss, never wrong KV
-      b.errors++;
-    } else {
-      const LayerKV& l = k_->extents->layers()[b.layer];
-      for (uint32_t e = 0; e < x.extent_count; ++e) {
-        const Extent& ext = r.extents[x.extent_first + e];
-        const uint8_t* src = buf + static_cast<uint64_t>(ext.unit_offset_blocks) * g.block_bytes;
-        if (l.block_stride == g.block_bytes) {
-          std::memcpy(k_->extents->addr(b.layer, x.obj, ext.first_block), src, ext.num_blocks * g.block_bytes);
-        } else {
-          for (uint32_t j = 0; j < ext.num_blocks; ++j)
-            std::memcpy(k_->extents->addr(b.layer, x.obj, ext.first_block + j), src + j * g.block_bytes, g.block_bytes);
-        }
+    // Verified as it moves: a mismatch marks the unit failed, so its blocks are reported as not
+    // loaded (a miss) and the engine recomputes them; they are never presented as a hit.
+    for (uint32_t k = 0; k < n; ++k) {
+      const Ioctx& xk = r.ctx[idx + k];
+      const uint64_t expect = r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj];
+      if (move_object(b.layer, r, xk, buf + k * k_->chunk_bytes, true) != expect) {
+        r.unit_failed[unit] = 2;
+        b.errors++;
       }
     }
   }
-  free_chunks_.push_back(chunk);
-  finish_ctx(id);
+  free_slots_.push_back(slot);
+  for (uint32_t k = 0; k < n; ++k) finish_ctx(id);
 }
 
 void HostBackend::finish_ctx(uint32_t id) {

@@ -55,6 +55,8 @@ inline constexpr uint64_t align_up(uint64_t v, uint64_t a = kAlign) { return (v 
 // trivially parallel on a GPU (each thread sums its own words; the sums add).
 // `n` must be a multiple of 4; `first_word` lets a range be summed in pieces.
 uint64_t checksum(const void* data, size_t n, uint64_t first_word = 0);
+// Copies `n` bytes from `src` to `dst` and returns the checksum of those bytes, in one pass.
+uint64_t checksum_copy(void* dst, const void* src, size_t n, uint64_t first_word = 0);
 // Combines partial checksums of consecutive pieces (pieces were summed with their first_word).
 inline uint64_t checksum_combine(uint64_t a, uint64_t b) {
   uint32_t lo = static_cast<uint32_t>(a) + static_cast<uint32_t>(b);
