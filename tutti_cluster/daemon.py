@@ -20,7 +20,7 @@ when the engine attaches again or the daemon restarts.
 
 from __future__ import annotations
 
-import dataclasses
+import ctypes
 import json
 import logging
 import os
@@ -133,8 +133,13 @@ class _InstanceView:
                     self._release(st)
                 if view is None:
                     return bytes(data)
-                view[:len(data)] = data
-                return len(data)
+                n = len(data)
+                if n > len(view):
+                    log.warning("unit %x of %d bytes does not fit a %d-byte staging slot", key, n, len(view))
+                    return None
+                # A C memmove releases the GIL (a memoryview slice assignment would hold it).
+                ctypes.memmove((ctypes.c_char * n).from_buffer(view), data, n)
+                return n
             if attempt == 0 and time.monotonic() - self.opened_at >= refresh_after_s:
                 try:
                     self.open()

@@ -140,7 +140,7 @@ def _owner_main(opts: dict[str, Any]) -> None:
         nbytes = sum(len(b) for b in ex.map(store.read_unit, opts["keys"]))
     threaded = nbytes / (time.perf_counter() - t0) / GiB
     assert daemon.transfer is not None and daemon.stage is not None
-    print(json.dumps({"ready": True, "stored": res.units, "segment": daemon.transfer.segment,
+    print(json.dumps({"ready": True, "stored": res.units, "config": opts["config"], "segment": daemon.transfer.segment,
                       "arena": daemon.transfer.base, "stage": daemon.stage.address,
                       "unit_bytes": store.geometry()["slot_bytes"],
                       "direct_io": bool(store.stats().get("direct_io")),
@@ -205,6 +205,11 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
                 raise SystemExit(f"remote fetch placed {placed} of {n} units: {client.stats}")
             remote.append(total / dt / GiB)
         te.release(local)
+        owner_stats = _owner_stage_stats(ready)
+        reps_n = args.reps * n
+        split = {"owner_read_ms_per_unit": 1e3 * owner_stats.get("read_s", 0.0) / max(1, owner_stats.get("units_staged", 1)),
+                 "pull_ms_per_unit": 1e3 * client.stats["pull_s"] / reps_n,
+                 "scatter_ms_per_unit": 1e3 * client.stats["scatter_s"] / reps_n}
         client.close()
         store.close()
         raw_med, rem_med = statistics.median(raw), statistics.median(remote)
@@ -212,7 +217,7 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
                 "owner_direct_io": ready["direct_io"], "owner_read_unit_gibps": ready["read_unit_gibps"],
                 "owner_read_unit_2threads_gibps": ready["read_unit_2threads_gibps"], "raw_te_gibps": raw, "remote_fetch_gibps": remote,
                 "raw_te_gibps_median": raw_med, "remote_fetch_gibps_median": rem_med,
-                "ratio": rem_med / raw_med if raw_med else 0.0}
+                "ratio": rem_med / raw_med if raw_med else 0.0, "time_split": split}
     finally:
         if owner.stdin is not None:
             owner.stdin.close()
@@ -221,6 +226,20 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
         except subprocess.TimeoutExpired:
             owner.kill()
             owner.wait()
+
+
+def _owner_stage_stats(ready: dict[str, Any]) -> dict[str, float]:
+    """The owner daemon's stage counters, asked through its socket."""
+    from tutti_cluster.config import TuttiConfig
+    from tutti_cluster.daemon import DaemonLink
+
+    link = DaemonLink(TuttiConfig(**ready["config"]), timeout_s=5)
+    try:
+        return dict(link.request({"op": "stats"}).get("stage", {}))
+    except (OSError, ValueError):
+        return {}
+    finally:
+        link.close()
 
 
 def _measure_lookup(args: argparse.Namespace, etcd: str) -> dict[str, Any]:
@@ -288,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     args.units = args.units or (6 if args.quick else 16)
     args.reps = args.reps or (3 if args.quick else 5)
     args.directory_keys = args.directory_keys or (8192 if args.quick else 65536)
+    load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="tutti-cluster-bench-"))
     etcd = None
     try:
@@ -306,7 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"hostname": socket.gethostname(), "cores": os.cpu_count(), "kernel": platform.release(),
                     "python": platform.python_version(),
                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "mc_tcp_slice_size": os.environ.get("MC_TCP_SLICE_SIZE")},
+                    "mc_tcp_slice_size": os.environ.get("MC_TCP_SLICE_SIZE"),
+                    # Other jobs on the host lower every figure; the load says how busy it was.
+                    "loadavg_1m_before": load_before[0], "loadavg_1m_after": os.getloadavg()[0]},
         "command": "python -m tutti_cluster.cluster.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "fetch": fetch, "directory": lookup,
     }
@@ -317,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({f['units']} units x {f['unit_bytes'] / (1 << 20):.1f} MiB, {args.protocol})")
         print(f"owner store.read_unit {f['owner_read_unit_gibps']:.3f} GiB/s (2 threads "
               f"{f['owner_read_unit_2threads_gibps']:.3f}), O_DIRECT {f['owner_direct_io']}")
+        ts = f["time_split"]
+        print(f"per unit: owner read {ts['owner_read_ms_per_unit']:.1f} ms, pull {ts['pull_ms_per_unit']:.1f} ms, "
+              f"scatter {ts['scatter_ms_per_unit']:.1f} ms")
     d = lookup
     if d is not None:
         print(f"directory: {d['db_bytes_per_replica']:.0f} etcd bytes per replica "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -46,8 +47,9 @@ class ClusterClient:
         self.arena_bytes = arena_bytes
         self._transfer: Any = None
         self._owners: OrderedDict[int, list[str]] = OrderedDict()  # from the last lookups
-        self.stats = {"remote_lookups": 0, "remote_hits": 0, "remote_units": 0, "remote_bytes": 0,
-                      "remote_failures": 0, "replicas_kept": 0}
+        self.stats: dict[str, float] = {"remote_lookups": 0, "remote_hits": 0, "remote_units": 0,
+                                        "remote_bytes": 0, "remote_failures": 0, "replicas_kept": 0,
+                                        "pull_s": 0.0, "scatter_s": 0.0}
 
     @property
     def transfer(self) -> Any:
@@ -120,6 +122,7 @@ class ClusterClient:
             try:
                 for key, view in units:
                     i = placed + got
+                    t0 = time.perf_counter()
                     try:
                         self.store.scatter_unit(view, block_ids[i * ub:(i + 1) * ub])
                         if keep_replica:
@@ -131,10 +134,12 @@ class ClusterClient:
                         stream.error = str(exc)
                         break
                     got += 1
+                    self.stats["scatter_s"] += time.perf_counter() - t0
             finally:
                 units.close()  # type: ignore[attr-defined]  # ends the puller, returns its slots
             self.stats["remote_units"] += got
             self.stats["remote_bytes"] += stream.bytes
+            self.stats["pull_s"] += stream.pull_s
             placed += got
             if placed < run:
                 self.stats["remote_failures"] += 1

@@ -50,10 +50,11 @@ class StageStats:
     streams: int = 0
     units_staged: int = 0
     bytes_staged: int = 0
+    read_s: float = 0.0  # time spent reading units into slots (summed over reader threads)
     misses: int = 0
     reclaimed_slots: int = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
 
 
@@ -201,6 +202,7 @@ class StageServer:
             addr = self.transfer.acquire(self.slot_timeout_s)
             if addr is None:
                 return "busy"
+            t0 = time.perf_counter()
             try:
                 got = self.read_into(key, self.transfer.view(addr, self.transfer.slot_bytes))
             except TuttiError as exc:
@@ -212,7 +214,9 @@ class StageServer:
                 return reason
             self.stats.units_staged += 1
             self.stats.bytes_staged += got
+            self.stats.read_s += time.perf_counter() - t0
             return addr, got
+        t0 = time.perf_counter()
         try:
             data = self.read_unit(key)
         except TuttiError as exc:
@@ -236,6 +240,7 @@ class StageServer:
         self.transfer.put(addr, data)
         self.stats.units_staged += 1
         self.stats.bytes_staged += n
+        self.stats.read_s += time.perf_counter() - t0
         return addr, n
 
 
@@ -260,6 +265,7 @@ class StageStream:
         self.error: str | None = None
         self.miss: str | None = None
         self.bytes = 0
+        self.pull_s = 0.0  # time in Transfer Engine reads
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
         # A puller thread reads the owner's announcements and pulls each unit into one of `depth`
@@ -327,7 +333,9 @@ class StageStream:
                         if not stop.is_set():
                             self.error = "no free local slot"
                         return
+                    t0 = time.perf_counter()
                     self.transfer.read(self.segment, local, int(msg["addr"]), n)
+                    self.pull_s += time.perf_counter() - t0
                     sock.sendall(json.dumps({"op": "done", "addr": msg["addr"]}).encode() + b"\n")
                     self.bytes += n
                     ready.put((key, local, n))
