@@ -263,3 +263,21 @@ def test_embedded_default_uses_data_dir(tmp_path):
     s.register_kv_caches(kv, block_tokens=16)
     assert (tmp_path / "node" / "store" / "tutti-default.pool").exists()
     s.close()
+
+
+def test_extent_map_for_640k_tokens_fits_32_mib(tmp_path):
+    """The P2P memory map of a 640K-token Llama-3-8B prefix in random block order: at most 32 MiB."""
+    from tutti_cluster import LayerKV
+
+    tokens = 640 * 1024
+    nb = tokens // 16
+    base = np.zeros(64, np.uint8)  # descriptors only: every unit is a miss, so no byte moves
+    layers = [LayerKV((base.ctypes.data, base.ctypes.data + 32), 32768, 32768, nb) for _ in range(32)]
+    s = TuttiStore(TuttiConfig(paths=[tmp_path], capacity_gb=0.04, instance="map640"))
+    s.register_kv_caches(layers, block_tokens=16)
+    res = s.retrieve(list(range(tokens // 256)), np.random.default_rng(0).permutation(nb))
+    assert len(res.failed_units) == tokens // 256
+    st = s.stats()
+    assert 0 < st["extent_map_bytes"] <= 32 << 20
+    assert st["staging_bytes"] == 64 << 20  # fixed, whatever the context length
+    s.close()

@@ -231,6 +231,8 @@ PYBIND11_MODULE(_native, m) {
         d["agent_cpu_s"] = s.agent_cpu_s;
         d["kernel_cpu_s"] = s.kernel_cpu_s;
         d["extent_map_bytes"] = s.extent_map_bytes;
+        d["request_map_peak_bytes"] = s.request_map_peak_bytes;
+        d["staging_bytes"] = s.staging_bytes;
         d["slot_bytes"] = s.slot_bytes;
         d["obj_bytes"] = s.obj_bytes;
         d["direct_io"] = s.direct_io;

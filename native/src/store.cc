@@ -323,6 +323,9 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   v.num_units = n_units;
   v.commit_seq_base = commit_seq_;
   commit_seq_ += n_units;
+  const uint64_t map_bytes = r.extents.size() * sizeof(Extent) + r.ctx.size() * sizeof(Ioctx) +
+                             r.checksums.size() * sizeof(uint64_t) + n_units * (sizeof(uint64_t) + sizeof(uint32_t) + 2);
+  request_map_peak_ = std::max(request_map_peak_, map_bytes);
   Status st = backend_->begin_request(id, &v);
   if (!st.ok()) {
     release_request(id, r);
@@ -646,7 +649,9 @@ StoreStats Store::stats() const {
   s.agent_ops = agent_.ops();
   s.agent_cpu_s = agent_.cpu_seconds();
   s.kernel_cpu_s = backend_ ? backend_->kernel_cpu_seconds() : 0;
-  s.extent_map_bytes = extents_.memory_bytes();
+  s.extent_map_bytes = extents_.memory_bytes() + request_map_peak_;
+  s.request_map_peak_bytes = request_map_peak_;
+  s.staging_bytes = staging_bytes_;
   s.slot_bytes = geom_.slot_bytes;
   s.obj_bytes = geom_.obj_bytes;
   s.direct_io = pool_.num_paths() > 0 && pool_.path(0).direct;

@@ -45,7 +45,8 @@ struct StoreStats {
   uint64_t hits = 0, lookups = 0, evictions = 0, checksum_failures = 0, io_errors = 0;
   uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
   double agent_cpu_s = 0, kernel_cpu_s = 0;
-  uint64_t extent_map_bytes = 0, slot_bytes = 0, obj_bytes = 0;
+  // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
+  uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
   bool direct_io = false, fixed_buffers = false;
   std::string backend;
 };
@@ -146,7 +147,7 @@ class Store {
   mutable std::mutex mu_;
   std::vector<uint64_t> evicted_;
   uint64_t lookups_ = 0, hits_ = 0, evictions_ = 0, checksum_failures_ = 0, io_errors_ = 0;
-  uint64_t bytes_read_ = 0, bytes_written_ = 0;
+  uint64_t bytes_read_ = 0, bytes_written_ = 0, request_map_peak_ = 0;
   bool started_ = false;
 };
 
