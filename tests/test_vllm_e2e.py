@@ -61,7 +61,9 @@ def _engine(model: Path, out: Path, kv_config: dict[str, Any] | None = None, *, 
     return json.loads(out.read_text())
 
 
-def _kv_config(**extra: Any) -> dict[str, Any]:
+def _kv_config(root: Path, **extra: Any) -> dict[str, Any]:
+    # data_dir: this test's own node state, so that no node daemon of the host is involved.
+    extra.setdefault("data_dir", str(root / "node"))
     return {
         "kv_connector": "TuttiConnector",
         "kv_connector_module_path": "tutti_cluster.vllm",
@@ -80,7 +82,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     baseline = _engine(model, root / "a.json")
     store = root / "store"
     store.mkdir()
-    stored = _engine(model, root / "b.json", _kv_config(paths=[str(store)]), split=True)
+    stored = _engine(model, root / "b.json", _kv_config(root, paths=[str(store)]), split=True)
     return {"root": root, "model": model, "baseline": baseline, "stored": stored, "store": store}
 
 
@@ -101,7 +103,8 @@ def test_first_run_stores_units_and_keeps_outputs(work: dict[str, Any]) -> None:
 
 def test_fresh_engine_reuses_stored_prefix(work: dict[str, Any]) -> None:
     store = _copy_store(work, "store_c")
-    c = _engine(work["model"], work["root"] / "c.json", _kv_config(), split=True, TUTTI_PATHS=str(store))
+    c = _engine(work["model"], work["root"] / "c.json", _kv_config(work["root"]), split=True,
+                TUTTI_PATHS=str(store))
     m = c["metrics"]
     assert m.get("vllm:external_prefix_cache_hits", 0) > 0, m
     assert m.get("vllm:tutti_load_units", 0) > 0, m
@@ -111,7 +114,8 @@ def test_fresh_engine_reuses_stored_prefix(work: dict[str, Any]) -> None:
 
 def test_fresh_engine_reuses_stored_prefix_async(work: dict[str, Any]) -> None:
     store = _copy_store(work, "store_async")
-    c = _engine(work["model"], work["root"] / "c_async.json", _kv_config(paths=[str(store)], load_async=True))
+    c = _engine(work["model"], work["root"] / "c_async.json",
+                _kv_config(work["root"], paths=[str(store)], load_async=True))
     m = c["metrics"]
     assert m.get("vllm:external_prefix_cache_hits", 0) > 0, m
     assert m.get("vllm:tutti_load_units", 0) > 0, m
@@ -152,7 +156,7 @@ def _flip_every_object(store: Path) -> int:
 def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:
     store = _copy_store(work, "store_d")
     assert _flip_every_object(store) > 0
-    d = _engine(work["model"], work["root"] / "d.json", _kv_config(paths=[str(store)]))
+    d = _engine(work["model"], work["root"] / "d.json", _kv_config(work["root"], paths=[str(store)]))
     m = d["metrics"]
     # The headers still verify, so the lookup claims the prefix; every load then fails its checksum.
     assert m.get("vllm:tutti_lookup_hit_units", 0) > 0, m

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import socket
+import time
 from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING, Any
@@ -93,6 +95,7 @@ _STAT_KEYS = (
     "store_units",
     "store_skipped_units",
     "store_failed_units",
+    "remote_units",
 )
 
 
@@ -260,6 +263,8 @@ class _Transfer:
     req_id: str
     hashes: list[bytes]
     block_ids: list[int]
+    first_unit: int = 0  # index of unit 0 of this transfer in the request's prompt
+    remote_from: int | None = None  # loads: units from this index on come from other nodes
 
 
 @dataclass
@@ -273,14 +278,19 @@ class TuttiConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class TuttiWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler, once per step: keys that became present or absent in the stores."""
+    """Workers -> scheduler, once per step: keys that became present or absent in the stores, and
+    per request the first unit that failed to load (vLLM recomputes it; the scheduler saves it again)."""
 
     committed: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
+    failed: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TuttiWorkerMetadata)
-        return TuttiWorkerMetadata(self.committed + other.committed, self.evicted + other.evicted)
+        failed = dict(self.failed)
+        for req_id, unit in other.failed.items():
+            failed[req_id] = min(unit, failed.get(req_id, unit))
+        return TuttiWorkerMetadata(self.committed + other.committed, self.evicted + other.evicted, failed)
 
 
 @dataclass
@@ -336,6 +346,7 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
         "store_units": "Cache units committed to the Tutti store.",
         "store_skipped_units": "Cache units not stored because the store already held them.",
         "store_failed_units": "Cache units whose store failed (capacity or I/O).",
+        "remote_units": "Cache units fetched from other nodes' stores (cluster mode).",
     }
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
@@ -406,9 +417,17 @@ class TuttiConnector(KVConnectorBase_V1):
     def _init_scheduler(self) -> None:
         self._present: set[int] = set()
         self._reqs: dict[str, _ReqState] = {}
-        self._lookups: dict[str, int] = {}  # req_id -> hit units of the latest lookup
+        self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (local, all) hit units of the latest lookup
         self._pending_loads: list[_Transfer] = []
         self._pending_async: list[_Transfer] = []
+        self._lookups_at: dict[str, tuple[float, int, int, int]] = {}  # req_id -> (time, units asked, local, all)
+        self._directory: Any = None
+        if self.options.load and self.config.etcd:
+            # Cluster mode: units past the local hit prefix are looked up in the replica directory.
+            from tutti_cluster.cluster.directory import EtcdDirectory
+
+            node_id = self.config.node_id or socket.gethostname()
+            self._directory = EtcdDirectory(",".join(self.config.etcd), node_id, self.config.lease_ttl_s)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         for m in metadata.values():
@@ -432,6 +451,38 @@ class TuttiConnector(KVConnectorBase_V1):
                 break
         return n
 
+    def _remote_hits(self, hashes: list[bytes], local: int) -> int:
+        """Units after the first ``local`` that other nodes hold for every rank (cluster mode)."""
+        n = len(hashes) - local
+        for prefix in self._prefixes:
+            if n == 0:
+                break
+            owners = self._directory.lookup([_key(prefix, h) for h in hashes[local : local + n]],
+                                            prefix=True, exclude_self=False)
+            n = min(n, len(owners))
+        return n
+
+    def _lookup(self, request: Request) -> tuple[int, int]:
+        """(local, total) leading units of the request's prompt available to load.
+
+        A directory lookup costs an etcd round trip, and vLLM asks again for a request it could not
+        schedule yet, so a cluster answer is reused for a second.
+        """
+        max_units = max(request.num_tokens - 1, 0) // self.unit_tokens
+        if max_units == 0:
+            return 0, 0
+        hashes = self._hashes(request, max_units)
+        local = self._hits(hashes)
+        if self._directory is None or local == len(hashes):
+            return local, local
+        now = time.monotonic()
+        cached = self._lookups_at.get(request.request_id)
+        if cached is not None and now - cached[0] < 1.0 and cached[1:3] == (len(hashes), local):
+            return local, cached[3]
+        total = local + self._remote_hits(hashes, local)
+        self._lookups_at[request.request_id] = (now, len(hashes), local, total)
+        return local, total
+
     def _hashes(self, request: Request, num_units: int) -> list[bytes]:
         return unit_hashes(list(request.block_hashes), self.unit_hash_blocks, num_units)
 
@@ -443,9 +494,8 @@ class TuttiConnector(KVConnectorBase_V1):
         """
         if not self.options.load:
             return 0, False
-        max_units = max(request.num_tokens - 1, 0) // self.unit_tokens
-        hits = self._hits(self._hashes(request, max_units)) if max_units else 0
-        self._lookups[request.request_id] = hits
+        local, hits = self._lookup(request)
+        self._lookups[request.request_id] = (local, hits)
         ext = hits * self.unit_tokens - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -453,10 +503,8 @@ class TuttiConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
-        hits = self._lookups.pop(req_id, None)
-        if hits is None:
-            max_units = max(request.num_tokens - 1, 0) // self.unit_tokens
-            hits = self._hits(self._hashes(request, max_units)) if max_units else 0
+        looked = self._lookups.pop(req_id, None)
+        local, hits = looked if looked is not None else self._lookup(request)
         state = self._reqs.get(req_id)
         if state is None or num_external_tokens > 0:
             state = _ReqState(request=request, save_next=hits)
@@ -474,7 +522,8 @@ class TuttiConnector(KVConnectorBase_V1):
             log.warning("request %s: %d blocks allocated for %d units; not loading", req_id, len(ids), len(hashes))
             return
         self._stats.add("lookup_hit_units", len(hashes))
-        t = _Transfer(req_id, hashes, ids)
+        remote_from = max(local - first, 0) if hits > local else None
+        t = _Transfer(req_id, hashes, ids, first, remote_from)
         (self._pending_async if self.options.load_async else self._pending_loads).append(t)
 
     def _track_blocks(self, scheduler_output: SchedulerOutput) -> None:
@@ -535,11 +584,17 @@ class TuttiConnector(KVConnectorBase_V1):
         if isinstance(meta, TuttiWorkerMetadata):
             self._present.update(meta.committed)
             self._present.difference_update(meta.evicted)
+            for req_id, unit in meta.failed.items():
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    # vLLM recomputes from this unit on; store it again once it is recomputed.
+                    st.save_next = min(st.save_next, unit)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves finish inside the step that issued them, so the blocks can be freed now.
         self._reqs.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
+        self._lookups_at.pop(request.request_id, None)
         return False, None
 
     # ================================ worker role ================================
@@ -557,6 +612,9 @@ class TuttiConnector(KVConnectorBase_V1):
         self._finished_recving: set[str] = set()
         self._committed: list[int] = []
         self._evicted: list[int] = []
+        self._failed: dict[str, int] = {}
+        self._link: Any = None  # the node daemon's socket, when a daemon runs
+        self._cluster: Any = None  # remote fetches, in cluster mode
 
     def _worker_rank(self) -> int:
         try:
@@ -590,13 +648,42 @@ class TuttiConnector(KVConnectorBase_V1):
         instance = f"{self.config.instance}-r{self.rank}"
         if int(getattr(pc, "data_parallel_size", 1)) > 1:
             instance += f"-dp{int(getattr(pc, 'data_parallel_rank', 0))}"
-        self.store = TuttiStore(self.config.model_copy(update={"instance": instance}))
+        cfg = self.config.model_copy(update={"instance": instance})
+        self.store = TuttiStore(cfg)
         self.store.register_kv_caches(layers, block_tokens=self.block_size)
-        self.store.on_commit = self._committed.append
-        self.store.on_evict = self._evicted.append
+        self._attach_node(cfg)
         self._prefix = self._prefixes[self.rank] if self.rank < len(self._prefixes) else _rank_prefix(self.namespace, self.rank)
         log.info("Tutti connector rank %d: instance %s, %d layers, %d blocks/unit, %d units on disk",
                  self.rank, instance, len(layers), self.unit_blocks, len(self.store.keys()))
+
+    def _attach_node(self, cfg: TuttiConfig) -> None:
+        """Announces the store to the node daemon (when one runs) and, in cluster mode, opens the
+        remote-fetch client. The daemon registers committed units in the cluster directory."""
+        from tutti_cluster.daemon import DaemonLink
+
+        link = DaemonLink(cfg)
+        if link.attach(self.store) is not None:
+            self._link = link
+            to_daemon_commit, to_daemon_evict = self.store.on_commit, self.store.on_evict
+        else:
+            link.close()
+            to_daemon_commit = to_daemon_evict = None
+
+        def on_commit(key: int) -> None:
+            self._committed.append(key)
+            if to_daemon_commit is not None:
+                to_daemon_commit(key)
+
+        def on_evict(key: int) -> None:
+            self._evicted.append(key)
+            if to_daemon_evict is not None:
+                to_daemon_evict(key)
+
+        self.store.on_commit, self.store.on_evict = on_commit, on_evict
+        if cfg.etcd and self.options.load:
+            from tutti_cluster.cluster.client import ClusterClient
+
+            self._cluster = ClusterClient(self.store, cfg)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.store is None:
@@ -614,6 +701,7 @@ class TuttiConnector(KVConnectorBase_V1):
             log.warning("Tutti %s of request %s not started: %s", "load" if load else "store", t.req_id, e)
             if load:
                 self._invalid.update(t.block_ids)
+                self._failed[t.req_id] = min(t.first_unit, self._failed.get(t.req_id, t.first_unit))
                 self._stats.add("load_failed_units", len(keys))
             else:
                 self._stats.add("store_failed_units", len(keys))
@@ -628,6 +716,12 @@ class TuttiConnector(KVConnectorBase_V1):
         assert isinstance(meta, TuttiConnectorMetadata)
         for transfers, sink in ((meta.loads, self._loads), (meta.async_loads, self._async)):
             for t in transfers:
+                if t.remote_from is not None:
+                    t = self._fetch_remote(t)
+                    if not t.hashes:  # all remote: done (placed, or reported as failed blocks)
+                        if sink is self._async:
+                            self._finished_recving.add(t.req_id)
+                        continue
                 f = self._begin(t, load=True)
                 if f is None:
                     if sink is self._async:
@@ -639,6 +733,26 @@ class TuttiConnector(KVConnectorBase_V1):
                 except TuttiError as e:
                     log.warning("Tutti load of request %s failed to start: %s", t.req_id, e)
                 sink.append(f)
+
+    def _fetch_remote(self, t: _Transfer) -> _Transfer:
+        """Places the transfer's remote units (other nodes' SSDs, over the Transfer Engine) into their
+        blocks, keeping a local replica; returns the local part, to load through the store."""
+        assert t.remote_from is not None
+        ub, r = self.unit_blocks, t.remote_from
+        keys = [_key(self._prefix, h) for h in t.hashes[r:]]
+        placed = 0
+        if self._cluster is not None:
+            try:
+                placed = self._cluster.retrieve_remote(keys, t.block_ids[r * ub :], keep_replica=True)
+            except TuttiError as e:
+                log.warning("Tutti remote fetch for request %s failed: %s", t.req_id, e)
+        self._stats.add("remote_units", placed)
+        if placed < len(keys):
+            self._invalid.update(t.block_ids[(r + placed) * ub :])
+            unit = t.first_unit + r + placed
+            self._failed[t.req_id] = min(unit, self._failed.get(t.req_id, unit))
+            self._stats.add("load_failed_units", len(keys) - placed)
+        return _Transfer(t.req_id, t.hashes[:r], t.block_ids[: r * ub], t.first_unit)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         idx = self._layer_index.get(layer_name)
@@ -662,6 +776,8 @@ class TuttiConnector(KVConnectorBase_V1):
                 # vLLM keeps the prefix before the first invalid block and recomputes the rest.
                 first = failed[0]
                 self._invalid.update(f.transfer.block_ids[first * self.unit_blocks :])
+                req_id, unit = f.transfer.req_id, f.transfer.first_unit + first
+                self._failed[req_id] = min(unit, self._failed.get(req_id, unit))
                 self._stats.add("load_failed_units", len(f.keys) - first)
                 self._stats.add("load_units", first)
                 log.info("Tutti: %d of %d units of request %s failed to load; vLLM recomputes them",
@@ -734,14 +850,22 @@ class TuttiConnector(KVConnectorBase_V1):
         return out
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._committed and not self._evicted:
+        if not self._committed and not self._evicted and not self._failed:
             return None
-        meta = TuttiWorkerMetadata(self._committed[:], self._evicted[:])
+        meta = TuttiWorkerMetadata(self._committed[:], self._evicted[:], self._failed)
         self._committed.clear()
         self._evicted.clear()
+        self._failed = {}
         return meta
 
     def shutdown(self) -> None:
+        if getattr(self, "_cluster", None) is not None:
+            self._cluster.close()
+            self._cluster = None
+        if getattr(self, "_link", None) is not None:
+            self._link.flush()
+            self._link.close()
+            self._link = None
         if getattr(self, "store", None) is not None:
             self.store.close()
             self.store = None
