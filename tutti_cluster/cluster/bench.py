@@ -79,6 +79,17 @@ class _Etcd:
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    def rss_bytes(self) -> int:
+        """Resident memory of the etcd process (its in-memory key index grows with the directory)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
@@ -242,12 +253,13 @@ def _owner_stage_stats(ready: dict[str, Any]) -> dict[str, float]:
         link.close()
 
 
-def _measure_lookup(args: argparse.Namespace, etcd: str) -> dict[str, Any]:
+def _measure_lookup(args: argparse.Namespace, etcd: str, rss: Any = None) -> dict[str, Any]:
     from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 
     writer = EtcdDirectory(etcd, "bench-dir", lease_ttl_s=30, timeout_s=30, max_txn_ops=args.txn_ops)
     reader = EtcdDirectory(etcd, "bench-reader", timeout_s=30, max_txn_ops=args.txn_ops)
     before = _gateway(etcd, "/v3/maintenance/status", {})
+    rss_before = rss() if rss else 0
     n_keys = args.directory_keys
     keys = [0xD1_0000_0000 + i * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF for i in range(n_keys)]
     writer.register(keys)  # queued: start() writes them under the new lease
@@ -255,6 +267,7 @@ def _measure_lookup(args: argparse.Namespace, etcd: str) -> dict[str, Any]:
     writer.start(NodeRecord("bench-dir", "", ""))
     reg_s = time.perf_counter() - t0
     after = _gateway(etcd, "/v3/maintenance/status", {})
+    rss_after = rss() if rss else 0
     in_use = "dbSizeInUse" if "dbSizeInUse" in after else "dbSize"
     per_key = (int(after[in_use]) - int(before.get(in_use, 0))) / n_keys
     rows = []
@@ -275,7 +288,8 @@ def _measure_lookup(args: argparse.Namespace, etcd: str) -> dict[str, Any]:
                      "p90_ms": lat[min(len(lat) - 1, int(0.9 * len(lat)))], "us_per_key": statistics.median(lat) * 1e3 / batch})
     writer.stop(revoke=True)
     reader.stop(revoke=False)
-    return {"registered_keys": n_keys, "txn_ops": reader.max_txn_ops, "register_seconds": reg_s, "db_bytes_per_replica": per_key,
+    return {"registered_keys": n_keys, "txn_ops": reader.max_txn_ops,
+            "etcd_rss_bytes_per_replica": (rss_after - rss_before) / n_keys if rss else None, "register_seconds": reg_s, "db_bytes_per_replica": per_key,
             "db_size_field": in_use, "lookup": rows}
 
 
@@ -317,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             etcd = _Etcd(work)
             endpoint = etcd.endpoint
         fetch = _measure_fetch(args, endpoint, work) if args.only != "lookup" else None
-        lookup = _measure_lookup(args, endpoint) if args.only != "fetch" else None
+        lookup = _measure_lookup(args, endpoint, etcd.rss_bytes if etcd else None) if args.only != "fetch" else None
     finally:
         if etcd is not None:
             etcd.stop()
@@ -346,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     if d is not None:
         print(f"directory: {d['db_bytes_per_replica']:.0f} etcd bytes per replica "
               f"({d['db_size_field']}, {d['registered_keys']} replicas, {d['txn_ops']} ops per transaction)")
+        if d["etcd_rss_bytes_per_replica"] is not None:
+            print(f"etcd resident memory: {d['etcd_rss_bytes_per_replica']:.0f} bytes per replica")
         for r in d["lookup"]:
             print(f"  lookup {r['batch']:5d} keys: p50 {r['p50_ms']:8.2f} ms  p90 {r['p90_ms']:8.2f} ms  "
                   f"{r['us_per_key']:7.1f} us/key")
