@@ -246,3 +246,32 @@ def test_corrupt_unit_on_owner_is_a_miss_never_wrong_data(cluster):
     # A stopped advertising the unit it found corrupt.
     assert nodes["A"].call(op="stats")["daemon"]["unreadable_units"] >= 1  # read ahead may see more
     assert nodes["C"].call(op="lookup", keys=KEYS_A)["hits"] == 0
+
+
+def test_eviction_removes_the_registration(tmp_path: Path):
+    """LRU eviction on the owner (a small pool) and explicit removal both drop the directory entry."""
+    require_etcd()
+    require_mooncake()
+    etcd = EtcdServer(tmp_path)
+    etcd.start()
+    # 0.004 GiB holds 8 units of this geometry: storing 12 evicts the 4 oldest.
+    a = NodeProcess("A", etcd.endpoint, tmp_path, lease_ttl_s=LEASE_TTL, capacity_gb=0.004)
+    b = NodeProcess("B", etcd.endpoint, tmp_path, lease_ttl_s=LEASE_TTL)
+    try:
+        first, second = KEYS_A, [0xE000 + i for i in range(6)]
+        assert a.call(op="store", keys=first)["units"] == len(first)
+        assert wait_for(lambda: b.call(op="lookup", keys=first)["hits"] == len(first), 5)
+        assert a.call(op="store", keys=second)["units"] == len(second)
+        st = a.call(op="stats")["store"]
+        assert st["evictions"] == len(first) + len(second) - st["total_slots"] > 0
+        assert a.call(op="lookup", keys=first)["local"] == 0  # the oldest unit went first
+        assert wait_for(lambda: b.call(op="lookup", keys=first)["hits"] == 0, 5)
+        assert b.call(op="lookup", keys=second)["hits"] == len(second)
+        assert a.call(op="evict", keys=second[3:4])["removed"] == [True]
+        assert wait_for(lambda: b.call(op="lookup", keys=second)["hits"] == 3, 5)
+        f = b.call(op="fetch", keys=second)
+        assert f["placed"] == 3 and all(f["exact"])
+    finally:
+        b.close()
+        a.close()
+        etcd.stop()
