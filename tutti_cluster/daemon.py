@@ -57,6 +57,26 @@ def geometry_of(store: Any) -> dict[str, Any]:
             "unit_tokens": store.config.unit_tokens}
 
 
+def _keep_large_allocations(max_unit_bytes: int = 256 << 20) -> bool:
+    """Make glibc reuse freed large blocks instead of unmapping them.
+
+    The stage endpoint reads whole units (tens of MiB) with ``store.read_unit``, which allocates
+    fresh buffers for every unit; by default glibc serves those with mmap and unmaps them on free,
+    so each unit page-faults all its memory again. Raising the mmap and trim thresholds above a
+    unit's size keeps the pages: measured here, it took ``read_unit`` from ~0.33 to ~0.6 GiB/s for
+    32 MiB units. The daemon keeps a few units' worth of heap in exchange. Only the daemon's own
+    process is tuned (never an engine's).
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False  # not glibc
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = libc.mallopt(m_mmap_threshold, max_unit_bytes) == 1
+    ok = libc.mallopt(m_trim_threshold, 4 * max_unit_bytes) == 1 and ok
+    return ok
+
+
 class _InstanceView:
     """The daemon's read-only view of one engine instance's pools.
 
@@ -220,6 +240,8 @@ class NodeDaemon:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> "NodeDaemon":
+        if self.config.cluster_mode:
+            _keep_large_allocations()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for name, ent in self._load_state().items():
             view = _InstanceView(self.config, name, ent["geometry"], list(ent["capacity"]))
