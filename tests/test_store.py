@@ -281,3 +281,32 @@ def test_extent_map_for_640k_tokens_fits_32_mib(tmp_path):
     assert 0 < st["extent_map_bytes"] <= 32 << 20
     assert st["staging_bytes"] == 64 << 20  # fixed, whatever the context length
     s.close()
+
+
+def test_several_pool_files_per_path(tmp_path, tmpfs):
+    kv = make_kv(seed=31)
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mem = tmpfs("16m")
+    rng = np.random.default_rng(31)
+    with open_store([disk], kv, pool_files=3, capacity_gb=0.009) as s:
+        assert sorted(p.name for p in disk.iterdir()) == [
+            "tutti-default.1.pool", "tutti-default.2.pool", "tutti-default.pool"]
+        keys = list(range(1, 13))
+        src = rng.permutation(BLOCKS)[: 12 * s.unit_blocks]
+        assert s.store(keys, src).ok
+    with open_store([mem], kv, capacity_gb=0.009) as s:  # memory file system: 8 files by default
+        assert len(list(mem.iterdir())) == 8
+        assert s.store(keys, src).ok
+    want = snapshot(kv)
+    for d in (disk, mem):
+        zero(kv)
+        with open_store([d], kv, capacity_gb=0.009, pool_files=3 if d == disk else 0) as s:
+            assert s.lookup(keys) == 12
+            dst = rng.permutation(BLOCKS)[: 12 * s.unit_blocks]
+            assert s.retrieve(keys, dst).ok
+            assert_units_equal(want, src, kv, dst, "kv_first", list(range(12)), s.unit_blocks)
+        reader = TuttiStore(TuttiConfig(paths=[d], unit_tokens=UNIT_TOKENS))  # finds every file
+        reader.register_kv_caches(kv, block_tokens=16, read_only=True)
+        assert reader.lookup(keys) == 12
+        reader.close()

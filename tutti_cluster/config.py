@@ -57,6 +57,10 @@ class TuttiConfig(BaseSettings):
     data_dir: Path = Field(default_factory=default_data_dir, description="Node state (socket, default storage).")
     instance: str = Field("default", description="Name of this process's share of the file pool.")
     direct_io: Literal["auto", "on", "off"] = Field("auto", description="O_DIRECT: auto falls back where refused.")
+    pool_files: int = Field(
+        0, ge=0, le=64,
+        description="Pool files per path; 0 = 8 on memory file systems (parallel writes), 1 elsewhere.",
+    )
 
     # Layout
     unit_tokens: int = Field(256, gt=0, description="Tokens per cache unit (one GPU file).")

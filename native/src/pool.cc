@@ -1,10 +1,13 @@
 #include "tutti/pool.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/file.h>
+#include <sys/statfs.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 
 namespace tutti {
@@ -63,30 +66,63 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
   return Status::Ok();
 }
 
+static bool memory_fs(const std::string& dir) {
+  struct statfs sfs;
+  return statfs(dir.c_str(), &sfs) == 0 && (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC);
+}
+
+static std::string pool_file_name(const std::string& dir, const std::string& instance, uint32_t k) {
+  return dir + "/tutti-" + instance + (k == 0 ? "" : "." + std::to_string(k)) + ".pool";
+}
+
 Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<uint64_t>& capacity,
-                      const std::string& instance, const Geometry& g, DirectMode mode, bool read_only) {
+                      const std::string& instance, const Geometry& g, DirectMode mode, bool read_only,
+                      uint32_t files_per_path) {
   if (dirs.empty()) return {Code::kConfig, "no storage paths configured"};
   if (capacity.size() != dirs.size()) return {Code::kConfig, "one capacity per storage path is required"};
   if (instance.empty() || instance.find('/') != std::string::npos)
     return {Code::kConfig, "instance name must be non-empty and contain no '/'"};
   slot_bytes_ = g.slot_bytes;
   num_slots_ = 0;
-  paths_.assign(dirs.size(), PoolPath{});
-  free_.assign(dirs.size(), {});
-  for (size_t i = 0; i < dirs.size(); ++i) {
-    PoolPath& p = paths_[i];
-    p.dir = dirs[i];
-    p.file = dirs[i] + "/tutti-" + instance + ".pool";
-    p.capacity = capacity[i];
-    uint64_t n = capacity[i] / g.slot_bytes;
+  // Files per path: as configured, or (read-only) as many as exist.
+  std::vector<uint32_t> files(dirs.size());
+  for (size_t d = 0; d < dirs.size(); ++d) {
+    uint32_t n = files_per_path ? files_per_path : (memory_fs(dirs[d]) ? 8 : 1);
+    if (read_only) {
+      struct stat st;
+      n = 0;
+      while (::stat(pool_file_name(dirs[d], instance, n).c_str(), &st) == 0) ++n;
+      if (n == 0) return {Code::kNotFound, "no pool file " + pool_file_name(dirs[d], instance, 0)};
+    }
+    files[d] = n;
+  }
+  const uint32_t max_files = *std::max_element(files.begin(), files.end());
+  paths_.clear();
+  for (uint32_t k = 0; k < max_files; ++k)
+    for (uint32_t d = 0; d < dirs.size(); ++d) {
+      if (k >= files[d]) continue;
+      PoolPath p;
+      p.dir = dirs[d];
+      p.dir_index = d;
+      p.file = pool_file_name(dirs[d], instance, k);
+      p.capacity = capacity[d] / files[d];
+      p.memory = memory_fs(dirs[d]);
+      paths_.push_back(p);
+    }
+  free_.assign(paths_.size(), {});
+  for (PoolPath& p : paths_) {
+    uint64_t n = p.capacity / g.slot_bytes;
     if (read_only) {
       struct stat st;
       if (::stat(p.file.c_str(), &st) != 0) return {Code::kNotFound, errno_message("pool file " + p.file, errno)};
       n = static_cast<uint64_t>(st.st_size) / g.slot_bytes;
     }
-    if (n == 0 && !read_only)
-      return {Code::kConfig, "capacity of " + p.dir + " (" + std::to_string(capacity[i]) +
-                                 " bytes) is below one GPU file (" + std::to_string(g.slot_bytes) + " bytes)"};
+    if (n == 0 && !read_only) {
+      close();
+      return {Code::kConfig, "capacity of " + p.dir + " (" + std::to_string(capacity[p.dir_index]) + " bytes over " +
+                                 std::to_string(files[p.dir_index]) + " file(s)) is below one GPU file (" +
+                                 std::to_string(g.slot_bytes) + " bytes)"};
+    }
     Status s = open_one(&p, n * g.slot_bytes, mode, read_only);
     if (!s.ok()) {
       close();

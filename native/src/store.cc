@@ -1,6 +1,5 @@
 #include "tutti/store.h"
 
-#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/vfs.h>
 
@@ -39,7 +38,7 @@ Status Store::open(const StoreOptions& opt, const std::vector<LayerKV>& layers, 
     st = s->extents_.init(layers);
     if (!st.ok()) return st;
   }
-  st = s->pool_.open(opt.paths, opt.capacity, opt.instance, s->geom_, opt.direct, opt.read_only);
+  st = s->pool_.open(opt.paths, opt.capacity, opt.instance, s->geom_, opt.direct, opt.read_only, opt.files_per_path);
   if (!st.ok()) return st;
   s->slot_checksums_.assign(static_cast<uint64_t>(s->pool_.num_slots()) * s->geom_.num_objs(), 0);
   s->slot_key_.assign(s->pool_.num_slots(), 0);
@@ -161,10 +160,7 @@ Status Store::init_queue(uint32_t depth) {
     ao.fds.push_back(pool_.path(i).fd);
     // Memory-backed file systems complete every request inline, O_DIRECT or not (tmpfs accepts
     // O_DIRECT since Linux 6.6): punt those to io_uring's workers so that copies run in parallel.
-    struct statfs sfs{};
-    const bool memory_fs = statfs(pool_.path(i).dir.c_str(), &sfs) == 0 &&
-                           (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC);
-    ao.punt.push_back(memory_fs || !pool_.path(i).direct ? 1 : 0);
+    ao.punt.push_back(pool_.path(i).memory || !pool_.path(i).direct ? 1 : 0);
   }
   ao.staging = staging_;
   ao.staging_bytes = staging_bytes_;

@@ -13,12 +13,16 @@ namespace tutti {
 
 enum class DirectMode : int { kAuto = 0, kOn = 1, kOff = 2 };
 
+// One pool file. A storage path holds one or more of them (`files_per_path`): io_uring serialises
+// its worker threads' writes per file, so memory-backed paths get several files to write in parallel.
 struct PoolPath {
   std::string dir;
   std::string file;
-  uint64_t capacity = 0;  // bytes this instance may use on this path
+  uint32_t dir_index = 0;  // which storage path (SSD) the file is on
+  uint64_t capacity = 0;   // bytes this instance may use in this file
   int fd = -1;
   bool direct = false;    // O_DIRECT accepted by the file system
+  bool memory = false;    // tmpfs or ramfs: requests complete inline unless punted to io_uring workers
   uint32_t first_slot = 0;
   uint32_t num_slots = 0;
 };
@@ -30,14 +34,19 @@ class FilePool {
   FilePool& operator=(const FilePool&) = delete;
   ~FilePool();
 
-  // Opens (creating and fallocating when needed) `<dir>/tutti-<instance>.pool` on every path and takes an
-  // exclusive lock on it, so one process owns one share. `read_only` opens existing files without lock,
-  // for readers such as the node daemon.
+  // Opens (creating and fallocating when needed) the pool files of every path and takes an exclusive
+  // lock on each, so one process owns one share: `<dir>/tutti-<instance>.pool`, and with
+  // `files_per_path` > 1 also `<dir>/tutti-<instance>.<k>.pool`; the capacity of a path is split
+  // evenly. 0 files per path means: 8 on memory file systems (tmpfs, ramfs), 1 elsewhere. Files are
+  // ordered so that consecutive slots go to different paths. `read_only` opens the existing files
+  // without lock, for readers such as the node daemon.
   Status open(const std::vector<std::string>& dirs, const std::vector<uint64_t>& capacity,
-              const std::string& instance, const Geometry& g, DirectMode mode, bool read_only);
+              const std::string& instance, const Geometry& g, DirectMode mode, bool read_only,
+              uint32_t files_per_path = 1);
   void close();
 
   uint32_t num_slots() const { return num_slots_; }
+  // Pool files ("paths" of the I/O layer: an SQE names one by its registered index).
   uint32_t num_paths() const { return static_cast<uint32_t>(paths_.size()); }
   const PoolPath& path(uint32_t p) const { return paths_[p]; }
   uint32_t path_of(uint32_t slot) const { return slot_path_[slot]; }
