@@ -8,6 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 
@@ -27,6 +28,7 @@ void futex_wake_all(std::atomic<uint32_t>* word) {
 
 namespace {
 constexpr uint64_t kEventTag = ~0ull;
+constexpr uint64_t kFixedPiece = 512ull << 20;  // registered-buffer piece (a multiple of every I/O size)
 struct Inflight {
   uint32_t queue;
   uint64_t tag;
@@ -50,8 +52,11 @@ Status Agent::start(const Options& opt, std::vector<QueuePair> queues, Doorbell*
   if (rc < 0) return {Code::kStorage, errno_message("io_uring_register_files", -rc)};
   // Registered buffers save a page walk per I/O; some kernels refuse them for large or device-backed
   // memory, and plain reads still work then.
-  struct iovec iov{opt.staging, opt.staging_bytes};
-  fixed_bufs_ = io_uring_register_buffers(ring, &iov, 1) == 0;
+  // io_uring takes at most 1 GiB per registered buffer: register the staging area in pieces.
+  std::vector<struct iovec> iov;
+  for (uint64_t at = 0; at < opt.staging_bytes; at += kFixedPiece)
+    iov.push_back({static_cast<uint8_t*>(opt.staging) + at, std::min(kFixedPiece, opt.staging_bytes - at)});
+  fixed_bufs_ = io_uring_register_buffers(ring, iov.data(), static_cast<unsigned>(iov.size())) == 0;
   efd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (efd_ < 0) return {Code::kStorage, errno_message("eventfd", errno)};
   stop_ = false;
@@ -124,9 +129,10 @@ void Agent::run() {
         io_uring_sqe* e = io_uring_get_sqe(ring);
         uint8_t* buf = static_cast<uint8_t*>(opt_.staging) + s.buf_offset;
         const bool rd = s.op == static_cast<uint16_t>(IoOp::kRead);
-        if (fixed_bufs_) {
-          if (rd) io_uring_prep_read_fixed(e, s.path, buf, s.len, s.file_offset, 0);
-          else io_uring_prep_write_fixed(e, s.path, buf, s.len, s.file_offset, 0);
+        const uint64_t piece = s.buf_offset / kFixedPiece;
+        if (fixed_bufs_ && (s.buf_offset + s.len - 1) / kFixedPiece == piece) {
+          if (rd) io_uring_prep_read_fixed(e, s.path, buf, s.len, s.file_offset, static_cast<int>(piece));
+          else io_uring_prep_write_fixed(e, s.path, buf, s.len, s.file_offset, static_cast<int>(piece));
         } else {
           if (rd) io_uring_prep_read(e, s.path, buf, s.len, s.file_offset);
           else io_uring_prep_write(e, s.path, buf, s.len, s.file_offset);
