@@ -278,13 +278,22 @@ def _node_main(cfg_json: str) -> None:
                 for layer in range(NODE_LAYERS):
                     kv[layer][:] = 0
                 t0 = time.monotonic()
-                n = client.lookup(keys) if client else store.lookup(keys)
+                owners = None
+                if msg.get("via_daemon"):
+                    # As vLLM would split it: the scheduler asks the node daemon, the worker fetches
+                    # with the owners it was handed (no lookup state of its own).
+                    r = link.request({"op": "lookup", "keys": keys})
+                    n, owners = r["local"] + len(r["remote"]), r["remote"]
+                    if client:
+                        client._owners.clear()
+                else:
+                    n = client.lookup(keys) if client else store.lookup(keys)
                 local = store.lookup(keys)
                 res = store.retrieve(keys[:local], list(range(local * ub))) if local else None
                 placed = 0
                 if client:
                     placed = client.retrieve_remote(keys[local:n], list(range(local * ub, n * ub)),
-                                                    keep_replica=bool(msg.get("keep", False)))
+                                                    keep_replica=bool(msg.get("keep", False)), owners=owners)
                 secs = time.monotonic() - t0
                 exact = []
                 for i, k in enumerate(keys[:local + placed]):

@@ -65,6 +65,17 @@ def test_prefix_stored_on_a_is_served_byte_exact_to_b_and_c(cluster):
         assert f["exact"] == [True] * len(KEYS_A)
 
 
+def test_daemon_lookup_hands_owners_to_the_fetch(cluster):
+    _, nodes = cluster
+    assert nodes["A"].call(op="store", keys=KEYS_A)["ok"]
+    assert nodes["C"].call(op="store", keys=KEYS_A[:2])["ok"]
+    f = nodes["C"].call(op="fetch", keys=KEYS_A, via_daemon=True)
+    assert f["ok"] and f["lookup"] == len(KEYS_A) and f["local"] == 2, f
+    assert f["placed"] == len(KEYS_A) - 2 and f["exact"] == [True] * len(KEYS_A)
+    st = nodes["C"].call(op="stats")["client"]
+    assert st["remote_lookups"] == 0  # the fetch used the daemon's answer, not its own lookup
+
+
 def test_partial_prefix_and_local_first(cluster):
     _, nodes = cluster
     # B holds the first two units itself, A holds all six: B serves 2 locally and fetches 4.
@@ -232,14 +243,16 @@ def test_corrupt_unit_on_owner_is_a_miss_never_wrong_data(cluster):
     _, nodes = cluster
     assert nodes["A"].call(op="store", keys=KEYS_A)["ok"]
     slot = int(nodes["A"].call(op="stats")["store"]["slot_bytes"])
-    pool = Path(nodes["A"].config["paths"][0]) / "tutti-engine0.pool"
-    size = pool.stat().st_size
-    with open(pool, "r+b") as f:
-        for s in range(size // slot):
-            f.seek(s * slot + slot // 2)
-            b = f.read(1)
-            f.seek(s * slot + slot // 2)
-            f.write(bytes([b[0] ^ 0xFF]))
+    pools = sorted(Path(nodes["A"].config["paths"][0]).glob("tutti-engine0*.pool"))
+    assert pools
+    for pool in pools:  # one or several pool files per path, slots back to back in each
+        size = pool.stat().st_size
+        with open(pool, "r+b") as f:
+            for s in range(size // slot):
+                f.seek(s * slot + slot // 2)
+                b = f.read(1)
+                f.seek(s * slot + slot // 2)
+                f.write(bytes([b[0] ^ 0xFF]))
     f = nodes["B"].call(op="fetch", keys=KEYS_A)
     assert f["ok"] and f["lookup"] == len(KEYS_A)  # the directory still lists them
     assert f["placed"] == 0 and f["exact"] == []

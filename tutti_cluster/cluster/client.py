@@ -81,10 +81,14 @@ class ClusterClient:
         self.stats["remote_hits"] += len(owners)
         return n + len(owners)
 
-    def retrieve_remote(self, keys: Sequence[Any], block_ids: Sequence[int], keep_replica: bool = False) -> int:
+    def retrieve_remote(self, keys: Sequence[Any], block_ids: Sequence[int], keep_replica: bool = False,
+                        owners: Sequence[Sequence[str]] | None = None) -> int:
         """Fetch units held by other nodes into ``block_ids`` (``unit_blocks`` ids per key, in order).
 
-        Returns how many leading units were placed; the caller recomputes the others.
+        ``owners`` (one list of node ids per key, as a lookup returned them, e.g. the daemon's
+        ``lookup`` answer passed from vLLM's scheduler to its worker) saves the directory round trip
+        when the lookup ran in another process. Returns how many leading units were placed; the
+        caller recomputes the others.
         """
         from tutti_cluster.cluster.stage import StageStream
         from tutti_cluster.keys import to_key
@@ -93,6 +97,9 @@ class ClusterClient:
         ub = int(self.store.unit_blocks)
         if len(block_ids) != len(ks) * ub:
             raise ConfigError(f"{len(block_ids)} block ids for {len(ks)} units of {ub} blocks")
+        if owners is not None:
+            for k, o in zip(ks, owners):
+                self._owners[k] = list(o)
         missing = [k for k in ks if k not in self._owners]
         if missing:
             found = self.directory.lookup(missing, prefix=False, exclude_self=False)
