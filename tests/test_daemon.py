@@ -184,3 +184,29 @@ def test_engine_without_daemon_works_alone(tmp_path: Path):
         assert f["local"] == len(KEYS) and all(f["exact"])
     finally:
         e.close()
+
+
+def test_stopping_a_daemon_withdraws_its_replicas_at_once(tmp_path: Path):
+    """SIGTERM (a clean `tutti up` stop) revokes the node's lease: no waiting for the TTL."""
+    require_etcd()
+    require_mooncake()
+    etcd = EtcdServer(tmp_path)
+    etcd.start()
+    cfg = daemon_config(tmp_path, etcd=etcd.endpoint, node_id="A", lease_ttl_s=30)
+    d = DaemonProcess(cfg, tmp_path / "daemon.log")
+    a = engine(tmp_path, cfg, etcd=etcd.endpoint)
+    b = NodeProcess("B", etcd.endpoint, tmp_path, lease_ttl_s=3)
+    try:
+        assert a.call(op="store", keys=KEYS)["units"] == len(KEYS)
+        assert b.call(op="lookup", keys=KEYS)["hits"] == len(KEYS)
+        assert d.stop(signal.SIGTERM) == 0
+        # Well inside the 30 s TTL: the entries went with the revoked lease.
+        assert b.call(op="lookup", keys=KEYS)["hits"] == 0
+        # The engine without its daemon still serves its own hits.
+        f = a.call(op="fetch", keys=KEYS)
+        assert f["local"] == len(KEYS) and all(f["exact"])
+    finally:
+        b.close()
+        a.close()
+        d.stop()
+        etcd.stop()

@@ -2,7 +2,7 @@
 replica directory and the stage endpoint that serves this node's units to other nodes.
 
 Processes on a node. Each engine (GPU) process runs its own :class:`~tutti_cluster.TuttiStore`
-instance with its own pool files (``<path>/tutti-<instance>.pool``) and does all of its data path
+instance with its own pool files (``<path>/tutti-<instance>*.pool``) and does all of its data path
 itself. The daemon never sits on that path. Engines and the daemon share two things:
 
 - the pool-file headers on disk, which are the truth: at start the daemon opens every known
