@@ -208,5 +208,6 @@ def test_stats_aggregate_and_reset() -> None:
 
 
 def test_worker_metadata_aggregates_ranks() -> None:
-    m = TuttiWorkerMetadata([1], [2]).aggregate(TuttiWorkerMetadata([3], []))
+    m = TuttiWorkerMetadata([1], [2], {"a": 3}).aggregate(TuttiWorkerMetadata([3], [], {"a": 1, "b": 5}))
     assert isinstance(m, TuttiWorkerMetadata) and m.committed == [1, 3] and m.evicted == [2]
+    assert m.failed == {"a": 1, "b": 5}  # the earliest failed unit of each request, over all ranks
