@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import (DaemonProcess, EtcdServer, NodeProcess, require_etcd, require_mooncake,
-                              unit_payload)
+from cluster_fixtures import DaemonProcess, EtcdServer, NodeProcess, require_etcd, require_mooncake
 from tutti_cluster import TuttiConfig
 from tutti_cluster.daemon import DaemonLink, NodeDaemon, socket_path
 from tutti_cluster.errors import CapacityExceeded, ConfigError
