@@ -1,6 +1,6 @@
 #!/bin/bash
 # Builds the native module with the CUDA backend on the GPU host and runs the GPU tests and
-# benchmarks there. Usage: tests/gpu_device_run.sh PHASE (check | full), from the repository root,
+# benchmarks there. Usage: tests/gpu_device_run.sh PHASE (check | full | x2 | final), from the repository root,
 # with the Debian liburing packages in .deb/ and the wheels the image lacks in .whl/.
 # Writes logs and JSON under $OUT (or ./gpu-out).
 set -u
@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 log() { echo "== $(date -u +%H:%M:%S) $*"; }
 
 log "machine"
-{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nproc; free -g; df -h / /dev/shm; uname -r; } 2>&1 | tee "$OUT/machine.txt"
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nproc; free -g; df -h / /dev/shm /var/tmp; uname -r; } 2>&1
 
 log "wheels and liburing"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -61,6 +61,38 @@ if [ "$PHASE" = x2 ]; then
     TUTTI_STAGING_MB=2048 TUTTI_QUEUE_DEPTH=$qd TUTTI_CUDA_TRACE=1 timeout 75 python3 -c "$BENCH" --device cuda --paths $SHM \
       --systems tutti --prefix-tokens 128K --limit-gb 4 --json "$OUT/bench_shm_2g_qd$qd.json" 2>&1 | grep -v "it/s\]" | tail -9
   done
+fi
+if [ "$PHASE" = final ]; then
+  # One run for the figures: /dev/shm with a 2 GiB staging area (the same-run limits read into a
+  # buffer of that size, so they are not served from the CPU caches), then the real disk, then
+  # 640K tokens and the K/V pairing switched off, while the time allows (FINAL_BUDGET_S seconds).
+  BUDGET=${FINAL_BUDGET_S:-480}
+  QD=${QD:-24}
+  log "gpu tests"
+  TUTTI_CUDA_TRACE=1 timeout 120 python3 -m pytest -q -m gpu --timeout=90 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -6
+  log "bench /dev/shm (stand-in for an NVMe array), staging 2 GiB, queue depth $QD"
+  TUTTI_STAGING_MB=2048 TUTTI_QUEUE_DEPTH=$QD TUTTI_CUDA_TRACE=1 timeout 240 python3 -c "$BENCH" --device cuda --paths $SHM \
+    --prefix-tokens 16K,32K,64K,128K --limit-gb 4 --json "$OUT/bench_shm.json" 2>&1 | grep -v "it/s\]" | tail -30
+  rm -rf /dev/shm/tb?/*
+  log "bench disk (O_DIRECT, caches dropped): tutti"
+  TUTTI_CUDA_TRACE=1 timeout 100 python3 -c "$BENCH" --device cuda --paths /var/tmp/tutti-disk --prefix-tokens 16K,128K \
+    --systems tutti --drop-caches --limit-gb 2 --json "$OUT/bench_disk.json" 2>&1 | grep -v "it/s\]" | tail -14
+  if [ $SECONDS -lt $((BUDGET - 150)) ]; then
+    log "bench disk: baselines at 16K"
+    timeout 90 python3 -c "$BENCH" --device cuda --paths /var/tmp/tutti-disk --prefix-tokens 16K \
+      --systems per-block per-chunk kvikio --drop-caches --limit-gb 1 --json "$OUT/bench_disk_base.json" 2>&1 | grep -v "it/s\]" | tail -12
+  fi
+  rm -rf /var/tmp/tutti-disk/*
+  if [ $SECONDS -lt $((BUDGET - 100)) ]; then
+    log "driver 640K"
+    TUTTI_CUDA_TRACE=1 timeout 100 python3 tests/gpu_bench_driver.py --paths $SHM --tokens 640K --json "$OUT/driver.json" 2>&1 | grep -v "^ \"/dev\|^ \]\|paths" | tail -28
+  fi
+  rm -rf /dev/shm/tb?/*
+  if [ $SECONDS -lt $((BUDGET - 45)) ]; then
+    log "bench /dev/shm 128K, tutti, K/V pairing off (TUTTI_CUDA_PAIR=0)"
+    TUTTI_CUDA_PAIR=0 TUTTI_STAGING_MB=2048 TUTTI_QUEUE_DEPTH=$QD TUTTI_CUDA_TRACE=1 timeout 45 python3 -c "$BENCH" --device cuda \
+      --paths $SHM --systems tutti --prefix-tokens 128K --limit-gb 4 --json "$OUT/bench_shm_nopair.json" 2>&1 | grep -v "it/s\]" | tail -10
+  fi
 fi
 rm -rf /dev/shm/tb0 /dev/shm/tb1 /dev/shm/tb2 /dev/shm/tb3 /var/tmp/tutti-disk
 log "done"

@@ -77,6 +77,7 @@ struct LaunchParams {
   uint32_t n;
   uint32_t chunks_per_worker;
   uint32_t unit_blocks, objs_per_layer, num_objs, vec16;
+  uint32_t group;  // IOCTXs per staging slot: 2 when K and V of a unit-layer may move as one I/O
   uint64_t block_bytes, obj_bytes, header_bytes, chunk_bytes;
   uint8_t* staging;       // device view of the staging region
   const DevQueue* queues; // device array, one per block
@@ -231,7 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
   uint32_t* ready = smem;             // [C] manager -> workers
   uint32_t* freed = smem + C;         // [C] workers -> manager, kValid | kPost? | entry
   uint32_t* chunk_ent = smem + 2 * C; // [C] entry of the chunk's current IOCTX
-  uint32_t* free_stack = smem + 3 * C;
+  uint32_t* free_stack = smem + 3 * C;   // [C / group] free slots
+  uint8_t* slot_state = reinterpret_cast<uint8_t*>(smem + 4 * C);  // [C / group]
   __shared__ uint32_t ready_head, ready_claim, freed_claim, all_done;
   __shared__ uint32_t errors[kMaxLaunchIocbs];
 
@@ -249,16 +251,48 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
   if (warp == 0) {
     if (lane == 0) {
       // ---- queue manager ----
+      // The block takes groups of G consecutive IOCTXs (G = 2: K and V of one unit and layer, which
+      // are adjacent in the GPU file) and gives each group a slot of G adjacent staging chunks. When
+      // both IOCTXs of a group need I/O and form such a pair, one SQE of 2 objects moves them (one
+      // 1 MiB I/O for the Llama-3-8B shape); otherwise each IOCTX gets its own SQE and chunk.
+      const uint32_t G = p.group;
+      const uint32_t nslots = C / G;
       uint32_t total = 0;
-      for (uint32_t k = 0; k < p.n; ++k)
-        if (p.b[k].ctx_count > blockIdx.x) total += (p.b[k].ctx_count - blockIdx.x + gridDim.x - 1) / gridDim.x;
-      uint32_t nfree = C;
-      for (uint32_t c = 0; c < C; ++c) free_stack[c] = c;
+      for (uint32_t k = 0; k < p.n; ++k) {
+        const uint32_t cnt = p.b[k].ctx_count, ng = (cnt + G - 1) / G;
+        if (ng <= blockIdx.x) continue;
+        total += (ng - blockIdx.x + gridDim.x - 1) / gridDim.x * G;
+        if ((ng - 1) % gridDim.x == blockIdx.x) total -= ng * G - cnt;  // the IOCB's last group is short
+      }
+      uint32_t nfree = nslots;
+      for (uint32_t s = 0; s < nslots; ++s) free_stack[s] = s;
       uint64_t sq_head = vload(&q.sq_ctl->head);  // own word: the last kernel left it here
       uint64_t cq_tail = vload(&q.cq_ctl->tail);  // own word
-      uint32_t fh = 0, done = 0, k = 0, off = blockIdx.x, nap = 32;
+      uint32_t fh = 0, done = 0, k = 0, grp = blockIdx.x, nap = 32;
       unsigned long long idle_ns = 0;
-      while (k < p.n && off >= p.b[k].ctx_count) ++k;
+      auto groups = [&](uint32_t kk) { return (p.b[kk].ctx_count + G - 1) / G; };
+      // Puts one SQE for `objs` objects starting at the IOCTX of chunk `c` (manager-owned words).
+      auto post_sqe = [&](uint32_t c, uint32_t objs, IoOp op) {
+        const uint32_t e = chunk_ent[c];
+        const LaunchIocb& B = p.b[ent_k(e)];
+        const Ioctx& x = B.ctx[B.ctx_first + ent_off(e)];
+        Sqe* s = &q.sq[sq_head % q.depth];
+        vstore<uint64_t>(&s->tag, static_cast<uint64_t>(c) | (static_cast<uint64_t>(objs) << 32));
+        vstore<uint64_t>(&s->file_offset,
+                         x.file_offset + p.header_bytes + (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
+        vstore<uint64_t>(&s->buf_offset, (chunk0 + c) * p.chunk_bytes);
+        vstore<uint64_t>(reinterpret_cast<uint64_t*>(&s->len), static_cast<uint64_t>(objs * p.obj_bytes) |
+                                                                     (static_cast<uint64_t>(x.path) << 32) |
+                                                                     (static_cast<uint64_t>(op) << 48));
+        ++sq_head;
+      };
+      // slot_state[s]: bits 0-1 chunks of the slot still in use, bits 2-3 gathers a paired store
+      // still waits for, bit 4 paired. Only this lane touches it.
+      auto release = [&](uint32_t s, uint32_t n) {
+        slot_state[s] = static_cast<uint8_t>(slot_state[s] - n);
+        if ((slot_state[s] & 3u) == 0) free_stack[nfree++] = s;
+      };
+      while (k < p.n && grp >= groups(k)) ++k;
       while (done < total) {
         bool progress = false, posted = false;
         // (a) Chunks handed back by the workers: free, or (store) post its write.
@@ -268,22 +302,20 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
           vstore<uint32_t>(&freed[fh % C], 0);
           ++fh;
           progress = true;
-          const uint32_t c = ent_chunk(e);
+          const uint32_t c = ent_chunk(e), s = c / G;
           if (e & kPost) {
-            const LaunchIocb& B = p.b[ent_k(e)];
-            const Ioctx& x = B.ctx[B.ctx_first + ent_off(e)];
-            Sqe* s = &q.sq[sq_head % q.depth];
-            vstore<uint64_t>(&s->tag, c);
-            vstore<uint64_t>(&s->file_offset, x.file_offset + p.header_bytes +
-                                                  (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
-            vstore<uint64_t>(&s->buf_offset, (chunk0 + c) * p.chunk_bytes);
-            vstore<uint64_t>(reinterpret_cast<uint64_t*>(&s->len),
-                             static_cast<uint64_t>(p.obj_bytes) | (static_cast<uint64_t>(x.path) << 32) |
-                                 (static_cast<uint64_t>(IoOp::kWrite) << 48));
-            ++sq_head;
-            posted = true;
+            if (slot_state[s] & 16u) {
+              slot_state[s] = static_cast<uint8_t>(slot_state[s] - 4u);
+              if ((slot_state[s] & 12u) == 0) {
+                post_sqe(s * G, 2, IoOp::kWrite);  // both objects gathered: one write
+                posted = true;
+              }
+            } else {
+              post_sqe(c, 1, IoOp::kWrite);
+              posted = true;
+            }
           } else {
-            free_stack[nfree++] = c;
+            release(s, 1);
             ++done;
           }
         }
@@ -293,15 +325,16 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
           progress = true;
           for (; cq_tail < h; ++cq_tail) {
             const Cqe* ce = &q.cq[cq_tail % q.depth];
-            const uint32_t c = static_cast<uint32_t>(vload(&ce->tag));
+            const uint64_t tag = vload(&ce->tag);
+            const uint32_t c = static_cast<uint32_t>(tag), objs = static_cast<uint32_t>(tag >> 32);
             const int64_t res = vload(&ce->res);
             const uint32_t e = chunk_ent[c];
             const LaunchIocb& B = p.b[ent_k(e)];
-            const bool ok = res == static_cast<int64_t>(p.obj_bytes);
+            const bool ok = res == static_cast<int64_t>(objs * p.obj_bytes);
             if (B.op == static_cast<uint32_t>(IoOp::kRead) && ok) {
-              ready[ready_head % C] = e;
+              for (uint32_t i = 0; i < objs; ++i) ready[(ready_head + i) % C] = chunk_ent[c + i];
               __threadfence_block();
-              vstore<uint32_t>(&ready_head, ready_head + 1);
+              vstore<uint32_t>(&ready_head, ready_head + objs);
               continue;
             }
             if (!ok) {
@@ -310,45 +343,53 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
               vstore<uint8_t>(&B.failed_out[unit], 1);
               atomicAdd(&errors[ent_k(e)], 1u);
             }
-            free_stack[nfree++] = c;
-            ++done;
+            release(c / G, objs);
+            done += objs;
           }
           store_release_sys(&q.cq_ctl->tail, cq_tail);
         }
-        // (c) New IOCTXs while chunks are free.
+        // (c) New groups of IOCTXs while slots are free.
         while (nfree > 0 && k < p.n) {
           const LaunchIocb& B = p.b[k];
-          const uint32_t cur = off;
-          const uint32_t ck = k;
-          off += gridDim.x;
-          while (k < p.n && off >= p.b[k].ctx_count) {
+          const uint32_t first = grp * G, ck = k;
+          const uint32_t n = min(G, B.ctx_count - first);
+          grp += gridDim.x;
+          while (k < p.n && grp >= groups(k)) {
             ++k;
-            off = blockIdx.x;
+            grp = blockIdx.x;
           }
           progress = true;
-          const Ioctx& x = B.ctx[B.ctx_first + cur];
-          if (x.slot == UINT32_MAX || vload(&B.failed[x.unit]) != 0) {
-            ++done;  // a missing or already failed unit needs no I/O
-            continue;
+          uint32_t need = 0;  // bit i: IOCTX first + i needs I/O
+          for (uint32_t i = 0; i < n; ++i) {
+            const Ioctx& x = B.ctx[B.ctx_first + first + i];
+            if (x.slot == UINT32_MAX || vload(&B.failed[x.unit]) != 0) ++done;  // a missing or failed unit needs no I/O
+            else need |= 1u << i;
           }
-          const uint32_t c = free_stack[--nfree];
-          const uint32_t e = pack(cur, ck, c);
-          chunk_ent[c] = e;
-          if (B.op == static_cast<uint32_t>(IoOp::kRead)) {
-            Sqe* s = &q.sq[sq_head % q.depth];
-            vstore<uint64_t>(&s->tag, c);
-            vstore<uint64_t>(&s->file_offset, x.file_offset + p.header_bytes +
-                                                  (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
-            vstore<uint64_t>(&s->buf_offset, (chunk0 + c) * p.chunk_bytes);
-            vstore<uint64_t>(reinterpret_cast<uint64_t*>(&s->len),
-                             static_cast<uint64_t>(p.obj_bytes) | (static_cast<uint64_t>(x.path) << 32) |
-                                 (static_cast<uint64_t>(IoOp::kRead) << 48));
-            ++sq_head;
+          if (need == 0) continue;
+          const Ioctx* xs = B.ctx + B.ctx_first + first;
+          const bool paired = need == 3u && xs[0].obj == 0 && xs[1].obj == 1 && xs[0].unit == xs[1].unit;
+          const uint32_t s = free_stack[--nfree];
+          const bool read = B.op == static_cast<uint32_t>(IoOp::kRead);
+          slot_state[s] = static_cast<uint8_t>(__popc(need) | (paired ? 16u | 8u : 0u));
+          for (uint32_t i = 0; i < n; ++i) {
+            if (!(need & (1u << i))) continue;
+            const uint32_t c = s * G + i;
+            const uint32_t e = pack(first + i, ck, c);
+            chunk_ent[c] = e;
+            if (read) {
+              if (!paired) {
+                post_sqe(c, 1, IoOp::kRead);
+                posted = true;
+              }
+            } else {
+              ready[ready_head % C] = e;  // gather first, post after
+              __threadfence_block();
+              vstore<uint32_t>(&ready_head, ready_head + 1);
+            }
+          }
+          if (read && paired) {
+            post_sqe(s * G, 2, IoOp::kRead);
             posted = true;
-          } else {
-            ready[ready_head % C] = e;  // gather first, post after
-            __threadfence_block();
-            vstore<uint32_t>(&ready_head, ready_head + 1);
           }
         }
         // The SQ holds more entries than the block has chunks, so a post never overruns it.
@@ -560,6 +601,9 @@ class CudaBackend final : public Backend {
   std::vector<RequestMem> req_;
   std::vector<uint32_t> host_free_;
   bool vec16_ = false;
+  uint32_t group_ = 1;  // IOCTXs per staging slot (2: K and V of a unit-layer as one I/O)
+  // Shared memory of one I/O block: four words and one state byte per staging chunk.
+  size_t smem_bytes() const { return sizeof(uint32_t) * 4 * per_worker_ + (per_worker_ + 3) / 4 * 4; }
   bool started_ = false;
 };
 
@@ -670,6 +714,11 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     vec16_ = vec16_ && l.block_stride % 16 == 0;
     for (uint32_t i = 0; i < l.nptr; ++i) vec16_ = vec16_ && l.ptr[i] % 16 == 0;
   }
+  // K and V of one unit and layer are adjacent in the GPU file: with one object per chunk, two
+  // adjacent chunks take both in one storage I/O (TUTTI_CUDA_PAIR=0 turns this off, to compare).
+  const char* pair_env = std::getenv("TUTTI_CUDA_PAIR");
+  const bool pair_ok = !(pair_env && std::strcmp(pair_env, "0") == 0);
+  group_ = pair_ok && ctx->geom.objs_per_layer == 2 && ctx->chunk_bytes == ctx->geom.obj_bytes && per_worker_ >= 4 ? 2 : 1;
   std::vector<DevQueue> qs(workers);
   for (uint32_t w = 0; w < workers; ++w) {
     const QueuePair& q = ctx->queues[w];
@@ -696,7 +745,7 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
       pop();
       return {Code::kDevice, cuda_msg("cudaEventCreate", e)};
     }
-  const size_t smem = sizeof(uint32_t) * 4 * per_worker_;
+  const size_t smem = smem_bytes();
   if (smem > 48 * 1024 &&
       (e = cudaFuncSetAttribute(io_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))) != cudaSuccess) {
     pop();
@@ -798,6 +847,7 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
     p.objs_per_layer = g.objs_per_layer;
     p.num_objs = g.num_objs();
     p.vec16 = vec16_;
+    p.group = group_;
     p.block_bytes = g.block_bytes;
     p.obj_bytes = g.obj_bytes;
     p.header_bytes = g.header_bytes;
@@ -829,7 +879,7 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
       L.kv[1] = l.ptr[1];
       L.block_stride = l.block_stride;
     }
-    const size_t smem = sizeof(uint32_t) * 4 * per_worker_;
+    const size_t smem = smem_bytes();
     io_kernel<<<grid, kThreads, smem, io_stream_>>>(p);
     ++launches_;
     e = cudaGetLastError();
@@ -933,9 +983,9 @@ void CudaBackend::stop() {
     unsigned long long t[4] = {0, 0, 0, 0};
     cudaMemcpy(t, trace_, sizeof(t), cudaMemcpyDeviceToHost);
     std::fprintf(stderr,
-                 "tutti cuda trace: %llu launches x %u blocks, block time %.3f s, manager idle %.3f s, worker busy %.3f s "
+                 "tutti cuda trace: %llu launches x %u blocks, %u IOCTX(s) per I/O slot, block time %.3f s, manager idle %.3f s, worker busy %.3f s "
                  "over %llu objects (%.1f us each)\n",
-                 static_cast<unsigned long long>(launches_), grid_, t[2] * 1e-9, t[1] * 1e-9, t[0] * 1e-9, t[3],
+                 static_cast<unsigned long long>(launches_), grid_, group_, t[2] * 1e-9, t[1] * 1e-9, t[0] * 1e-9, t[3],
                  t[3] ? t[0] * 1e-3 / t[3] : 0.0);
   }
   if (trace_) cudaFree(trace_);
