@@ -117,6 +117,24 @@ def test_sigkill_owner_lookups_miss_within_lease_ttl(cluster):
     assert f["ok"] and f["lookup"] == 0 and f["placed"] == 0
 
 
+def test_frozen_owner_costs_a_bounded_wait_then_expires(cluster):
+    """SIGSTOP node A (a hung process: its sockets still accept, nothing answers)."""
+    _, nodes = cluster
+    assert nodes["A"].call(op="store", keys=KEYS_A)["ok"]
+    assert wait_for(lambda: nodes["B"].call(op="lookup", keys=KEYS_A)["hits"] == len(KEYS_A), 5)
+    nodes["A"].proc.send_signal(signal.SIGSTOP)
+    try:
+        f = nodes["B"].call(op="fetch", keys=KEYS_A, timeout=60)
+        assert f["ok"] and f["placed"] == 0
+        assert wait_for(lambda: nodes["B"].call(op="lookup", keys=KEYS_A)["hits"] == 0, LEASE_TTL + 4)
+    finally:
+        nodes["A"].proc.send_signal(signal.SIGCONT)
+    # Thawed, A finds its lease expired and registers again.
+    assert wait_for(lambda: nodes["C"].call(op="lookup", keys=KEYS_A)["hits"] == len(KEYS_A), LEASE_TTL * 3 + 5)
+    f = nodes["C"].call(op="fetch", keys=KEYS_A)
+    assert f["placed"] == len(KEYS_A) and all(f["exact"])
+
+
 def test_etcd_restart_with_data_loss_nodes_reregister(cluster):
     etcd, nodes = cluster
     assert nodes["A"].call(op="store", keys=KEYS_A)["ok"]

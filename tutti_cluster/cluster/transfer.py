@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 # Larger TCP slices move more per syscall: measured ~0.8-1.0 GiB/s loopback on a 2-core host with
 # 1 MiB slices. Set before the engine starts (Mooncake reads it at initialisation).
 os.environ.setdefault("MC_TCP_SLICE_SIZE", str(1 << 20))
+# A peer that stops answering mid-transfer (frozen, partitioned) fails the transfer after this many
+# seconds. Mooncake's default of 30 s would stall a request that long; a 32 MiB unit takes well
+# under a second even on a slow link. Measured here: a frozen owner failed the read after 30 s by
+# default and after 5 s with this setting (Mooncake checks at about that granularity).
+os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
 
 
 def _import_engine() -> Any:
