@@ -360,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     if d is not None:
         print(f"directory: {d['db_bytes_per_replica']:.0f} etcd bytes per replica "
               f"({d['db_size_field']}, {d['registered_keys']} replicas, {d['txn_ops']} ops per transaction)")
+        if d["registered_keys"] < 65536:
+            # bbolt grows in pages and etcd's heap in chunks: small samples give noise, not sizes.
+            print("  (size figures need --directory-keys 65536 or more)")
         if d["etcd_rss_bytes_per_replica"] is not None:
             print(f"etcd resident memory: {d['etcd_rss_bytes_per_replica']:.0f} bytes per replica")
         for r in d["lookup"]:
