@@ -81,7 +81,7 @@ if [ "$PHASE" = final ]; then
   log "bench disk (O_DIRECT, caches dropped): tutti"
   TUTTI_CUDA_TRACE=1 timeout 100 python3 -c "$BENCH" --device cuda --paths /var/tmp/tutti-disk --prefix-tokens 16K,128K \
     --systems tutti --drop-caches --limit-gb 2 --json "$OUT/bench_disk.json" 2>&1 | grep -v "it/s\]" | tail -14
-  if [ $SECONDS -lt $((BUDGET - 150)) ]; then
+  if [ "${DISK_BASELINES:-1}" = 1 ] && [ $SECONDS -lt $((BUDGET - 150)) ]; then
     log "bench disk: baselines at 16K"
     timeout 90 python3 -c "$BENCH" --device cuda --paths /var/tmp/tutti-disk --prefix-tokens 16K \
       --systems per-block per-chunk kvikio --drop-caches --limit-gb 1 --json "$OUT/bench_disk_base.json" 2>&1 | grep -v "it/s\]" | tail -12
@@ -92,7 +92,7 @@ if [ "$PHASE" = final ]; then
     TUTTI_CUDA_TRACE=1 timeout 100 python3 tests/gpu_bench_driver.py --paths $SHM --tokens 640K --json "$OUT/driver.json" 2>&1 | grep -v "^ \"/dev\|^ \]\|paths" | tail -28
   fi
   rm -rf /dev/shm/tb?/*
-  if [ $SECONDS -lt $((BUDGET - 45)) ]; then
+  if [ "${NOPAIR:-1}" = 1 ] && [ $SECONDS -lt $((BUDGET - 45)) ]; then
     log "bench /dev/shm 128K, tutti, K/V pairing off (TUTTI_CUDA_PAIR=0)"
     TUTTI_CUDA_PAIR=0 TUTTI_STAGING_MB=2048 TUTTI_QUEUE_DEPTH=$QD TUTTI_CUDA_TRACE=1 timeout 45 python3 -c "$BENCH" --device cuda \
       --paths $SHM --systems tutti --prefix-tokens 128K --limit-gb 4 --json "$OUT/bench_shm_nopair.json" 2>&1 | grep -v "it/s\]" | tail -10

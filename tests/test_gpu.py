@@ -340,7 +340,10 @@ def test_ring_stress_millions_of_ioctxs(shm_dirs: list[Path]) -> None:
         torch.cuda.synchronize()
         assert_moved(want, src, kv, dst, "kv_first")
         st = s.stats()
-        assert st["agent_ops"] >= rounds * per_round
+        # K and V of a unit-layer share one storage I/O unless TUTTI_CUDA_PAIR=0: at least one agent
+        # operation per two IOCTXs, every IOCTX still through the kernel's rings and chunks.
+        per_op = 1 if os.environ.get("TUTTI_CUDA_PAIR") == "0" else 2
+        assert st["agent_ops"] >= rounds * per_round // per_op
         assert st["checksum_failures"] == 0 and st["io_errors"] == 0
 
 
