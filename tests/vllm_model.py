@@ -67,8 +67,11 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
         enable_prefix_caching=True, disable_log_stats=False, seed=0, tensor_parallel_size=tp,
         kv_transfer_config=kv_transfer_config,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=8, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params)
+    # The first request ends with its prefill (one token): the connector must hold its blocks until
+    # any save still reading them is done. The others decode on the shared prefix.
+    ps = prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=1 if i == 0 else 8, detokenize=False) for i in range(len(ps))]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params)
     metrics: dict[str, float] = {}
     for m in llm.get_metrics():
         value = getattr(m, "value", None)

@@ -95,6 +95,7 @@ _STAT_KEYS = (
     "store_units",
     "store_skipped_units",
     "store_failed_units",
+    "store_deferred_units",
     "remote_units",
 )
 
@@ -265,6 +266,7 @@ class _Transfer:
     block_ids: list[int]
     first_unit: int = 0  # index of unit 0 of this transfer in the request's prompt
     remote_from: int | None = None  # loads: units from this index on come from other nodes
+    finish: bool = False  # saves: the request has finished; report it once the save is done
 
 
 @dataclass
@@ -346,6 +348,7 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
         "store_units": "Cache units committed to the Tutti store.",
         "store_skipped_units": "Cache units not stored because the store already held them.",
         "store_failed_units": "Cache units whose store failed (capacity or I/O).",
+        "store_deferred_units": "Cache units whose save waited until a step that loaded KV was known good.",
         "remote_units": "Cache units fetched from other nodes' stores (cluster mode).",
     }
 
@@ -370,8 +373,11 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
 @dataclass
 class _ReqState:
     request: Any
-    save_next: int = 0  # first unit not yet stored (or known present)
+    save_next: int = 0  # first unit not yet claimed for a save (or known present)
     block_ids: list[int] = field(default_factory=list)
+    pending: set[int] = field(default_factory=set)  # claimed units whose save waits (see build_connector_meta)
+    due: int = 0  # the step from which the pending units may be saved
+    finished: bool = False  # finished, blocks held until the pending save is done
 
 
 @dataclass
@@ -421,6 +427,11 @@ class TuttiConnector(KVConnectorBase_V1):
         self._pending_loads: list[_Transfer] = []
         self._pending_async: list[_Transfer] = []
         self._lookups_at: dict[str, tuple[float, int, int, int]] = {}  # req_id -> (time, units asked, local, all)
+        self._step = 0
+        self._last_load_step = -(1 << 30)
+        # Steps whose outcome may still be unknown when the next one is scheduled (async scheduling,
+        # pipeline parallelism): a load failure there is reported that many steps later.
+        self._defer = max(1, int(getattr(self._vllm_config, "max_concurrent_batches", 1) or 1))
         self._directory: Any = None
         if self.options.load and self.config.etcd:
             # Cluster mode: units past the local hit prefix are looked up in the replica directory.
@@ -544,40 +555,73 @@ class TuttiConnector(KVConnectorBase_V1):
                 st.block_ids.extend(new_ids[0])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        """Loads decided since the last step, and saves of units whose last token is computed this step."""
+        """Loads decided since the last step, and saves of units whose last token is computed.
+
+        A unit is saved in the step that computes its last token, unless that step (or one of the
+        steps before it whose outcome is not yet known) loads KV: a failed load leaves bad KV in its
+        blocks, and whatever the same step computes on top of them is bad too. Such units wait until
+        the step's outcome is known (the next step, or ``max_concurrent_batches`` steps later); units
+        on blocks vLLM reports invalid are then dropped, recomputed by vLLM and saved again.
+        """
+        self._step += 1
+        step = self._step
         self._track_blocks(scheduler_output)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None and st.pending:  # blocks freed: nothing left to save from
+                st.save_next = min(st.save_next, min(st.pending))
+                st.pending.clear()
         meta = TuttiConnectorMetadata(loads=self._pending_loads, async_loads=self._pending_async)
         self._pending_loads, self._pending_async = [], []
+        if meta.loads:
+            self._last_load_step = step
         if not self.options.save:
             return meta
+        risky = step - self._last_load_step < self._defer
+        seen: set[bytes] = set()
+        # Saves that waited for their step's outcome.
+        for req_id, st in list(self._reqs.items()):
+            if (st.pending or st.finished) and st.due <= step:
+                units = sorted(st.pending)
+                st.pending.clear()
+                self._emit(meta, req_id, st, units, seen)
         computed: dict[str, int] = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             computed[req_id] = cached.num_computed_tokens[i]
-        seen: set[bytes] = set()
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None or req_id not in computed:
                 continue
-            req = st.request
-            done = min(computed[req_id] + n_sched, req.num_prompt_tokens)
-            end_unit = done // self.unit_tokens
+            done = min(computed[req_id] + n_sched, st.request.num_prompt_tokens)
+            end_unit = min(done // self.unit_tokens, len(st.block_ids) // self.unit_blocks,
+                           len(st.request.block_hashes) // self.unit_hash_blocks)
             if end_unit <= st.save_next:
                 continue
-            hashes = self._hashes(req, end_unit)
-            end_unit = min(end_unit, len(hashes), len(st.block_ids) // self.unit_blocks)
-            units = [u for u in range(st.save_next, end_unit)
-                     if hashes[u] not in seen
-                     and not all(_key(p, hashes[u]) in self._present for p in self._prefixes)]
-            st.save_next = max(st.save_next, end_unit)
-            if not units:
-                continue
-            seen.update(hashes[u] for u in units)
-            ids: list[int] = []
-            for u in units:
-                ids.extend(st.block_ids[u * self.unit_blocks : (u + 1) * self.unit_blocks])
-            meta.saves.append(_Transfer(req_id, [hashes[u] for u in units], ids))
+            units = list(range(st.save_next, end_unit))
+            st.save_next = end_unit
+            if risky:
+                st.pending.update(units)
+                st.due = step + self._defer
+                self._stats.add("store_deferred_units", len(units))
+            else:
+                self._emit(meta, req_id, st, units, seen)
         return meta
+
+    def _emit(self, meta: TuttiConnectorMetadata, req_id: str, st: _ReqState, units: list[int],
+              seen: set[bytes]) -> None:
+        """Adds a save of ``units`` of a request (those not yet present) to this step's metadata."""
+        hashes = self._hashes(st.request, max(units) + 1) if units else []
+        units = [u for u in units if u < len(hashes) and hashes[u] not in seen
+                 and not all(_key(p, hashes[u]) in self._present for p in self._prefixes)]
+        seen.update(hashes[u] for u in units)
+        ids: list[int] = []
+        for u in units:
+            ids.extend(st.block_ids[u * self.unit_blocks : (u + 1) * self.unit_blocks])
+        if units or st.finished:
+            meta.saves.append(_Transfer(req_id, [hashes[u] for u in units], ids, finish=st.finished))
+        if st.finished:
+            del self._reqs[req_id]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
@@ -585,16 +629,38 @@ class TuttiConnector(KVConnectorBase_V1):
             self._present.update(meta.committed)
             self._present.difference_update(meta.evicted)
             for req_id, unit in meta.failed.items():
-                st = self._reqs.get(req_id)
-                if st is not None:
-                    # vLLM recomputes from this unit on; store it again once it is recomputed.
-                    st.save_next = min(st.save_next, unit)
+                self._unclaim(req_id, unit)
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            # vLLM recomputes every request from its first invalid block (shared blocks included):
+            # nothing computed on top of them may be saved; save the units again once recomputed.
+            for req_id, st in self._reqs.items():
+                for i, b in enumerate(st.block_ids):
+                    if b in invalid:
+                        self._unclaim(req_id, i // self.unit_blocks)
+                        break
+
+    def _unclaim(self, req_id: str, unit: int) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        st.save_next = min(st.save_next, unit)
+        st.pending = {u for u in st.pending if u < unit}
+
+    def has_pending_push_work(self) -> bool:
+        # A finished request's deferred save holds its blocks: keep the engine stepping until done.
+        return any(st.finished for st in self._reqs.values()) if self._role == KVConnectorRole.SCHEDULER else False
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saves finish inside the step that issued them, so the blocks can be freed now.
-        self._reqs.pop(request.request_id, None)
+        """Frees the blocks at once unless a deferred save still has to read them; then the worker
+        reports the request (``get_finished``) once that save is done."""
         self._lookups.pop(request.request_id, None)
         self._lookups_at.pop(request.request_id, None)
+        st = self._reqs.get(request.request_id)
+        if st is not None and st.pending:
+            st.finished = True
+            return True, None
+        self._reqs.pop(request.request_id, None)
         return False, None
 
     # ================================ worker role ================================
@@ -610,6 +676,8 @@ class TuttiConnector(KVConnectorBase_V1):
         self._saved_layers: set[int] = set()
         self._invalid: set[int] = set()
         self._finished_recving: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._finishing: list[str] = []
         self._committed: list[int] = []
         self._evicted: list[int] = []
         self._failed: dict[str, int] = {}
@@ -805,6 +873,10 @@ class TuttiConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, TuttiConnectorMetadata)
         for t in meta.saves:
+            if t.finish:
+                self._finishing.append(t.req_id)
+            if not t.hashes:
+                continue
             f = self._begin(t, load=False)
             if f is not None:
                 self._saves.append(f)
@@ -835,6 +907,8 @@ class TuttiConnector(KVConnectorBase_V1):
         self._saves = []
         self._saves_started = False
         self._saved_layers = set()
+        self._finished_sending.update(self._finishing)
+        self._finishing = []
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Completes the asynchronous loads started this step; their requests are done receiving."""
@@ -843,7 +917,8 @@ class TuttiConnector(KVConnectorBase_V1):
             self._finished_recving.update(f.transfer.req_id for f in self._async)
             self._async = []
         done, self._finished_recving = self._finished_recving, set()
-        return None, (done or None)
+        sent, self._finished_sending = self._finished_sending, set()
+        return (sent or None), (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
