@@ -310,3 +310,33 @@ def test_several_pool_files_per_path(tmp_path, tmpfs):
         reader.register_kv_caches(kv, block_tokens=16, read_only=True)
         assert reader.lookup(keys) == 12
         reader.close()
+
+
+def test_read_unit_into_and_reader_refresh(store_dirs):
+    import mmap
+
+    kv = make_kv(seed=32)
+    with open_store(store_dirs, kv) as w:
+        assert w.store([1], np.arange(w.unit_blocks)).ok
+        reader = TuttiStore(TuttiConfig(paths=store_dirs, unit_tokens=UNIT_TOKENS))
+        reader.register_kv_caches(w.layers, block_tokens=16, read_only=True)
+        assert reader.lookup([1, 2]) == 1
+        assert w.store([2], np.arange(w.unit_blocks)).ok
+        assert reader.lookup([2]) == 0
+        reader.refresh()  # sees the commit made since it opened
+        assert reader.lookup([1, 2]) == 2
+        n = w.geometry()["slot_bytes"]
+        aligned = mmap.mmap(-1, n)  # page aligned: read in place with O_DIRECT
+        assert reader.read_unit_into(2, aligned) == n
+        assert bytes(aligned) == w.read_unit(2)
+        odd = bytearray(n + 1)
+        assert reader.read_unit_into(2, memoryview(odd)[1:]) == n  # unaligned: bounced
+        assert bytes(odd[1:]) == bytes(aligned)
+        from tutti_cluster.errors import CapacityExceeded, NotFound, TuttiError
+        with pytest.raises(CapacityExceeded):
+            reader.read_unit_into(2, bytearray(100))
+        with pytest.raises(NotFound):
+            reader.read_unit_into(3, aligned)
+        with pytest.raises(TuttiError, match="read-only"):
+            w.refresh()
+        reader.close()

@@ -152,6 +152,12 @@ class TuttiStore:
         return self._native
 
     @property
+    def layers(self) -> list[LayerKV]:
+        """The registered per-layer KV descriptors."""
+        _ = self._n  # raises when closed
+        return list(self._layers)
+
+    @property
     def unit_blocks(self) -> int:
         """KV blocks per cache unit."""
         return int(self._n.geometry()["unit_blocks"])
@@ -303,6 +309,18 @@ class TuttiStore:
     def read_unit(self, key: Key) -> bytes:
         """The whole GPU file of ``key`` (header and objects), read on the CPU and verified."""
         return bytes(self._n.read_unit(to_key(key)))
+
+    def read_unit_into(self, key: Key, out: Any) -> int:
+        """Reads and verifies the GPU file of ``key`` into the writable buffer ``out``; returns its size.
+
+        With a 4 KiB-aligned buffer (e.g. one registered with a transfer engine) the read lands in
+        place with O_DIRECT, with no copy. Raises NotFound for an absent or corrupt unit.
+        """
+        return int(self._n.read_unit_into(to_key(key), out))
+
+    def refresh(self) -> None:
+        """Read-only stores: rescans the headers for units committed since open."""
+        self._n.refresh()
 
     def import_unit(self, data: bytes | bytearray | memoryview) -> int:
         """Commits a GPU file (as :meth:`read_unit` returns it) into this store; returns its key."""

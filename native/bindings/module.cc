@@ -185,6 +185,17 @@ PYBIND11_MODULE(_native, m) {
         }
         return to_bytes(out);
       })
+      .def("read_unit_into", [](PyStore& p, uint64_t key, py::buffer out) {
+        Store& s = p.get();
+        py::buffer_info i = out.request(true);
+        const uint64_t n = static_cast<uint64_t>(i.size * i.itemsize);
+        ok(without_gil([&] { return s.read_unit_into(key, static_cast<uint8_t*>(i.ptr), n); }));
+        return s.geometry().slot_bytes;
+      })
+      .def("refresh", [](PyStore& p) {
+        Store& s = p.get();
+        ok(without_gil([&] { return s.refresh(); }));
+      })
       .def("import_unit", [](PyStore& p, py::buffer data) {
         Store& s = p.get();
         py::buffer_info i = data.request();

@@ -531,20 +531,48 @@ Status Store::verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::v
   return Status::Ok();
 }
 
-Status Store::read_unit(uint64_t key, std::vector<uint8_t>* out) {
+Status Store::read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap) {
+  const uint64_t n = geom_.slot_bytes;
+  if (cap < n) return {Code::kCapacityExceeded, "buffer of " + std::to_string(cap) + " bytes is below one GPU file (" +
+                                                    std::to_string(n) + " bytes)"};
   uint32_t slot;
   if (!index_.acquire(key, &slot)) return {Code::kNotFound, "unit not in store"};
-  AlignedBuf buf(geom_.slot_bytes);
-  Status st = buf.p ? pool_.pread_all(slot, 0, buf.data(), geom_.slot_bytes) : Status{Code::kCapacityExceeded, "out of memory"};
+  // O_DIRECT needs an aligned buffer: read in place when the caller's is, else bounce.
+  const bool aligned = reinterpret_cast<uintptr_t>(dst) % kAlign == 0;
+  std::unique_ptr<AlignedBuf> bounce;
+  uint8_t* buf = dst;
+  Status st;
+  if (!aligned) {
+    bounce.reset(new AlignedBuf(n));
+    buf = bounce->data();
+    if (!buf) st = {Code::kCapacityExceeded, "out of memory"};
+  }
+  if (st.ok()) st = pool_.pread_all(slot, 0, buf, n);
   index_.unpin(key);
   if (!st.ok()) return st;
   uint64_t k;
   std::vector<uint64_t> sums;
-  st = verify_unit(buf.data(), geom_.slot_bytes, &k, &sums);
+  st = verify_unit(buf, n, &k, &sums);
   if (st.ok() && k != key) st = {Code::kNotFound, "unit slot holds another key"};
   if (!st.ok()) return st;
-  out->assign(buf.data(), buf.data() + geom_.slot_bytes);
+  if (!aligned) std::memcpy(dst, buf, n);
   return Status::Ok();
+}
+
+Status Store::read_unit(uint64_t key, std::vector<uint8_t>* out) {
+  out->resize(geom_.slot_bytes);
+  Status st = read_unit_into(key, out->data(), out->size());
+  if (!st.ok()) out->clear();
+  return st;
+}
+
+Status Store::refresh() {
+  if (!opt_.read_only) return {Code::kInvalid, "refresh() is for read-only stores; a writer's index is authoritative"};
+  for (uint64_t key : index_.keys()) {
+    uint32_t slot;
+    index_.remove(key, &slot);
+  }
+  return recover();
 }
 
 Status Store::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {

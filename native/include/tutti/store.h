@@ -87,6 +87,11 @@ class Store {
 
   // CPU paths for other nodes and replicas.
   Status read_unit(uint64_t key, std::vector<uint8_t>* out);
+  // Reads and verifies a whole GPU file into `dst` (`cap` bytes, at least slot_bytes); in place, with
+  // O_DIRECT, when `dst` is 4 KiB aligned.
+  Status read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap);
+  // Read-only stores: rescans the headers to see units committed since open.
+  Status refresh();
   Status import_unit(const uint8_t* data, uint64_t n, uint64_t* key);
   Status scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks);
 
