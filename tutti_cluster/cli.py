@@ -65,7 +65,11 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark owns its flags
+    if argv[:2] == ["bench", "cluster"]:  # the benchmarks own their flags
+        from tutti_cluster.cluster.bench import main as cluster_bench_main
+
+        return int(cluster_bench_main(argv[2:]) or 0)
+    if argv[:1] == ["bench"]:
         from tutti_cluster.bench import main as bench_main
 
         return int(bench_main(argv[1:]) or 0)
@@ -76,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     _config_args(up)
     up.add_argument("--demo", action="store_true", help="push a synthetic Llama-3-8B prefix through the store and exit")
     up.add_argument("--tokens", type=int, default=8192, help="demo prefix length in tokens")
-    sub.add_parser("bench", help="benchmark against baselines and same-run limits (tutti bench --help)")
+    sub.add_parser("bench", help="benchmark against baselines and same-run limits (tutti bench --help); "
+                   "`tutti bench cluster` measures remote fetch and lookups (tutti bench cluster --help)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
