@@ -65,15 +65,13 @@ fi
 if [ "$PHASE" = final ]; then
   # One run for the figures: /dev/shm with a 2 GiB staging area (the same-run limits read into a
   # buffer of that size, so they are not served from the CPU caches), then the real disk, then
-  # 640K tokens and the K/V pairing switched off, while the time allows (FINAL_BUDGET_S seconds).
+  # 640K tokens and the other K/V I/O mode, while the time allows (FINAL_BUDGET_S seconds).
+  # PAIR=1 takes the figures with K and V of a unit-layer as one I/O (TUTTI_CUDA_PAIR=1).
+  export TUTTI_CUDA_PAIR=${PAIR:-0}
   BUDGET=${FINAL_BUDGET_S:-480}
   QD=${QD:-24}
   log "gpu tests"
   TUTTI_CUDA_TRACE=1 timeout 120 python3 -m pytest -q -m gpu --timeout=90 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -6
-  if ! grep -q " passed" "$OUT/tests.log" || grep -q -E "[0-9]+ (failed|error)" "$OUT/tests.log"; then
-    log "GPU tests failed: the figures below are taken with the K/V pairing off"
-    export TUTTI_CUDA_PAIR=0
-  fi
   log "bench /dev/shm (stand-in for an NVMe array), staging 2 GiB, queue depth $QD"
   TUTTI_STAGING_MB=2048 TUTTI_QUEUE_DEPTH=$QD TUTTI_CUDA_TRACE=1 timeout 240 python3 -c "$BENCH" --device cuda --paths $SHM \
     --prefix-tokens 16K,32K,64K,128K --limit-gb 4 --json "$OUT/bench_shm.json" 2>&1 | grep -v "it/s\]" | tail -30
@@ -92,10 +90,10 @@ if [ "$PHASE" = final ]; then
     TUTTI_CUDA_TRACE=1 timeout 100 python3 tests/gpu_bench_driver.py --paths $SHM --tokens 640K --json "$OUT/driver.json" 2>&1 | grep -v "^ \"/dev\|^ \]\|paths" | tail -28
   fi
   rm -rf /dev/shm/tb?/*
-  if [ "${NOPAIR:-1}" = 1 ] && [ $SECONDS -lt $((BUDGET - 45)) ]; then
-    log "bench /dev/shm 128K, tutti, K/V pairing off (TUTTI_CUDA_PAIR=0)"
-    TUTTI_CUDA_PAIR=0 TUTTI_STAGING_MB=2048 TUTTI_QUEUE_DEPTH=$QD TUTTI_CUDA_TRACE=1 timeout 45 python3 -c "$BENCH" --device cuda \
-      --paths $SHM --systems tutti --prefix-tokens 128K --limit-gb 4 --json "$OUT/bench_shm_nopair.json" 2>&1 | grep -v "it/s\]" | tail -10
+  if [ "${OTHER_MODE:-1}" = 1 ] && [ $SECONDS -lt $((BUDGET - 45)) ]; then
+    log "bench /dev/shm 128K, tutti, the other K/V I/O mode (TUTTI_CUDA_PAIR=$((1 - TUTTI_CUDA_PAIR)))"
+    TUTTI_CUDA_PAIR=$((1 - TUTTI_CUDA_PAIR)) TUTTI_STAGING_MB=2048 TUTTI_QUEUE_DEPTH=$QD TUTTI_CUDA_TRACE=1 timeout 45 python3 -c "$BENCH" --device cuda \
+      --paths $SHM --systems tutti --prefix-tokens 128K --limit-gb 4 --json "$OUT/bench_shm_other_mode.json" 2>&1 | grep -v "it/s\]" | tail -10
   fi
 fi
 rm -rf /dev/shm/tb0 /dev/shm/tb1 /dev/shm/tb2 /dev/shm/tb3 /var/tmp/tutti-disk

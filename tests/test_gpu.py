@@ -196,8 +196,8 @@ def test_round_trip_every_layout(dirs: list[Path], layout: str) -> None:
 @pytest.mark.parametrize("store_pair,load_pair", [("0", "1"), ("1", "0")])
 def test_kv_pairing_keeps_the_file_format(dirs: list[Path], monkeypatch: pytest.MonkeyPatch, store_pair: str,
                                           load_pair: str) -> None:
-    """K and V of a unit-layer move as one I/O by default (TUTTI_CUDA_PAIR=0 moves them one by one):
-    units stored either way load byte-exact the other way, after a reopen from the on-disk headers."""
+    """With TUTTI_CUDA_PAIR=1, K and V of a unit-layer move as one I/O (the default moves them one by
+    one): units stored either way load byte-exact the other way, after a reopen from the on-disk headers."""
     kv = make_gpu_kv("kv_first", layers=3, blocks=96, seed=5)
     rng = np.random.default_rng(17)
     keys = [int(k) for k in rng.integers(1, 1 << 62, 12)]
@@ -340,9 +340,9 @@ def test_ring_stress_millions_of_ioctxs(shm_dirs: list[Path]) -> None:
         torch.cuda.synchronize()
         assert_moved(want, src, kv, dst, "kv_first")
         st = s.stats()
-        # K and V of a unit-layer share one storage I/O unless TUTTI_CUDA_PAIR=0: at least one agent
-        # operation per two IOCTXs, every IOCTX still through the kernel's rings and chunks.
-        per_op = 1 if os.environ.get("TUTTI_CUDA_PAIR") == "0" else 2
+        # With TUTTI_CUDA_PAIR=1, K and V of a unit-layer share one storage I/O: at least one agent
+        # operation per two IOCTXs then, every IOCTX still through the kernel's rings and chunks.
+        per_op = 2 if os.environ.get("TUTTI_CUDA_PAIR") == "1" else 1
         assert st["agent_ops"] >= rounds * per_round // per_op
         assert st["checksum_failures"] == 0 and st["io_errors"] == 0
 

@@ -715,9 +715,11 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     for (uint32_t i = 0; i < l.nptr; ++i) vec16_ = vec16_ && l.ptr[i] % 16 == 0;
   }
   // K and V of one unit and layer are adjacent in the GPU file: with one object per chunk, two
-  // adjacent chunks take both in one storage I/O (TUTTI_CUDA_PAIR=0 turns this off, to compare).
+  // adjacent chunks can take both in one storage I/O. Off unless TUTTI_CUDA_PAIR=1: on the H200 host
+  // it made retrieves slower (640K tokens through 64 MiB of staging: 19.4 against 26.1 GB/s) and
+  // did not speed up stores (docs/PERF_GPU.md).
   const char* pair_env = std::getenv("TUTTI_CUDA_PAIR");
-  const bool pair_ok = !(pair_env && std::strcmp(pair_env, "0") == 0);
+  const bool pair_ok = pair_env && std::strcmp(pair_env, "1") == 0;
   group_ = pair_ok && ctx->geom.objs_per_layer == 2 && ctx->chunk_bytes == ctx->geom.obj_bytes && per_worker_ >= 4 ? 2 : 1;
   std::vector<DevQueue> qs(workers);
   for (uint32_t w = 0; w < workers; ++w) {
