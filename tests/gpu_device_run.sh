@@ -2,7 +2,8 @@
 # Builds the native module with the CUDA backend on the GPU host and runs the GPU tests and
 # benchmarks there. Usage: tests/gpu_device_run.sh PHASE (check | full | x2 | final), from the repository root,
 # with the Debian liburing packages in .deb/ and the wheels the image lacks in .whl/.
-# Writes logs and JSON under $OUT (or ./gpu-out).
+# Writes logs and JSON under $OUT (or ./gpu-out). Phase final reads PAIR (1: K and V as one I/O),
+# QD (agent queue depth on /dev/shm), FINAL_BUDGET_S, DISK_BASELINES=0 and OTHER_MODE=0 (skip steps).
 set -u
 PHASE=${1:-check}
 OUT=${OUT:-$PWD/gpu-out}
