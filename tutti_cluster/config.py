@@ -74,6 +74,8 @@ class TuttiConfig(BaseSettings):
     staging_mb: int = Field(64, gt=0, description="Pinned staging area in MiB; fixed, whatever the context.")
     max_requests: int = Field(256, gt=0, description="Requests in flight per store instance.")
     io_sms: int = Field(8, gt=0, description="SMs given to the I/O kernel (multiples of 8 on CUDA).")
+    cuda_pair: bool = Field(False, description="CUDA: K and V of a unit-layer as one I/O (slower on the H200).")
+    cuda_trace: bool = Field(False, description="CUDA: print the I/O kernel's counters when the store closes.")
 
     # Cluster (all unset: single-node embedded default)
     etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port.")

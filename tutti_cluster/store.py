@@ -122,7 +122,8 @@ class TuttiStore:
             staging_bytes=self.config.staging_mb << 20, max_requests=self.config.max_requests,
             io_sms=self.config.io_sms, direct=_DIRECT[self.config.direct_io], backend=backend,
             device=self.config.device, read_only=read_only, layers=descs, desc=desc,
-            files_per_path=self.config.pool_files,
+            files_per_path=self.config.pool_files, cuda_pair=self.config.cuda_pair,
+            cuda_trace=self.config.cuda_trace,
         )
         if not read_only:
             try:

@@ -102,7 +102,7 @@ Status Store::init_queue(uint32_t depth) {
   } else if (opt_.backend == "cuda") {
 #ifdef TUTTI_WITH_CUDA
     Status st;
-    backend_ = make_cuda_backend(opt_.device, &st);
+    backend_ = make_cuda_backend(opt_.device, opt_.cuda_pair, opt_.cuda_trace, &st);
     if (!st.ok()) return st;
 #else
     return {Code::kDevice, "backend 'cuda' requested but this build has no CUDA support"};

@@ -93,7 +93,8 @@ class Backend {
 
 std::unique_ptr<Backend> make_host_backend();
 #ifdef TUTTI_WITH_CUDA
-std::unique_ptr<Backend> make_cuda_backend(int device, Status* status);
+// `pair_io`: K and V of a unit-layer as one I/O; `trace`: print the kernel's counters at stop.
+std::unique_ptr<Backend> make_cuda_backend(int device, bool pair_io, bool trace, Status* status);
 #endif
 
 }  // namespace tutti

@@ -31,6 +31,8 @@ struct StoreOptions {
   DirectMode direct = DirectMode::kAuto;
   std::string backend = "cpu";     // "cpu" or "cuda"
   int device = 0;
+  bool cuda_pair = false;          // CUDA: K and V of a unit-layer as one I/O (slower on the H200 host)
+  bool cuda_trace = false;         // CUDA: print the I/O kernel's counters when the store closes
   bool read_only = false;          // open existing pools for reading only (no agent)
 };
 

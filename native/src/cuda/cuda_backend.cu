@@ -542,7 +542,7 @@ struct RequestMem {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device) : device_(device) {}
+  CudaBackend(int device, bool pair_io, bool trace) : device_(device), pair_io_(pair_io), print_trace_(trace) {}
   ~CudaBackend() override { stop(); }
 
   Status init();
@@ -596,7 +596,9 @@ class CudaBackend final : public Backend {
   DevQueue* dev_queues_ = nullptr;
   uint32_t* counters_ = nullptr;
   uint64_t* abort_ = nullptr;  // mapped host page
-  unsigned long long* trace_ = nullptr;  // device counters, printed at stop() with TUTTI_CUDA_TRACE=1
+  unsigned long long* trace_ = nullptr;  // device counters, printed at stop() with cuda_trace
+  bool pair_io_ = false;
+  bool print_trace_ = false;
   uint64_t launches_ = 0;
   std::vector<RequestMem> req_;
   std::vector<uint32_t> host_free_;
@@ -715,12 +717,10 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     for (uint32_t i = 0; i < l.nptr; ++i) vec16_ = vec16_ && l.ptr[i] % 16 == 0;
   }
   // K and V of one unit and layer are adjacent in the GPU file: with one object per chunk, two
-  // adjacent chunks can take both in one storage I/O. Off unless TUTTI_CUDA_PAIR=1: on the H200 host
+  // adjacent chunks can take both in one storage I/O. Off unless cuda_pair (TUTTI_CUDA_PAIR=1): on the H200 host
   // it made retrieves slower (640K tokens through 64 MiB of staging: 19.4 against 26.1 GB/s) and
   // did not speed up stores (docs/PERF_GPU.md).
-  const char* pair_env = std::getenv("TUTTI_CUDA_PAIR");
-  const bool pair_ok = pair_env && std::strcmp(pair_env, "1") == 0;
-  group_ = pair_ok && ctx->geom.objs_per_layer == 2 && ctx->chunk_bytes == ctx->geom.obj_bytes && per_worker_ >= 4 ? 2 : 1;
+  group_ = pair_io_ && ctx->geom.objs_per_layer == 2 && ctx->chunk_bytes == ctx->geom.obj_bytes && per_worker_ >= 4 ? 2 : 1;
   std::vector<DevQueue> qs(workers);
   for (uint32_t w = 0; w < workers; ++w) {
     const QueuePair& q = ctx->queues[w];
@@ -981,7 +981,7 @@ void CudaBackend::stop() {
   pop();
   for (auto& m : req_) free_host(m.host, m.host_bytes);
   req_.clear();
-  if (trace_ && std::getenv("TUTTI_CUDA_TRACE")) {
+  if (trace_ && print_trace_) {
     unsigned long long t[4] = {0, 0, 0, 0};
     cudaMemcpy(t, trace_, sizeof(t), cudaMemcpyDeviceToHost);
     std::fprintf(stderr,
@@ -1014,8 +1014,8 @@ void CudaBackend::stop() {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int device, Status* status) {
-  auto b = std::make_unique<CudaBackend>(device);
+std::unique_ptr<Backend> make_cuda_backend(int device, bool pair_io, bool trace, Status* status) {
+  auto b = std::make_unique<CudaBackend>(device, pair_io, trace);
   *status = b->init();
   if (!status->ok()) return nullptr;
   return b;
