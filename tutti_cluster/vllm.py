@@ -24,8 +24,14 @@ chain over the whole prefix, so the hash of a unit's last block names the unit; 
 that hash combined with a namespace (model, dtype, block size, parallel layout) and the worker rank.
 
 A unit that fails to load (missing, evicted since the lookup, checksum mismatch) is reported through
-``get_block_ids_with_load_errors``; with ``kv_load_failure_policy: "recompute"`` vLLM recomputes it.
-Saves are finished inside ``wait_for_save``, so blocks are never freed under an unfinished write.
+``get_block_ids_with_load_errors``; with ``kv_load_failure_policy: "recompute"`` vLLM recomputes it,
+and the connector saves it again. KV computed on top of a load is saved only once that load is known
+good, so a failed load never reaches storage. Saves are finished inside ``wait_for_save``; a request
+that finishes while a save of its blocks is pending keeps them until that save is done.
+
+With ``etcd`` configured (cluster mode) the scheduler also looks units up in the replica directory
+and the workers fetch other nodes' units over the Transfer Engine; the node daemon, when one runs,
+hears every commit and eviction. docs/VLLM.md has the configuration and the command lines.
 """
 
 from __future__ import annotations
@@ -401,11 +407,15 @@ class TuttiConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self.unit_tokens = int(self.config.unit_tokens)
         if self.unit_tokens % self.block_size:
-            raise ConfigError(f"unit_tokens ({self.unit_tokens}) must be a multiple of the vLLM block size ({self.block_size})")
+            raise ConfigError(
+                f"unit_tokens ({self.unit_tokens}) must be a multiple of the vLLM block size ({self.block_size})"
+            )
         self.unit_blocks = self.unit_tokens // self.block_size
         hash_block = getattr(kv_cache_config, "hash_block_size", None) or self.block_size
         if self.unit_tokens % hash_block:
-            raise ConfigError(f"unit_tokens ({self.unit_tokens}) must be a multiple of the hash block size ({hash_block})")
+            raise ConfigError(
+                f"unit_tokens ({self.unit_tokens}) must be a multiple of the hash block size ({hash_block})"
+            )
         self.unit_hash_blocks = self.unit_tokens // hash_block
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ConfigError("TuttiConnector supports one KV cache group (disable the hybrid KV cache manager)")
@@ -446,7 +456,9 @@ class TuttiConnector(KVConnectorBase_V1):
                 self._present.update(m.keys)
         log.info("Tutti connector: %d units present in the workers' stores", len(self._present))
 
-    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]) -> None:
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
         # Every pipeline stage has its own store; all of them report their keys.
         self.set_xfer_handshake_metadata({i: m for i, m in enumerate(metadata.values())})
 
@@ -720,7 +732,8 @@ class TuttiConnector(KVConnectorBase_V1):
         self.store = TuttiStore(cfg)
         self.store.register_kv_caches(layers, block_tokens=self.block_size)
         self._attach_node(cfg)
-        self._prefix = self._prefixes[self.rank] if self.rank < len(self._prefixes) else _rank_prefix(self.namespace, self.rank)
+        self._prefix = (self._prefixes[self.rank] if self.rank < len(self._prefixes)
+                        else _rank_prefix(self.namespace, self.rank))
         log.info("Tutti connector rank %d: instance %s, %d layers, %d blocks/unit, %d units on disk",
                  self.rank, instance, len(layers), self.unit_blocks, len(self.store.keys()))
 
