@@ -63,6 +63,10 @@ def test_prefix_stored_on_a_is_served_byte_exact_to_b_and_c(cluster):
         assert f["ok"], f
         assert f["local"] == 0 and f["placed"] == len(KEYS_A), f
         assert f["exact"] == [True] * len(KEYS_A)
+    # A's daemon read every unit straight into its registered slots (read_unit_into), none through
+    # a copy, although its slots were sized only when the engine attached.
+    stage = nodes["A"].call(op="stats")["daemon"]["stage"]
+    assert stage["units_staged"] == 2 * len(KEYS_A) and stage["units_copied"] == 0, stage
 
 
 def test_daemon_lookup_hands_owners_to_the_fetch(cluster):

@@ -52,7 +52,7 @@ def test_stream_is_byte_exact_and_in_order(served):
         got = [(k, bytes(v)) for k, v in StageStream(requester, srv.address, owner.segment, keys, window=window)]
         assert [k for k, _ in got] == keys
         assert all(v == units[k] for k, v in got)
-    assert srv.stats.units_staged == 4 * len(keys)
+    assert srv.stats.units_staged == srv.stats.units_copied == 4 * len(keys)  # a bytes source: one copy each
     # Every slot came back to both arenas.
     assert owner.acquire(0) is not None and requester.acquire(0) is not None
 

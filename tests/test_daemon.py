@@ -209,3 +209,68 @@ def test_stopping_a_daemon_withdraws_its_replicas_at_once(tmp_path: Path):
         a.close()
         d.stop()
         etcd.stop()
+
+
+def test_read_only_view_refreshes_and_reads_in_place_while_the_engine_commits(tmp_path: Path):
+    """The daemon's view of an engine's pools: units committed later appear through refresh(); reads
+    running on other threads never see the rescan half done (it rebuilds the store's index)."""
+    import mmap
+    import threading
+
+    from conftest import BLOCK_TOKENS, make_kv
+    from tutti_cluster import TuttiStore
+    from tutti_cluster.daemon import _InstanceView, geometry_of
+
+    cfg = TuttiConfig(**daemon_config(tmp_path), instance="engine0")
+    kv = make_kv()
+    store = TuttiStore(cfg)
+    store.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first")
+    ub = store.unit_blocks
+    first, later = [0x7000 + i for i in range(4)], [0x7100 + i for i in range(4)]
+    assert store.store(first, list(range(len(first) * ub))).units == len(first)
+    view = _InstanceView(cfg, "engine0", geometry_of(store), cfg.capacity_bytes())
+    try:
+        assert set(view.open()) == set(first)
+        size = view.slot_bytes()
+        assert size == store.geometry()["slot_bytes"] and size % 4096 == 0
+        # A page-aligned buffer, as the registered staging slots are: the read lands in place.
+        arena = mmap.mmap(-1, 2 * size)
+        slot = memoryview(arena)[:size]
+        assert view.read_into(first[0], slot) == size
+        assert bytes(slot) == store.read_unit(first[0])
+        # Committed after the open: no rescan inside the rate limit, one rescan past it.
+        assert store.store(later, list(range(len(later) * ub))).units == len(later)
+        assert view.read_into(later[0], slot, refresh_after_s=3600) is None
+        assert view.read_into(later[0], slot, refresh_after_s=0) == size
+        assert bytes(slot) == store.read_unit(later[0])
+        with pytest.raises(CapacityExceeded):
+            view.read_into(first[0], memoryview(arena)[:size - 4096])
+
+        # Readers on two threads while the main thread rescans over and over: every read finds
+        # its unit and returns verified bytes.
+        expect = {k: store.read_unit(k) for k in first + later}
+        failures: list[str] = []
+        stop = threading.Event()
+
+        def reader(off: int) -> None:
+            buf = memoryview(arena)[off:off + size]
+            n = 0
+            while not stop.is_set() or n < 20:
+                k = (first + later)[n % 8]
+                got = view.read_into(k, buf, refresh_after_s=3600)
+                if got != size or bytes(buf) != expect[k]:
+                    failures.append(f"{k:x}: {got}")
+                n += 1
+
+        threads = [threading.Thread(target=reader, args=(i * size,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for _ in range(30):
+            assert view._refresh(view.refreshed_at)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        assert not failures, failures[:5]
+    finally:
+        view.close()
+        store.close()

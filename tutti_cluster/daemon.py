@@ -20,7 +20,7 @@ when the engine attaches again or the daemon restarts.
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import json
 import logging
 import os
@@ -30,7 +30,7 @@ import socketserver
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from tutti_cluster.config import TuttiConfig
 from tutti_cluster.errors import CapacityExceeded, ConfigError, NotFound, TuttiError
@@ -49,7 +49,7 @@ def socket_path(config: TuttiConfig) -> Path:
 
 def geometry_of(store: Any) -> dict[str, Any]:
     """What the daemon needs to open an engine's pools read-only (no pointers: it never scatters)."""
-    layers = getattr(store, "layers", None) or getattr(store, "_layers")
+    layers = store.layers
     l0 = layers[0]
     return {"num_layers": len(layers), "nptr": len(l0.ptrs), "block_stride": l0.block_stride,
             "block_bytes": l0.block_bytes, "num_blocks": l0.num_blocks, "dtype": l0.dtype,
@@ -57,31 +57,13 @@ def geometry_of(store: Any) -> dict[str, Any]:
             "unit_tokens": store.config.unit_tokens}
 
 
-def _keep_large_allocations(max_unit_bytes: int = 256 << 20) -> bool:
-    """Make glibc reuse freed large blocks instead of unmapping them.
-
-    The stage endpoint reads whole units (tens of MiB) with ``store.read_unit``, which allocates
-    fresh buffers for every unit; by default glibc serves those with mmap and unmaps them on free,
-    so each unit page-faults all its memory again. Raising the mmap and trim thresholds above a
-    unit's size keeps the pages: measured here, it took ``read_unit`` from ~0.33 to ~0.6 GiB/s for
-    32 MiB units. The daemon keeps a few units' worth of heap in exchange. Only the daemon's own
-    process is tuned (never an engine's).
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False  # not glibc
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    ok = libc.mallopt(m_mmap_threshold, max_unit_bytes) == 1
-    ok = libc.mallopt(m_trim_threshold, 4 * max_unit_bytes) == 1 and ok
-    return ok
-
-
 class _InstanceView:
     """The daemon's read-only view of one engine instance's pools.
 
-    Reads take a reference on the current read-only store; a reopen swaps in a new store and closes
-    the old one only after its last reader is done (the stage endpoint reads from several threads).
+    One read-only store per instance, opened once. Units the engine commits later are picked up
+    with ``store.refresh()`` (a rescan of the pool headers). Reads share the view and run in
+    parallel (the stage endpoint reads from several threads; the store's reads release the GIL); a
+    refresh, reopen or close holds it alone, since a refresh rebuilds the store's index in place.
     """
 
     def __init__(self, config: TuttiConfig, name: str, geometry: dict[str, Any], capacity: list[int]) -> None:
@@ -90,100 +72,105 @@ class _InstanceView:
         self.capacity = capacity
         self.config = config.model_copy(update={"instance": name, "unit_tokens": geometry["unit_tokens"]})
         self.store: Any = None
-        self.opened_at = 0.0
-        self.lock = threading.Condition()
-        self._readers: dict[int, int] = {}  # id(store) -> reads in flight
-        self._reopen = threading.Lock()
+        self._opened_geometry: dict[str, Any] | None = None
+        self.refreshed_at = 0.0
+        self._cv = threading.Condition()
+        self._readers = 0
+        self._exclusive = False
+
+    @contextlib.contextmanager
+    def _shared(self) -> Iterator[Any]:
+        with self._cv:
+            self._cv.wait_for(lambda: not self._exclusive)
+            self._readers += 1
+        try:
+            yield self.store
+        finally:
+            with self._cv:
+                self._readers -= 1
+                if not self._readers:
+                    self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def _alone(self) -> Iterator[None]:
+        with self._cv:
+            self._cv.wait_for(lambda: not self._exclusive)
+            self._exclusive = True  # new readers wait from here on
+            self._cv.wait_for(lambda: not self._readers)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._exclusive = False
+                self._cv.notify_all()
 
     def open(self) -> list[int]:
-        """(Re)open the pools read-only and return the keys their headers hold."""
+        """Open the pools read-only (or rescan their headers when open) and return the keys they hold."""
         from tutti_cluster.kv_layout import LayerKV
         from tutti_cluster.store import TuttiStore
 
-        g = self.geometry
-        # Read-only stores never touch KV memory, so the pointers are placeholders.
-        layer = LayerKV(ptrs=tuple(1 for _ in range(g["nptr"])), block_stride=g["block_stride"],
-                        block_bytes=g["block_bytes"], num_blocks=g["num_blocks"], device="cpu",
-                        dtype=g.get("dtype", ""), block_shape=tuple(g.get("block_shape", ())))
-        with self._reopen:
-            st = TuttiStore(self.config)
-            st.register_kv_caches([layer] * g["num_layers"], block_tokens=g["block_tokens"], read_only=True)
-            with self.lock:
-                old, self.store = self.store, st
-                self.opened_at = time.monotonic()
-                while old is not None and self._readers.get(id(old), 0):
-                    self.lock.wait()
-            if old is not None:
-                old.close()
-            return st.keys()
-
-    def _acquire(self, key: int) -> Any:
-        with self.lock:
-            st = self.store
-            if st is None or st.lookup([key]) != 1:
-                return None
-            self._readers[id(st)] = self._readers.get(id(st), 0) + 1
-            return st
-
-    def _release(self, st: Any) -> None:
-        with self.lock:
-            n = self._readers[id(st)] - 1
-            if n:
-                self._readers[id(st)] = n
+        with self._alone():
+            g = self.geometry
+            if self.store is not None and g == self._opened_geometry:
+                self.store.refresh()
             else:
-                del self._readers[id(st)]
-                self.lock.notify_all()
+                # First open, or the engine came back with another geometry.
+                if self.store is not None:
+                    self.store.close()
+                    self.store = None
+                # Read-only stores never touch KV memory, so the pointers are placeholders.
+                layer = LayerKV(ptrs=tuple(1 for _ in range(g["nptr"])), block_stride=g["block_stride"],
+                                block_bytes=g["block_bytes"], num_blocks=g["num_blocks"], device="cpu",
+                                dtype=g.get("dtype", ""), block_shape=tuple(g.get("block_shape", ())))
+                st = TuttiStore(self.config)
+                st.register_kv_caches([layer] * g["num_layers"], block_tokens=g["block_tokens"], read_only=True)
+                self.store, self._opened_geometry = st, dict(g)
+            self.refreshed_at = time.monotonic()
+            return list(self.store.keys())
 
-    def read_into(self, key: int, view: memoryview | None = None, refresh_after_s: float = 0.2) -> bytes | int | None:
-        """The unit's bytes (``view`` None) or the number of bytes written into ``view``; None if absent.
+    def _refresh(self, seen: float) -> bool:
+        """Rescan the headers unless another thread did since ``seen``; False when it failed."""
+        with self._alone():
+            if self.store is None:
+                return False
+            if self.refreshed_at > seen:
+                return True
+            try:
+                self.store.refresh()
+            except TuttiError as exc:
+                log.warning("cannot rescan instance %s: %s", self.name, exc)
+                return False
+            finally:
+                self.refreshed_at = time.monotonic()
+            return True
 
-        A key committed after our last open triggers one reopen (at most every ``refresh_after_s``).
-        Raises NotFound when the unit is listed but fails verification (evicted and overwritten
-        under us, or corrupt).
+    def read_into(self, key: int, view: memoryview, refresh_after_s: float = 0.2) -> int | None:
+        """Read and verify the unit of ``key`` straight into ``view``: its size, or None if absent.
+
+        ``store.read_unit_into`` lands in place with O_DIRECT when ``view`` is 4 KiB aligned (the
+        registered staging slots are), so a staged unit is never copied on this node. A key
+        committed after our last rescan triggers one ``refresh()`` (at most every
+        ``refresh_after_s``). Raises NotFound when the unit is listed but fails verification
+        (evicted and overwritten under us, or corrupt), CapacityExceeded when ``view`` is too small.
         """
         for attempt in range(2):
-            st = self._acquire(key)
-            if st is not None:
-                try:
-                    reader = getattr(st, "read_unit_into", None)
-                    if view is not None and reader is not None:
-                        return int(reader(key, view))
-                    data = st.read_unit(key)
-                finally:
-                    self._release(st)
-                if view is None:
-                    return bytes(data)
-                n = len(data)
-                if n > len(view):
-                    log.warning("unit %x of %d bytes does not fit a %d-byte staging slot", key, n, len(view))
-                    return None
-                # A C memmove releases the GIL (a memoryview slice assignment would hold it).
-                ctypes.memmove((ctypes.c_char * n).from_buffer(view), data, n)
-                return n
-            if attempt == 0 and time.monotonic() - self.opened_at >= refresh_after_s:
-                try:
-                    self.open()
-                except TuttiError as exc:
-                    log.warning("cannot reopen instance %s: %s", self.name, exc)
-                    return None
+            with self._shared() as st:
+                seen = self.refreshed_at
+                if st is not None and st.contains(key):
+                    return int(st.read_unit_into(key, view))
+            if attempt or st is None or time.monotonic() - seen < refresh_after_s:
+                return None
+            if not self._refresh(seen):
+                return None
         return None
 
-    def read_unit(self, key: int) -> bytes | None:
-        try:
-            got = self.read_into(key)
-        except NotFound:
-            return None
-        return got if isinstance(got, bytes) else None
-
     def slot_bytes(self) -> int:
-        with self.lock:
-            return int(self.store.geometry()["slot_bytes"]) if self.store is not None else 0
+        with self._shared() as st:
+            return int(st.geometry()["slot_bytes"]) if st is not None else 0
 
     def close(self) -> None:
-        with self.lock:
+        with self._alone():
             st, self.store = self.store, None
-            while st is not None and self._readers.get(id(st), 0):
-                self.lock.wait()
         if st is not None:
             st.close()
 
@@ -240,8 +227,6 @@ class NodeDaemon:
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> "NodeDaemon":
-        if self.config.cluster_mode:
-            _keep_large_allocations()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for name, ent in self._load_state().items():
             view = _InstanceView(self.config, name, ent["geometry"], list(ent["capacity"]))
@@ -272,7 +257,7 @@ class NodeDaemon:
             self.host = local_address_towards(",".join(self.config.etcd))
         slot = max((v.slot_bytes() for v in self._instances.values()), default=0)
         self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes, slot_bytes=slot)
-        self.stage = StageServer(self.transfer, self._read_unit, host=self.host, port=self.stage_port,
+        self.stage = StageServer(self.transfer, None, host=self.host, port=self.stage_port,
                                  read_into=self._read_into).start()
         self.directory = EtcdDirectory(",".join(self.config.etcd), self.node_id, self.config.lease_ttl_s,
                                        timeout_s=self.directory_timeout_s)
@@ -339,13 +324,25 @@ class NodeDaemon:
                 del self._index[k]
         if self.directory is not None:
             self.directory.register(keys)
+        self._fit_slots(view)
 
-    def _read_unit(self, key: int) -> bytes | None:
-        """Stage endpoint reader: the unit from whichever local instance holds it."""
-        got = self._read_any(key, None)
-        return got if isinstance(got, bytes) else None
+    def _fit_slots(self, view: _InstanceView) -> None:
+        """Size the staging slots for ``view``'s units (the largest unit of any instance)."""
+        if self.transfer is None:
+            return
+        need = view.slot_bytes()
+        if need <= self.transfer.slot_bytes:
+            return
+        try:
+            self.transfer.configure(need)
+        except TuttiError as exc:
+            # Slots are out (a stream is running) or the arena is too small: units of this instance
+            # are misses for other nodes until the next attach resizes the slots.
+            log.warning("staging slots stay at %d bytes, instance %s needs %d: %s",
+                        self.transfer.slot_bytes, view.name, need, exc)
 
-    def _read_any(self, key: int, view: memoryview | None) -> bytes | int | None:
+    def _read_into(self, key: int, view: memoryview) -> int | None:
+        """Stage endpoint reader: the unit, from whichever local instance holds it, into a registered slot."""
         with self._lock:
             owners = list(self._index.get(key, ()))
             views = [self._instances[o] for o in owners if o in self._instances]
@@ -362,11 +359,6 @@ class NodeDaemon:
             if got is not None:
                 return got
         return None
-
-    def _read_into(self, key: int, view: memoryview) -> int | None:
-        """Stage endpoint reader straight into a registered slot."""
-        got = self._read_any(key, view)
-        return got if isinstance(got, int) else None
 
     # -- requests ---------------------------------------------------------------------------------
     def _serve(self, rfile: Any, wfile: Any) -> None:

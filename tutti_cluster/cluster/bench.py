@@ -8,10 +8,12 @@ Run ``python -m tutti_cluster.cluster.bench [--quick] [--json out.json]``. It st
    128, bf16, 16-token blocks, 256-token units: 32 MiB per unit) written through the store.
 2. In this process, a requester engine store with a :class:`ClusterClient`. Alternating, in the same
    run: (a) raw Transfer Engine: N synchronous reads of one unit's size from the owner's registered
-   arena; (b) remote fetch: ``ClusterClient.retrieve_remote`` of the N units, which is the whole
-   path (owner daemon reads each unit from its SSD and stages it, the requester pulls it with the
-   Transfer Engine and scatters it into its KV blocks, checksums verified). Medians are reported
-   with their ratio.
+   arena; (b) the owner's SSD read alone: ``store.read_unit_into`` of the N units into page-aligned
+   buffers, with as many threads as the stage endpoint reads with (and with one); (c) remote fetch:
+   ``ClusterClient.retrieve_remote`` of the N units, which is the whole path (the owner daemon reads
+   each unit from its SSD straight into a registered slot, the requester pulls it with the Transfer
+   Engine into its own registered slot and scatters it into its KV blocks, checksums verified on
+   both sides). Medians are reported with the ratios remote / raw and remote / owner read.
 3. Directory lookups (``EtcdDirectory.lookup``, prefix mode, all hits: the most work) for batches
    of 1 to 4096 keys, and etcd's database bytes per registered replica, measured by registering
    synthetic replicas under a separate lease.
@@ -139,24 +141,35 @@ def _owner_main(opts: dict[str, Any]) -> None:
     link.attach(store)
     res = store.store(opts["keys"], list(range(n * ub)))
     link.flush()
-    # The owner's own limit in this run: the store's CPU read path (read_unit), which the stage
-    # endpoint runs for every remote fetch, serially and with the stager's two threads.
+    # The owner's own limit: its SSD read path, the store's read into a page-aligned buffer
+    # (read_unit_into, O_DIRECT in place), which the stage endpoint runs for every unit of a remote
+    # fetch into its registered slots. Measured on request, between the fetches, with as many
+    # threads as the stage endpoint reads with.
+    import mmap
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    t0 = time.perf_counter()
-    nbytes = sum(len(store.read_unit(k)) for k in opts["keys"])
-    serial = nbytes / (time.perf_counter() - t0) / GiB
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(2) as ex:
-        nbytes = sum(len(b) for b in ex.map(store.read_unit, opts["keys"]))
-    threaded = nbytes / (time.perf_counter() - t0) / GiB
     assert daemon.transfer is not None and daemon.stage is not None
+    unit = int(store.geometry()["slot_bytes"])
+    local = threading.local()
+
+    def read(key: int) -> int:
+        if not hasattr(local, "buf"):
+            local.buf = mmap.mmap(-1, unit)  # page-aligned, one per thread
+        return int(store.read_unit_into(key, local.buf))
+
+    def read_rate(threads: int) -> float:
+        with ThreadPoolExecutor(threads) as ex:
+            t0 = time.perf_counter()
+            nbytes = sum(ex.map(read, opts["keys"]))
+            return nbytes / (time.perf_counter() - t0) / GiB
+
     print(json.dumps({"ready": True, "stored": res.units, "config": opts["config"], "segment": daemon.transfer.segment,
-                      "arena": daemon.transfer.base, "stage": daemon.stage.address,
-                      "unit_bytes": store.geometry()["slot_bytes"],
-                      "direct_io": bool(store.stats().get("direct_io")),
-                      "read_unit_gibps": serial, "read_unit_2threads_gibps": threaded}), flush=True)
-    sys.stdin.read()  # the benchmark closes our stdin when it is done
+                      "arena": daemon.transfer.base, "stage": daemon.stage.address, "readers": daemon.stage.readers,
+                      "unit_bytes": unit, "direct_io": bool(store.stats().get("direct_io"))}), flush=True)
+    for line in sys.stdin:  # the benchmark asks for read rates, then closes our stdin
+        cmd = json.loads(line)
+        print(json.dumps({"read_gibps": read_rate(int(cmd["threads"]))}), flush=True)
     link.close()
     store.close()
     daemon.stop()
@@ -193,21 +206,33 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
                                    "node_id": "bench-requester", "instance": "engine0", "protocol": args.protocol}
         cfg = TuttiConfig(**req_cfg)
         kv = _kv(n * ub, layers)
+        for t in kv:
+            t.fill(1)  # an engine's KV memory is in use: no first-touch page faults in the figures
         store = TuttiStore(cfg)
         store.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first")
-        client = ClusterClient(store, cfg, arena_bytes=4 * unit_guess, window=args.window, timeout_s=30)
+        extra = {"window": args.window} if args.window else {}
+        client = ClusterClient(store, cfg, arena_bytes=4 * unit_guess, timeout_s=30, **extra)
         unit_bytes = int(ready["unit_bytes"])
         total = n * unit_bytes
         assert client.lookup(keys) == n, "requester does not see the owner's units"
         te = client.transfer
         local = te.acquire(5)
         assert local is not None
-        raw, remote = [], []
+        raw, remote, disk, disk1 = [], [], [], []
+
+        def owner_read(threads: int) -> float:
+            assert owner.stdin is not None and owner.stdout is not None
+            owner.stdin.write(json.dumps({"threads": threads}).encode() + b"\n")
+            owner.stdin.flush()
+            return float(json.loads(owner.stdout.readline())["read_gibps"])
+
         for _ in range(args.reps):
             t0 = time.perf_counter()
             for _i in range(n):
                 te.read(ready["segment"], local, int(ready["arena"]), unit_bytes)
             raw.append(total / (time.perf_counter() - t0) / GiB)
+            disk.append(owner_read(int(ready["readers"])))
+            disk1.append(owner_read(1))
             client.lookup(keys)
             t0 = time.perf_counter()
             placed = client.retrieve_remote(keys, list(range(n * ub)))
@@ -223,12 +248,15 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
                  "scatter_ms_per_unit": 1e3 * client.stats["scatter_s"] / reps_n}
         client.close()
         store.close()
-        raw_med, rem_med = statistics.median(raw), statistics.median(remote)
-        return {"units": n, "unit_bytes": unit_bytes, "layers": layers, "window": args.window,
-                "owner_direct_io": ready["direct_io"], "owner_read_unit_gibps": ready["read_unit_gibps"],
-                "owner_read_unit_2threads_gibps": ready["read_unit_2threads_gibps"], "raw_te_gibps": raw, "remote_fetch_gibps": remote,
+        raw_med, rem_med, disk_med = statistics.median(raw), statistics.median(remote), statistics.median(disk)
+        return {"units": n, "unit_bytes": unit_bytes, "layers": layers, "window": client.window,
+                "owner_readers": ready["readers"], "owner_direct_io": ready["direct_io"],
+                "raw_te_gibps": raw, "remote_fetch_gibps": remote, "owner_read_gibps": disk,
+                "owner_read_1thread_gibps": disk1,
                 "raw_te_gibps_median": raw_med, "remote_fetch_gibps_median": rem_med,
-                "ratio": rem_med / raw_med if raw_med else 0.0, "time_split": split}
+                "owner_read_gibps_median": disk_med, "owner_read_1thread_gibps_median": statistics.median(disk1),
+                "ratio": rem_med / raw_med if raw_med else 0.0,
+                "ratio_to_owner_read": rem_med / disk_med if disk_med else 0.0, "time_split": split}
     finally:
         if owner.stdin is not None:
             owner.stdin.close()
@@ -302,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--units", type=int, help="cache units fetched per repetition (default 16, quick 6)")
     p.add_argument("--layers", type=int, default=LAYERS, help="model layers (default 32: Llama-3-8B)")
     p.add_argument("--reps", type=int, help="alternating raw/remote repetitions (default 5, quick 3)")
-    p.add_argument("--window", type=int, default=2, help="units the owner stages ahead")
+    p.add_argument("--window", type=int, help="units the owner stages ahead (default: ClusterClient's)")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
     p.add_argument("--directory-keys", type=int, help="synthetic replicas registered (default 65536, quick 8192)")
     p.add_argument("--lookup-reps", type=int, default=50)
@@ -351,8 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"remote fetch  {f['remote_fetch_gibps_median']:.3f} GiB/s   raw Transfer Engine "
           f"{f['raw_te_gibps_median']:.3f} GiB/s   ratio {f['ratio']:.2f}   "
               f"({f['units']} units x {f['unit_bytes'] / (1 << 20):.1f} MiB, {args.protocol})")
-        print(f"owner store.read_unit {f['owner_read_unit_gibps']:.3f} GiB/s (2 threads "
-              f"{f['owner_read_unit_2threads_gibps']:.3f}), O_DIRECT {f['owner_direct_io']}")
+        print(f"owner SSD read (store.read_unit_into, {f['owner_readers']} threads as the stage endpoint) "
+              f"{f['owner_read_gibps_median']:.3f} GiB/s (1 thread {f['owner_read_1thread_gibps_median']:.3f}), "
+              f"O_DIRECT {f['owner_direct_io']}; remote fetch / owner read {f['ratio_to_owner_read']:.2f}")
+        print("  per repetition: raw " + " ".join(f"{x:.3f}" for x in f["raw_te_gibps"]) + " | remote "
+              + " ".join(f"{x:.3f}" for x in f["remote_fetch_gibps"]) + " | owner read "
+              + " ".join(f"{x:.3f}" for x in f["owner_read_gibps"]))
         ts = f["time_split"]
         print(f"per unit: owner read {ts['owner_read_ms_per_unit']:.1f} ms, pull {ts['pull_ms_per_unit']:.1f} ms, "
               f"scatter {ts['scatter_ms_per_unit']:.1f} ms")

@@ -32,7 +32,7 @@ class ClusterClient:
     """Cluster lookups and remote fetches for one engine store (see the module docstring)."""
 
     def __init__(self, store: Any, config: Any = None, *, directory: EtcdDirectory | None = None,
-                 arena_bytes: int = 0, window: int = 2, timeout_s: float = 5.0, host: str | None = None) -> None:
+                 arena_bytes: int = 0, window: int = 4, timeout_s: float = 5.0, host: str | None = None) -> None:
         self.store = store
         self.config = config if config is not None else store.config
         if directory is None:
