@@ -126,3 +126,24 @@ def test_bad_settings_are_config_errors():
         TransferNode(protocol="udp")
     with pytest.raises(ConfigError):
         TransferNode(arena_bytes=0)
+
+
+def test_retired_slot_is_never_lent_again():
+    """A pull that timed out may still land later: its local slot leaves the pool for good."""
+    require_mooncake()
+    from tutti_cluster.cluster.transfer import TransferNode
+    from tutti_cluster.errors import TuttiError
+
+    requester = TransferNode(arena_bytes=2 * UNIT + 8192, slot_bytes=UNIT - 100)  # stride rounds up to 4 KiB
+    a = requester.acquire(0)
+    b = requester.acquire(0)
+    assert a is not None and b is not None and requester.acquire(0) is None
+    requester.retire(a)
+    requester.release(a)  # the stream's cleanup returns it: ignored
+    requester.release(b)
+    assert requester.acquire(0) == b and requester.acquire(0) is None
+    requester.release(b)
+    with pytest.raises(TuttiError):
+        requester.configure(UNIT // 2)  # the retired slot's memory cannot be cut up again
+    assert requester.base % 4096 == 0 and (b - requester.base) % 4096 == 0  # O_DIRECT alignment
+    requester.close()

@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from typing import Any
 
 from tutti_cluster.errors import ConfigError, DeviceError, TuttiError
@@ -33,6 +34,10 @@ os.environ.setdefault("MC_TCP_SLICE_SIZE", str(1 << 20))
 # under a second even on a slow link. Measured here: a frozen owner failed the read after 30 s by
 # default and after 5 s with this setting (Mooncake checks at about that granularity).
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
+_TRANSFER_TIMEOUT_S = float(os.environ["MC_TRANSFER_TIMEOUT"])
+# Completion check period of a pull: a 32 MiB unit takes tens of ms here, so 0.5 ms adds ~1-2 %.
+_POLL_S = 0.0005
+_BAD_BATCH = (1 << 64) - 1  # Mooncake's batch id type is unsigned: its -1 arrives as this
 
 
 def _import_engine() -> Any:
@@ -93,6 +98,7 @@ class TransferNode:
         self._cv = threading.Condition()
         self.slot_bytes = 0
         self._free: list[int] = []
+        self._retired: set[int] = set()
         self._nslots = 0
         if slot_bytes:
             self.configure(slot_bytes)
@@ -104,8 +110,10 @@ class TransferNode:
         with self._cv:
             if slot_bytes == self.slot_bytes:
                 return
-            if len(self._free) != self._nslots:
+            if len(self._free) + len(self._retired) != self._nslots:
                 raise TuttiError("cannot change the slot size while slots are in use")
+            if self._retired:
+                raise TuttiError("cannot change the slot size: a transfer may still write into a retired slot")
             # Slots start on 4 KiB boundaries, so that the store reads into them with O_DIRECT.
             stride = (slot_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
             n = self.arena_bytes // stride
@@ -128,6 +136,8 @@ class TransferNode:
 
     def release(self, addr: int) -> None:
         with self._cv:
+            if addr in self._retired:
+                return
             self._free.append(addr)
             self._cv.notify()
 
@@ -150,10 +160,43 @@ class TransferNode:
 
     # -- transfers --------------------------------------------------------------------------------
     def read(self, segment: str, local_addr: int, remote_addr: int, length: int) -> None:
-        """Pull ``length`` bytes from ``remote_addr`` in ``segment`` into our arena; raise on failure."""
+        """Pull ``length`` bytes from ``remote_addr`` in ``segment`` into our arena; raise on failure.
+
+        Submitted asynchronously and waited for with short sleeps. Mooncake's own
+        ``transfer_sync_read`` waits by polling the transfer status in a tight loop, which keeps one
+        core busy for the whole pull; on a host with few cores that core is taken from the
+        Transfer Engine's TCP threads, the owner's reads and our scatter. A transfer that neither
+        completes nor fails by the deadline retires its local slot (a late completion could still
+        write into it) and raises.
+        """
+        batch = self.engine.batch_transfer_async_read(segment, [local_addr], [remote_addr], [length])
+        if batch in (0, -1, _BAD_BATCH):  # the segment cannot be opened, or the submit failed
+            raise TuttiError(f"transfer from {segment} could not be started")
+        deadline = time.monotonic() + _TRANSFER_TIMEOUT_S + length / (1 << 30)  # as Mooncake: + 1 s per GiB
+        while True:
+            rc = self.engine.transfer_check_status(batch)
+            if rc == 1:
+                return
+            if rc == -1:
+                raise TuttiError(f"transfer from {segment} failed")
+            if rc == -2 or time.monotonic() > deadline:
+                self.retire(local_addr)
+                raise TuttiError(f"transfer from {segment} timed out")
+            time.sleep(_POLL_S)
+
+    def read_sync(self, segment: str, local_addr: int, remote_addr: int, length: int) -> None:
+        """The same pull through Mooncake's ``transfer_sync_read`` (the benchmark's reference)."""
         rc = self.engine.transfer_sync_read(segment, local_addr, remote_addr, length)
         if rc != 0:
             raise TuttiError(f"transfer from {segment} failed: code {rc}")
+
+    def retire(self, addr: int) -> None:
+        """Never hand out the slot at ``addr`` again (a transfer into it may still be in flight)."""
+        with self._cv:
+            self._retired.add(addr)
+            if addr in self._free:
+                self._free.remove(addr)
+        log.warning("staging slot %#x retired after a transfer that did not finish", addr)
 
     def close(self) -> None:
         try:
