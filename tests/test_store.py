@@ -340,3 +340,32 @@ def test_read_unit_into_and_reader_refresh(store_dirs):
         with pytest.raises(TuttiError, match="read-only"):
             w.refresh()
         reader.close()
+
+
+@pytest.mark.parametrize("unit_tokens", [64, 48])  # 48: objects carry alignment padding
+def test_memory_fs_moves_straight_between_file_and_blocks(tmpfs, unit_tokens):
+    """On tmpfs the CPU I/O kernel skips staging (scatter-gather I/O into the KV blocks) and checks
+    the checksum in place; every layout round-trips and a corrupt object is still a reported miss."""
+    d = tmpfs("64m")
+    rng = np.random.default_rng(unit_tokens)
+    for layout in LAYOUTS:
+        kv = make_kv(layout, seed=unit_tokens)
+        with open_store([d], kv, layout, unit_tokens=unit_tokens, capacity_gb=0.004, instance=layout) as s:
+            ub = s.unit_blocks
+            keys = list(range(1, 9))
+            src = rng.permutation(BLOCKS)[: 8 * ub]
+            assert s.store(keys, src).ok
+            want = snapshot(kv)
+            zero(kv)
+            dst = rng.permutation(BLOCKS)[: 8 * ub]
+            assert s.retrieve(keys, dst).ok
+            assert_units_equal(want, src, kv, dst, layout, list(range(8)), ub)
+            g = s.geometry()
+        pool = d / f"tutti-{layout}.pool"  # slot 0 of file 0 holds the first unit
+        with open(pool, "r+b") as f:
+            f.seek(g["header_bytes"] + g["obj_bytes"] - 8)  # last bytes of object 0 (padding, if any)
+            f.write(b"\x01\x02\x03\x04\x05\x06\x07\x08")
+        with open_store([d], kv, layout, unit_tokens=unit_tokens, capacity_gb=0.004, instance=layout) as s:
+            res = s.retrieve(keys, dst)
+            assert res.failed_units == [0]
+            assert s.lookup(keys[:1]) == 0

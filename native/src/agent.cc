@@ -130,7 +130,11 @@ void Agent::run() {
         uint8_t* buf = static_cast<uint8_t*>(opt_.staging) + s.buf_offset;
         const bool rd = s.op == static_cast<uint16_t>(IoOp::kRead);
         const uint64_t piece = s.buf_offset / kFixedPiece;
-        if (fixed_bufs_ && (s.buf_offset + s.len - 1) / kFixedPiece == piece) {
+        if (s.op == static_cast<uint16_t>(IoOp::kReadv) || s.op == static_cast<uint16_t>(IoOp::kWritev)) {
+          const auto* iov = reinterpret_cast<const struct iovec*>(s.buf_offset);
+          if (s.op == static_cast<uint16_t>(IoOp::kReadv)) io_uring_prep_readv(e, s.path, iov, s.len, s.file_offset);
+          else io_uring_prep_writev(e, s.path, iov, s.len, s.file_offset);
+        } else if (fixed_bufs_ && (s.buf_offset + s.len - 1) / kFixedPiece == piece) {
           if (rd) io_uring_prep_read_fixed(e, s.path, buf, s.len, s.file_offset, static_cast<int>(piece));
           else io_uring_prep_write_fixed(e, s.path, buf, s.len, s.file_offset, static_cast<int>(piece));
         } else {

@@ -3,6 +3,7 @@
 // IOCTXs as SQEs, wait for their CQEs, verify and scatter (retrieve) or gather and checksum (store).
 #include <pthread.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <time.h>
 
 #include <cstring>
@@ -14,6 +15,8 @@
 namespace tutti {
 
 namespace {
+
+constexpr size_t kMaxIov = 1024;  // IOV_MAX
 
 inline uint64_t make_tag(uint32_t iocb, uint32_t chunk, uint32_t ctx_off) {
   return (static_cast<uint64_t>(iocb) << 32) | (static_cast<uint64_t>(chunk) << 12) | ctx_off;
@@ -42,6 +45,8 @@ class HostBackend final : public Backend {
     const Geometry& g = ctx->geom;
     group_ = g.objs_per_layer == 2 && ctx->chunk_bytes == g.obj_bytes && ctx->num_chunks >= 4 ? 2 : 1;
     for (uint32_t c = ctx->num_chunks / group_; c-- > 0;) free_slots_.push_back(c);
+    slot_iov_.assign(ctx->num_chunks / group_, {});
+    slot_direct_.assign(ctx->num_chunks / group_, 0);
     stop_ = false;
     thread_ = std::thread([this] { run(); });
     return Status::Ok();
@@ -69,7 +74,12 @@ class HostBackend final : public Backend {
  private:
   void run();
   uint32_t group_size(const Iocb& b, const RequestView& r, uint32_t off) const;
+  template <typename F>
+  void for_each_piece(uint32_t layer, const RequestView& r, const Ioctx& x, F f) const;
   uint64_t move_object(uint32_t layer, const RequestView& r, const Ioctx& x, uint8_t* obj, bool to_blocks);
+  uint64_t sum_in_place(uint32_t layer, const RequestView& r, const Ioctx& x, const uint8_t* pad) const;
+  bool build_iov(uint32_t layer, const RequestView& r, const Ioctx* xs, uint32_t n, uint8_t* pad,
+                 std::vector<struct iovec>* iov) const;
   bool post(uint32_t id, SpscRing<Sqe>& sq);
   void complete(const Cqe& c);
   void finish_ctx(uint32_t id);
@@ -81,6 +91,8 @@ class HostBackend final : public Backend {
   std::vector<uint32_t> posted_, done_;
   uint32_t group_ = 1;                // staging chunks per slot (2: K and V move as one I/O)
   std::vector<uint32_t> free_slots_;  // slots of group_ adjacent staging chunks
+  std::vector<std::vector<struct iovec>> slot_iov_;  // scatter-gather list of each slot's I/O
+  std::vector<uint8_t> slot_direct_;  // the slot's I/O goes straight to the KV blocks
   std::deque<uint32_t> active_;
   std::thread thread_;
   std::atomic<bool> stop_{false};
@@ -133,32 +145,72 @@ uint32_t HostBackend::group_size(const Iocb& b, const RequestView& r, uint32_t o
   return x.obj == 0 && y.unit == x.unit && y.obj == 1 ? 2 : 1;
 }
 
-// Moves one object between staging and its KV blocks (`to_blocks`: retrieve) in one pass that also
-// sums the staging-side bytes; returns the object's checksum.
-uint64_t HostBackend::move_object(uint32_t layer, const RequestView& r, const Ioctx& x, uint8_t* obj, bool to_blocks) {
+// Calls f(block_bytes_ptr, offset_in_object, length) for every run of the object's bytes that sits in
+// the KV blocks, in object order.
+template <typename F>
+void HostBackend::for_each_piece(uint32_t layer, const RequestView& r, const Ioctx& x, F f) const {
   const Geometry& g = k_->geom;
   const LayerKV& l = k_->extents->layers()[layer];
-  uint64_t sum = 0;
-  auto piece = [&](uint8_t* blocks, uint64_t at, uint64_t n) {
-    uint64_t cs = to_blocks ? checksum_copy(blocks, obj + at, n, at / 4) : checksum_copy(obj + at, blocks, n, at / 4);
-    sum = checksum_combine(sum, cs);
-  };
   for (uint32_t e = 0; e < x.extent_count; ++e) {
     const Extent& ext = r.extents[x.extent_first + e];
     const uint64_t at = static_cast<uint64_t>(ext.unit_offset_blocks) * g.block_bytes;
     if (l.block_stride == g.block_bytes) {
-      piece(k_->extents->addr(layer, x.obj, ext.first_block), at, ext.num_blocks * g.block_bytes);
+      f(k_->extents->addr(layer, x.obj, ext.first_block), at, ext.num_blocks * g.block_bytes);
     } else {
       for (uint32_t j = 0; j < ext.num_blocks; ++j)
-        piece(k_->extents->addr(layer, x.obj, ext.first_block + j), at + j * g.block_bytes, g.block_bytes);
+        f(k_->extents->addr(layer, x.obj, ext.first_block + j), at + j * g.block_bytes, g.block_bytes);
     }
   }
+}
+
+// Moves one object between staging and its KV blocks (`to_blocks`: retrieve) in one pass that also
+// sums the staging-side bytes; returns the object's checksum.
+uint64_t HostBackend::move_object(uint32_t layer, const RequestView& r, const Ioctx& x, uint8_t* obj, bool to_blocks) {
+  const Geometry& g = k_->geom;
+  uint64_t sum = 0;
+  for_each_piece(layer, r, x, [&](uint8_t* blocks, uint64_t at, uint64_t n) {
+    uint64_t cs = to_blocks ? checksum_copy(blocks, obj + at, n, at / 4) : checksum_copy(obj + at, blocks, n, at / 4);
+    sum = checksum_combine(sum, cs);
+  });
   const uint64_t payload = g.payload_bytes();
   if (payload < g.obj_bytes) {  // alignment padding: zero on store, checked on retrieve
     if (!to_blocks) std::memset(obj + payload, 0, g.obj_bytes - payload);
     sum = checksum_combine(sum, checksum(obj + payload, g.obj_bytes - payload, payload / 4));
   }
   return sum;
+}
+
+// Checksum of an object whose blocks are in place and whose padding is at `pad`.
+uint64_t HostBackend::sum_in_place(uint32_t layer, const RequestView& r, const Ioctx& x, const uint8_t* pad) const {
+  const Geometry& g = k_->geom;
+  uint64_t sum = 0;
+  for_each_piece(layer, r, x, [&](uint8_t* blocks, uint64_t at, uint64_t n) {
+    sum = checksum_combine(sum, checksum(blocks, n, at / 4));
+  });
+  const uint64_t payload = g.payload_bytes();
+  if (payload < g.obj_bytes) sum = checksum_combine(sum, checksum(pad, g.obj_bytes - payload, payload / 4));
+  return sum;
+}
+
+// Scatter-gather list of `n` adjacent objects straight in the KV blocks, padding in `pad` (the
+// slot's staging chunks). False when the list would be too long for one I/O.
+bool HostBackend::build_iov(uint32_t layer, const RequestView& r, const Ioctx* xs, uint32_t n, uint8_t* pad,
+                            std::vector<struct iovec>* iov) const {
+  const Geometry& g = k_->geom;
+  iov->clear();
+  for (uint32_t k = 0; k < n; ++k) {
+    uint64_t next = 0;
+    bool ordered = true;
+    for_each_piece(layer, r, xs[k], [&](uint8_t* blocks, uint64_t at, uint64_t len) {
+      ordered = ordered && at == next;
+      next = at + len;
+      iov->push_back({blocks, len});
+    });
+    if (!ordered || next != g.payload_bytes()) return false;
+    if (g.payload_bytes() < g.obj_bytes)
+      iov->push_back({pad + k * k_->chunk_bytes + g.payload_bytes(), g.obj_bytes - g.payload_bytes()});
+  }
+  return iov->size() <= kMaxIov;
 }
 
 // Posts the IOCB's next IOCTXs; IOCTXs that need no I/O (a missing unit) complete at once.
@@ -187,6 +239,7 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
     s.tag = make_tag(id, slot, off);
     s.buf_offset = buf_offset;
     s.path = static_cast<uint16_t>(x.path);
+    slot_direct_[slot] = 0;
     if (op == IoOp::kCommit) {
       const uint64_t* sums = r.checksums + static_cast<uint64_t>(unit) * g.num_objs();
       encode_header(g, k_->desc, r.keys[unit], r.commit_seq_base + unit, sums, buf);
@@ -197,11 +250,26 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
       s.file_offset = x.file_offset + g.obj_offset(b.layer, x.obj);
       s.len = static_cast<uint32_t>(n * g.obj_bytes);
       s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kRead : IoOp::kWrite);
+      // Files that take any buffer (memory file systems): no staging copy, the I/O moves the bytes
+      // straight between the file and the KV blocks, and the checksum is taken in place.
+      std::vector<struct iovec>& iov = slot_iov_[slot];
+      if (k_->any_buffer[x.path] && build_iov(b.layer, r, &r.ctx[idx], n, buf, &iov)) {
+        slot_direct_[slot] = 1;
+        s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kReadv : IoOp::kWritev);
+        s.buf_offset = reinterpret_cast<uint64_t>(iov.data());
+        s.len = static_cast<uint32_t>(iov.size());
+      }
       if (op == IoOp::kWrite)
         for (uint32_t k = 0; k < n; ++k) {
           const Ioctx& xk = r.ctx[idx + k];
-          r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj] =
-              move_object(b.layer, r, xk, buf + k * k_->chunk_bytes, false);
+          uint8_t* obj = buf + k * k_->chunk_bytes;
+          uint64_t& sum = r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj];
+          if (slot_direct_[slot]) {
+            std::memset(obj + g.payload_bytes(), 0, g.obj_bytes - g.payload_bytes());
+            sum = sum_in_place(b.layer, r, xk, obj + g.payload_bytes());
+          } else {
+            sum = move_object(b.layer, r, xk, obj, false);
+          }
         }
     }
     if (!sq.push(s)) break;  // SQ full: retry after completions
@@ -230,12 +298,15 @@ void HostBackend::complete(const Cqe& c) {
     r.unit_failed[unit] = 1;
     b.errors++;
   } else if (op == IoOp::kRead) {
-    // Verified as it moves: a mismatch marks the unit failed, so its blocks are reported as not
-    // loaded (a miss) and the engine recomputes them; they are never presented as a hit.
+    // Verified as it moves (or in place): a mismatch marks the unit failed, so its blocks are
+    // reported as not loaded (a miss) and the engine recomputes them; never presented as a hit.
     for (uint32_t k = 0; k < n; ++k) {
       const Ioctx& xk = r.ctx[idx + k];
+      uint8_t* obj = buf + k * k_->chunk_bytes;
       const uint64_t expect = r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj];
-      if (move_object(b.layer, r, xk, buf + k * k_->chunk_bytes, true) != expect) {
+      const uint64_t got = slot_direct_[slot] ? sum_in_place(b.layer, r, xk, obj + g.payload_bytes())
+                                              : move_object(b.layer, r, xk, obj, true);
+      if (got != expect) {
         r.unit_failed[unit] = 2;
         b.errors++;
       }

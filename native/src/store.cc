@@ -179,6 +179,9 @@ Status Store::init_queue(uint32_t depth) {
   kctx_.chunk_bytes = chunk;
   kctx_.num_chunks = chunks;
   kctx_.queues = qs;
+  kctx_.any_buffer.clear();
+  for (uint32_t i = 0; i < pool_.num_paths(); ++i)
+    kctx_.any_buffer.push_back(pool_.path(i).memory || !pool_.path(i).direct ? 1 : 0);
   kctx_.agent = &agent_;
   kctx_.kernel_bell = &kernel_bell_;
   kctx_.done_bell = &done_bell_;

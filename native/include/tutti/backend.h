@@ -39,6 +39,9 @@ struct KernelContext {
   uint64_t chunk_bytes = 0;
   uint32_t num_chunks = 0;
   std::vector<QueuePair> queues;                 // one per kernel worker
+  // Per pool file: it takes any buffer (memory file system, or no O_DIRECT), so a host kernel may
+  // move objects straight between the file and the KV blocks with scatter-gather I/O.
+  std::vector<uint8_t> any_buffer;
   Agent* agent = nullptr;
   Doorbell* kernel_bell = nullptr;               // agent -> kernel (host backend)
   Doorbell* done_bell = nullptr;                 // kernel -> engine, on every finished IOCB

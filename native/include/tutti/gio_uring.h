@@ -23,7 +23,9 @@ namespace tutti {
 
 constexpr uint32_t kMaxIoctxPerIocb = 2048;
 
-enum class IoOp : uint32_t { kRead = 1, kWrite = 2, kCommit = 3 };
+// kReadv/kWritev (host producers only): scatter-gather I/O straight between a file and the KV
+// blocks; the SQE's `buf_offset` is then the address of an iovec array and `len` its length.
+enum class IoOp : uint32_t { kRead = 1, kWrite = 2, kCommit = 3, kReadv = 4, kWritev = 5 };
 
 // One object transfer of a request: a GPU file (slot) and the extents of the unit's KV blocks.
 // The layer is a property of the IOCB, so one IOCTX array serves every layer of a request.
@@ -57,7 +59,7 @@ struct Sqe {
   uint64_t buf_offset;   // into the registered staging region
   uint32_t len;
   uint16_t path;
-  uint16_t op;           // IoOp::kRead or kWrite
+  uint16_t op;           // IoOp::kRead, kWrite, kReadv or kWritev
 };
 struct Cqe {
   uint64_t tag;
