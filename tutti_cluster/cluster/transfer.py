@@ -2,7 +2,8 @@
 
 One :class:`TransferNode` per process that moves cache units between nodes: the owner's daemon
 stages units in its arena and the requester pulls them into its own arena with
-``transfer_sync_read`` (one-sided: the owner's CPU does nothing during the pull).
+an asynchronous Transfer Engine read (one-sided: the owner's process does nothing during the pull
+but serve it from the Transfer Engine's own threads), waited for with short sleeps (:meth:`read`).
 
 The Transfer Engine runs with Mooncake's P2P handshake metadata (``P2PHANDSHAKE``): its segment is
 named ``host:rpc_port`` and peers exchange segment descriptors directly. The segment name is
