@@ -209,6 +209,11 @@ def test_read_import_scatter_unit(tmp_path, store_dirs):
             b.scatter_unit(data, np.arange(ub) + 10)
             for l in range(len(kv)):
                 np.testing.assert_array_equal(want[l][:, :ub], kv2[l][:, 10 : 10 + ub])
+            bad = bytearray(data)
+            bad[-100] ^= 0xFF  # inside the last object
+            from tutti_cluster.errors import NotFound
+            with pytest.raises(NotFound, match="checksum"):
+                b.scatter_unit(bad, np.arange(ub) + 30)
             zero(kv2)
             assert b.retrieve([42], np.arange(ub) + 20).ok
             for l in range(len(kv)):

@@ -332,7 +332,10 @@ class TuttiStore:
         return key
 
     def scatter_unit(self, data: bytes | bytearray | memoryview, block_ids: Any) -> None:
-        """Verifies a GPU file's bytes and scatters them into one unit's KV blocks."""
+        """Scatters a GPU file's bytes into one unit's KV blocks, verifying them as it copies.
+
+        Raises NotFound (a miss) when an object fails its checksum: the blocks then hold no valid KV.
+        """
         self._n.scatter_unit(data, _block_array(block_ids))
 
     # ---- capacity ----------------------------------------------------------------------------

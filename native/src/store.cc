@@ -619,19 +619,28 @@ Status Store::scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block
   if (backend_->name() != "cpu") return {Code::kDevice, "scatter_unit from host memory needs the cpu backend here"};
   const Geometry& g = geom_;
   if (n_blocks != g.unit_blocks) return {Code::kLayout, "scatter_unit needs exactly one unit of block ids"};
-  uint64_t key;
-  std::vector<uint64_t> sums;
-  Status st = verify_unit(data, n, &key, &sums);
-  if (!st.ok()) return st;
+  if (n != g.slot_bytes)
+    return {Code::kLayout, "unit is " + std::to_string(n) + " bytes, this layout's GPU file is " + std::to_string(g.slot_bytes)};
+  uint64_t key, seq;
+  std::vector<uint64_t> sums(g.num_objs());
+  if (!decode_header(g, data, &key, &seq, sums.data())) return {Code::kNotFound, "unit header invalid or of another layout"};
   std::vector<Extent> ext;
-  st = extents_.build(block_ids, g.unit_blocks, &ext);
+  Status st = extents_.build(block_ids, g.unit_blocks, &ext);
   if (!st.ok()) return st;
+  // One pass: copy each object into its blocks while summing it, as the I/O kernel does.
+  const uint64_t payload = g.payload_bytes();
   for (uint32_t l = 0; l < g.num_layers; ++l)
     for (uint32_t o = 0; o < g.objs_per_layer; ++o) {
       const uint8_t* src = data + g.obj_offset(l, o);
+      uint64_t sum = checksum(src + payload, g.obj_bytes - payload, payload / 4);
       for (const Extent& e : ext)
-        for (uint32_t j = 0; j < e.num_blocks; ++j)
-          std::memcpy(extents_.addr(l, o, e.first_block + j), src + (e.unit_offset_blocks + j) * g.block_bytes, g.block_bytes);
+        for (uint32_t j = 0; j < e.num_blocks; ++j) {
+          const uint64_t at = (e.unit_offset_blocks + j) * g.block_bytes;
+          sum = checksum_combine(sum, checksum_copy(extents_.addr(l, o, e.first_block + j), src + at, g.block_bytes, at / 4));
+        }
+      if (sum != sums[l * g.objs_per_layer + o])
+        return {Code::kNotFound, "unit object " + std::to_string(l * g.objs_per_layer + o) +
+                                     " fails its checksum: its blocks hold no valid KV"};
     }
   return Status::Ok();
 }
