@@ -191,8 +191,11 @@ void Agent::run() {
     }
     sleeping_.store(1, std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
+    // Queued SQEs are work only while a request slot is free: with every slot in flight the agent
+    // waits for a completion (checking the SQs then would spin).
     bool work = stop_.load();
-    for (auto& q : sqs) work = work || !q.empty();
+    if (!free_slots.empty())
+      for (auto& q : sqs) work = work || !q.empty();
     if (!work) {
       if (opt_.poll_rings) {
         struct __kernel_timespec ts{0, 50000};
