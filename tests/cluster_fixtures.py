@@ -438,3 +438,13 @@ if __name__ == "__main__":
         _daemon_main(sys.argv[2])
     else:
         sys.exit("usage: cluster_fixtures.py node|daemon <json>")
+
+
+def wait_for(pred, timeout: float, step: float = 0.1):
+    """Polls ``pred`` until it returns something true or ``timeout`` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(step)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import EtcdServer, NodeProcess, require_etcd, require_mooncake
+from cluster_fixtures import EtcdServer, NodeProcess, require_etcd, require_mooncake, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -39,14 +39,6 @@ def cluster(tmp_path: Path):
             n.close()
         etcd.stop()
 
-
-def wait_for(pred, timeout: float, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(step)
 
 
 KEYS_A = [0xA000 + i for i in range(6)]

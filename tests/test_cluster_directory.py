@@ -7,21 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import EtcdServer, etcd_server, require_etcd  # noqa: F401 (fixture)
+from cluster_fixtures import EtcdServer, etcd_server, require_etcd, wait_for  # noqa: F401 (fixture)
 from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord, parse_endpoints, unit_key
 from tutti_cluster.cluster.etcd import EtcdClient, EtcdError, op_put, op_range, prefix_end
 from tutti_cluster.errors import ConfigError
 
 pytestmark = pytest.mark.cluster
 
-
-def wait_for(pred, timeout: float, step: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(step)
 
 
 def node(etcd: EtcdServer, name: str, ttl: int = 3, **kw) -> EtcdDirectory:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import EtcdServer, NodeProcess, require_etcd, require_mooncake
+from cluster_fixtures import EtcdServer, NodeProcess, require_etcd, require_mooncake, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -92,14 +91,6 @@ def hosts(tmp_path: Path):
         etcd.stop()
         h.close()
 
-
-def wait_for(pred, timeout: float, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(step)
 
 
 def test_nodes_advertise_their_own_address_and_serve_across_hosts(hosts):

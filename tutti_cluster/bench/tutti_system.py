@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,24 +101,28 @@ class TuttiSystem:
         if self._store is None or self._n_blocks != rnd.n_blocks:
             self._open(rnd.n_blocks)
 
-    def store(self, rnd: Round) -> OpTiming:
+    def _run_layers(self, h: int, issue: Callable[[int, int], None]) -> tuple[Any, float]:
+        """Issues every layer of request ``h`` (timing the engine thread's CPU inside those calls
+        only), waits for each layer, and finishes the request."""
         store = self._store
-        keys = self._keys_for(rnd)
-        ids = rnd.store_ids.tolist()
-        layers = self.kv.shape.layers
         engine_cpu = 0
-        h = store.begin_store(keys, ids)
-        for layer in range(layers):
+        for layer in range(self.kv.shape.layers):
             t0 = time.thread_time_ns()
-            store.store_layer(layer, h)
+            issue(layer, h)
             engine_cpu += time.thread_time_ns() - t0
-        for layer in range(layers):
+        for layer in range(self.kv.shape.layers):
             store.wait_layer(layer, h)
         res = store.finish(h)
         self._sync()
+        return res, engine_cpu / 1e9
+
+    def store(self, rnd: Round) -> OpTiming:
+        store = self._store
+        keys = self._keys_for(rnd)
+        res, cpu_s = self._run_layers(store.begin_store(keys, rnd.store_ids.tolist()), store.store_layer)
         if res.failed_units:
             raise BenchVerificationError(f"tutti: store of {len(res.failed_units)} of {len(keys)} units failed")
-        return OpTiming(engine_cpu_s=engine_cpu / 1e9)
+        return OpTiming(engine_cpu_s=cpu_s)
 
     def before_read(self, rnd: Round) -> None:
         # Reads are O_DIRECT where the file system allows it; evicting the pool files also covers
@@ -131,21 +135,10 @@ class TuttiSystem:
         hit = store.lookup(keys)
         if hit != len(keys):
             raise BenchVerificationError(f"tutti: lookup found {hit} of {len(keys)} stored units")
-        ids = rnd.retrieve_ids.tolist()
-        layers = self.kv.shape.layers
-        engine_cpu = 0
-        h = store.begin_retrieve(keys, ids)
-        for layer in range(layers):
-            t0 = time.thread_time_ns()
-            store.retrieve_layer(layer, h)
-            engine_cpu += time.thread_time_ns() - t0
-        for layer in range(layers):
-            store.wait_layer(layer, h)
-        res = store.finish(h)
-        self._sync()
+        res, cpu_s = self._run_layers(store.begin_retrieve(keys, rnd.retrieve_ids.tolist()), store.retrieve_layer)
         if res.failed_units:
             raise BenchVerificationError(f"tutti: {len(res.failed_units)} of {len(keys)} units failed to load")
-        return OpTiming(engine_cpu_s=engine_cpu / 1e9)
+        return OpTiming(engine_cpu_s=cpu_s)
 
     def end_round(self, rnd: Round) -> None:
         self._keys.pop(rnd.tag, None)
