@@ -70,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return int(cluster_bench_main(argv[2:]) or 0)
     if argv[:1] == ["bench"]:
-        from tutti_cluster.bench import main as bench_main
-
+        try:
+            from tutti_cluster.bench import main as bench_main
+        except ImportError as e:  # the benchmark's KV tensors are torch tensors
+            print(f"tutti bench needs PyTorch ({e}): pip install torch", file=sys.stderr)
+            return 2
         return int(bench_main(argv[1:]) or 0)
     p = argparse.ArgumentParser(prog="tutti", description="Tutti-cluster: SSD-backed KV-cache store.")
     p.add_argument("-v", "--verbose", action="store_true")
