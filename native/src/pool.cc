@@ -160,14 +160,11 @@ void FilePool::release(uint32_t slot) {
   free_[slot_path_[slot]].push_back(slot);
 }
 
-void FilePool::mark_used(uint32_t slot) {
+void FilePool::set_used(const std::vector<uint8_t>& used) {
   std::lock_guard<std::mutex> g(mu_);
-  auto& f = free_[slot_path_[slot]];
-  for (size_t i = 0; i < f.size(); ++i)
-    if (f[i] == slot) {
-      f.erase(f.begin() + static_cast<long>(i));
-      return;
-    }
+  for (auto& f : free_) f.clear();
+  for (uint32_t slot = num_slots_; slot-- > 0;)  // highest at the back: low slots are used first
+    if (!used[slot]) free_[slot_path_[slot]].push_back(slot);
 }
 
 uint32_t FilePool::free_slots() const {

@@ -87,8 +87,7 @@ Status Store::recover() {
     used[f.slot] = 1;
     commit_seq_ = std::max(commit_seq_, f.seq + 1);
   }
-  for (uint32_t slot = pool_.num_slots(); slot-- > 0;)
-    if (used[slot]) pool_.mark_used(slot);
+  pool_.set_used(used);
   return Status::Ok();
 }
 
@@ -160,7 +159,7 @@ Status Store::init_queue(uint32_t depth) {
     ao.fds.push_back(pool_.path(i).fd);
     // Memory-backed file systems complete every request inline, O_DIRECT or not (tmpfs accepts
     // O_DIRECT since Linux 6.6): punt those to io_uring's workers so that copies run in parallel.
-    ao.punt.push_back(pool_.path(i).memory || !pool_.path(i).direct ? 1 : 0);
+    ao.punt.push_back(pool_.path(i).cached() ? 1 : 0);
   }
   ao.staging = staging_;
   ao.staging_bytes = staging_bytes_;
@@ -181,7 +180,7 @@ Status Store::init_queue(uint32_t depth) {
   kctx_.queues = qs;
   kctx_.any_buffer.clear();
   for (uint32_t i = 0; i < pool_.num_paths(); ++i)
-    kctx_.any_buffer.push_back(pool_.path(i).memory || !pool_.path(i).direct ? 1 : 0);
+    kctx_.any_buffer.push_back(pool_.path(i).cached() ? 1 : 0);
   kctx_.agent = &agent_;
   kctx_.kernel_bell = &kernel_bell_;
   kctx_.done_bell = &done_bell_;
@@ -371,7 +370,7 @@ Status Store::wait_cqe(uint32_t id) {
   return Status::Ok();
 }
 
-Status Store::post_layer(Request& r, uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
+Status Store::post_layer(uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
                          std::vector<uint32_t>* out, uint64_t event) {
   const uint32_t n = (count + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb;
   std::vector<uint32_t> ids;
@@ -386,7 +385,6 @@ Status Store::post_layer(Request& r, uint32_t id, uint32_t op, uint32_t layer, u
     b.ctx_count = std::min(kMaxIoctxPerIocb, count - i * kMaxIoctxPerIocb);
   }
   out->insert(out->end(), ids.begin(), ids.end());
-  (void)r;
   return issue_io(ids.data(), n, 0, event);
 }
 
@@ -400,7 +398,7 @@ Status Store::layer(uint32_t layer, uint32_t id, uint64_t event) {
   r.layer_issued[layer] = 1;
   if (r.ctx.empty()) return Status::Ok();
   const uint32_t op = static_cast<uint32_t>(r.op == ReqOp::kRetrieve ? IoOp::kRead : IoOp::kWrite);
-  return post_layer(r, id, op, layer, 0, static_cast<uint32_t>(r.ctx.size()), &r.layer_iocbs[layer], event);
+  return post_layer(id, op, layer, 0, static_cast<uint32_t>(r.ctx.size()), &r.layer_iocbs[layer], event);
 }
 
 Status Store::wait_layer(uint32_t layer, uint32_t id, uint64_t stream) {

@@ -23,6 +23,8 @@ struct PoolPath {
   int fd = -1;
   bool direct = false;    // O_DIRECT accepted by the file system
   bool memory = false;    // tmpfs or ramfs: requests complete inline unless punted to io_uring workers
+  // Served from memory or the page cache: requests complete inline and take any buffer.
+  bool cached() const { return memory || !direct; }
   uint32_t first_slot = 0;
   uint32_t num_slots = 0;
 };
@@ -58,7 +60,8 @@ class FilePool {
   // of a prefix are striped across the storage devices.
   bool alloc(uint32_t* slot);
   void release(uint32_t slot);
-  void mark_used(uint32_t slot);  // during recovery
+  // Recovery: rebuilds the free lists from the slots found in use (one pass).
+  void set_used(const std::vector<uint8_t>& used);
   uint32_t free_slots() const;
 
   // Synchronous header I/O (recovery, invalidation before reuse); `buf` is 4 KiB aligned.

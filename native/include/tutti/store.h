@@ -124,7 +124,7 @@ class Store {
   Status recover();
   Status alloc_slot(uint32_t* slot);
   Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
-  Status post_layer(Request& r, uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
+  Status post_layer(uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
                     std::vector<uint32_t>* iocbs, uint64_t event);
   void release_request(uint32_t id, Request& r);
 
