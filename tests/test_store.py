@@ -374,3 +374,19 @@ def test_memory_fs_moves_straight_between_file_and_blocks(tmpfs, unit_tokens):
             res = s.retrieve(keys, dst)
             assert res.failed_units == [0]
             assert s.lookup(keys[:1]) == 0
+
+
+def test_config_file_sits_below_the_environment(monkeypatch, tmp_path):
+    import json
+
+    from tutti_cluster.errors import ConfigError
+
+    f = tmp_path / "tutti.json"
+    f.write_text(json.dumps({"unit_tokens": 128, "queue_depth": 32}))
+    monkeypatch.setenv("TUTTI_CONFIG_FILE", str(f))
+    monkeypatch.setenv("TUTTI_QUEUE_DEPTH", "16")
+    cfg = TuttiConfig()
+    assert cfg.unit_tokens == 128 and cfg.queue_depth == 16
+    f.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        TuttiConfig()
