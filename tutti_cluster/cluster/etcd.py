@@ -57,42 +57,30 @@ def _int_field(num: int, value: int) -> bytes:
     return _varint(num << 3) + _varint(value) if value else b""
 
 
+def _read_varint(mv: memoryview, i: int) -> tuple[int, int]:
+    """Decode one varint at ``i``; returns (value, index after it)."""
+    v = shift = 0
+    while True:
+        b = mv[i]
+        i += 1
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return v, i
+
+
 def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, Any]]:
     """Yield (field number, value) of a message: ints for varints, memoryviews for bytes."""
     mv = memoryview(buf)
     i, n = 0, len(mv)
     while i < n:
-        tag = 0
-        shift = 0
-        while True:
-            b = mv[i]
-            i += 1
-            tag |= (b & 0x7F) << shift
-            shift += 7
-            if b < 0x80:
-                break
+        tag, i = _read_varint(mv, i)
         num, wt = tag >> 3, tag & 7
         if wt == 0:
-            v = 0
-            shift = 0
-            while True:
-                b = mv[i]
-                i += 1
-                v |= (b & 0x7F) << shift
-                shift += 7
-                if b < 0x80:
-                    break
+            v, i = _read_varint(mv, i)
             yield num, v
         elif wt == 2:
-            ln = 0
-            shift = 0
-            while True:
-                b = mv[i]
-                i += 1
-                ln |= (b & 0x7F) << shift
-                shift += 7
-                if b < 0x80:
-                    break
+            ln, i = _read_varint(mv, i)
             yield num, mv[i:i + ln]
             i += ln
         elif wt == 1:
