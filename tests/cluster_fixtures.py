@@ -55,6 +55,17 @@ def mooncake_master_bin() -> str | None:
     return shutil.which("mooncake_master")
 
 
+def stop_process(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
+    """Sends ``sig`` to a live process and waits; kills it if it outlives ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class EtcdServer:
     """One etcd member on 127.0.0.1 free ports; `stop()`/`start()` restart it on the same ports.
 
@@ -116,13 +127,8 @@ class EtcdServer:
         raise TimeoutError(f"etcd not healthy: {last}")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, sig, 10)
         self.proc = None
 
 
@@ -155,13 +161,8 @@ class MooncakeMaster:
         wait_port(self.port, proc=self.proc)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, sig, 10)
         self.proc = None
 
 
@@ -420,13 +421,7 @@ class DaemonProcess:
             raise RuntimeError(f"daemon did not start (see {log_path})")
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, sig, 15)
         self.log.close()
         return self.proc.returncode
 
