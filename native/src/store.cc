@@ -227,6 +227,12 @@ static Status invalidate(const FilePool& pool, const Geometry& g, uint32_t slot)
   return pool.pwrite_all(slot, 0, zero.data(), g.header_bytes);
 }
 
+// The one way back to the free list: a free slot never carries a valid header.
+void Store::free_slot(uint32_t slot) {
+  invalidate(pool_, geom_, slot);
+  pool_.release(slot);
+}
+
 Status Store::alloc_slot(uint32_t* slot) {
   if (pool_.alloc(slot)) return Status::Ok();
   uint64_t key;
@@ -504,8 +510,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
         r.unit_present[u] = 0;
         uint32_t slot;
         if (index_.remove(r.keys[u], &slot)) {
-          invalidate(pool_, g, slot);
-          pool_.release(slot);
+          free_slot(slot);
           evicted_.push_back(r.keys[u]);
         }
       } else {
@@ -601,8 +606,7 @@ Status Store::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
     st = pool_.pwrite_all(slot, 0, buf.data(), hb);
   }
   if (!st.ok()) {
-    invalidate(pool_, geom_, slot);
-    pool_.release(slot);
+    free_slot(slot);
     return st;
   }
   std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * geom_.num_objs()], sums.data(), sums.size() * 8);
@@ -654,8 +658,7 @@ bool Store::remove(uint64_t key) {
   std::lock_guard<std::mutex> lk(mu_);
   uint32_t slot;
   if (!index_.remove(key, &slot)) return false;
-  invalidate(pool_, geom_, slot);
-  pool_.release(slot);
+  free_slot(slot);
   return true;
 }
 
