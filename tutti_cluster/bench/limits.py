@@ -53,10 +53,10 @@ class Limits:
         return out
 
 
-def _run_pass(fds: Sequence[int], file_bytes: int, buf: memoryview, threads: int, write: bool) -> float:
-    """One pass of 1 MiB requests over all files with ``threads`` threads; returns GB/s."""
-    per_file = file_bytes // REQUEST_BYTES
-    total = per_file * len(fds)
+def _run_pass(fds: Sequence[int], nbytes: int, buf: memoryview, threads: int, write: bool) -> float:
+    """One pass of ``nbytes`` (whole 1 MiB requests) over the files with ``threads`` threads;
+    returns GB/s."""
+    total = max(1, nbytes // REQUEST_BYTES)
     slots = len(buf) // REQUEST_BYTES
     errors: list[BaseException] = []
     start = threading.Barrier(threads + 1)
@@ -92,69 +92,103 @@ def _run_pass(fds: Sequence[int], file_bytes: int, buf: memoryview, threads: int
     return total * REQUEST_BYTES / elapsed / 1e9
 
 
-def measure_storage(
-    dirs: Sequence[Path],
-    direct_io: dict[Path, bool],
-    total_bytes: int,
-    thread_counts: Sequence[int],
-    buffer_bytes: int,
-    device: torch.device,
-    on_step: Callable[[str], None] = lambda _s: None,
-) -> Limits:
-    """Measure storage write then read limits on ``dirs``, then host-to-GPU when on CUDA.
+class StorageProbe:
+    """The limit's files on ``dirs``, kept for the whole run.
 
-    ``total_bytes`` is spread over ``FILES_PER_PATH`` files per directory; they are removed
-    afterwards.
-    Writes go to files that were fully written once already, so that no pass pays for first
-    allocation of extents.
+    ``sweep`` measures write then read limits at every thread count (and host-to-GPU on CUDA);
+    ``read_pass``/``write_pass`` measure once more, with the thread count that won the sweep, right
+    beside a system's timed pass: a shared virtual disk's speed drifts by half within minutes, and
+    only a limit measured next to the pass it is compared with cancels that drift.
+    Those passes move as many bytes as the pass they are compared with (``nbytes``): a virtual
+    disk's host may cache recent writes, and a limit that reads back a smaller, fresher working set
+    than the system under test would be served from that cache.
+    ``total_bytes`` (at least the largest pass) is spread over ``FILES_PER_PATH`` files per
+    directory, which ``close`` removes.  Writes go to files that were fully written once already,
+    so that no pass pays for first allocation of extents.
     """
-    n_files = len(dirs) * FILES_PER_PATH
-    per_file = max(REQUEST_BYTES, total_bytes // n_files // REQUEST_BYTES * REQUEST_BYTES)
-    buffer_bytes = max(buffer_bytes, max(thread_counts) * REQUEST_BYTES)
-    buf = fsutil.aligned_buffer(buffer_bytes)
-    pinned = fsutil.PinnedRegion(buf) if device.type == "cuda" else None
-    # Incompressible, non-zero contents for the write passes.
-    view = memoryview(buf)
-    view[:REQUEST_BYTES] = os.urandom(REQUEST_BYTES)
-    for off in range(REQUEST_BYTES, len(buf), REQUEST_BYTES):
-        view[off : off + REQUEST_BYTES] = view[:REQUEST_BYTES]
-    # File j lives on path j % len(dirs), so that consecutive requests also alternate paths.
-    owners = [dirs[j % len(dirs)] for j in range(n_files)]
-    paths = [d / f"storage-limit-{j}.dat" for j, d in enumerate(owners)]
-    fds: list[int] = []
-    limits = Limits(0.0, 0.0, None, file_bytes=per_file * n_files, buffer_bytes=len(buf))
-    try:
-        for d, p in zip(owners, paths):
-            flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct_io[d] else 0)
-            fd = os.open(p, flags, 0o600)
-            fds.append(fd)
-            os.posix_fallocate(fd, 0, per_file)
-            limits.direct_io[str(d)] = direct_io[d]
-        on_step("storage limit: first write")
-        _run_pass(fds, per_file, view, max(thread_counts), write=True)
+
+    def __init__(
+        self,
+        dirs: Sequence[Path],
+        direct_io: dict[Path, bool],
+        total_bytes: int,
+        buffer_bytes: int,
+        device: torch.device,
+    ) -> None:
+        n_files = len(dirs) * FILES_PER_PATH
+        self.file_bytes = max(REQUEST_BYTES, total_bytes // n_files // REQUEST_BYTES * REQUEST_BYTES)
+        self.device = device
+        self._buf = fsutil.aligned_buffer(max(buffer_bytes, 64 * REQUEST_BYTES))
+        self._pinned = fsutil.PinnedRegion(self._buf) if device.type == "cuda" else None
+        # Incompressible, non-zero contents for the write passes.
+        self._view = memoryview(self._buf)
+        self._view[:REQUEST_BYTES] = os.urandom(REQUEST_BYTES)
+        for off in range(REQUEST_BYTES, len(self._buf), REQUEST_BYTES):
+            self._view[off : off + REQUEST_BYTES] = self._view[:REQUEST_BYTES]
+        # File j lives on path j % len(dirs), so that consecutive requests also alternate paths.
+        self._owners = [dirs[j % len(dirs)] for j in range(n_files)]
+        self._paths = [d / f"storage-limit-{j}.dat" for j, d in enumerate(self._owners)]
+        self._direct = direct_io
+        self._fds: list[int] = []
+        self.limits = Limits(
+            0.0, 0.0, None, file_bytes=self.file_bytes * n_files, buffer_bytes=len(self._buf),
+            direct_io={str(d): direct_io[d] for d in dirs},
+        )
+        try:
+            for d, p in zip(self._owners, self._paths):
+                fd = os.open(p, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct_io[d] else 0), 0o600)
+                self._fds.append(fd)
+                os.posix_fallocate(fd, 0, self.file_bytes)
+            _run_pass(self._fds, self.limits.file_bytes, self._view, 16, write=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def _pass(self, threads: int, write: bool, nbytes: int) -> float:
+        if not write:
+            # Buffered paths other than tmpfs would be read from the page cache: evict first.
+            fsutil.evict(p for d, p in zip(self._owners, self._paths) if not self._direct[d])
+        return _run_pass(self._fds, min(nbytes, self.limits.file_bytes), self._view, threads, write)
+
+    def sweep(
+        self, thread_counts: Sequence[int], nbytes: int, on_step: Callable[[str], None] = lambda _s: None
+    ) -> Limits:
+        """Write then read passes of ``nbytes`` at every thread count; the best of each is the limit."""
+        lim = self.limits
         for t in thread_counts:
             on_step(f"storage limit: write, {t} threads")
-            limits.write_by_threads[t] = _run_pass(fds, per_file, view, t, write=True)
+            lim.write_by_threads[t] = self._pass(t, True, nbytes)
         for t in thread_counts:
-            # Buffered paths other than tmpfs would be read from the page cache: evict first.
-            fsutil.evict(p for d, p in zip(owners, paths) if not direct_io[d])
             on_step(f"storage limit: read, {t} threads")
-            limits.read_by_threads[t] = _run_pass(fds, per_file, view, t, write=False)
-        limits.storage_write_gbps = max(limits.write_by_threads.values())
-        limits.storage_read_gbps = max(limits.read_by_threads.values())
-        if device.type == "cuda":
+            lim.read_by_threads[t] = self._pass(t, False, nbytes)
+        lim.storage_write_gbps = max(lim.write_by_threads.values())
+        lim.storage_read_gbps = max(lim.read_by_threads.values())
+        if self.device.type == "cuda":
             on_step("host-to-GPU limit")
-            limits.h2d_gbps = _measure_h2d(buf, device)
-    finally:
-        for fd in fds:
+            lim.h2d_gbps = _measure_h2d(self._buf, self.device)
+        return lim
+
+    def write_pass(self, nbytes: int) -> float:
+        """One write pass of ``nbytes`` with the sweep's best thread count (GB/s)."""
+        by = self.limits.write_by_threads
+        return self._pass(max(by, key=by.__getitem__), True, nbytes)
+
+    def read_pass(self, nbytes: int) -> float:
+        """One read pass of ``nbytes`` with the sweep's best thread count (GB/s)."""
+        by = self.limits.read_by_threads
+        return self._pass(max(by, key=by.__getitem__), False, nbytes)
+
+    def close(self) -> None:
+        for fd in self._fds:
             os.close(fd)
-        for p in paths:
+        self._fds.clear()
+        for p in self._paths:
             p.unlink(missing_ok=True)
-        del view
-        if pinned is not None:
-            pinned.close()
-        buf.close()
-    return limits
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
+        self._view.release()
+        self._buf.close()
 
 
 def _measure_h2d(buf: mmap.mmap, device: torch.device, repeats: int = 5) -> float:

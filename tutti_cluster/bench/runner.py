@@ -1,9 +1,11 @@
 """``tutti bench``: tutti against the per-block, per-chunk (and, on CUDA, kvikio) baselines and the
 same-run hardware limits, on the configured storage paths.
 
-Flow: check room; measure the storage (and host-to-GPU) limits; then for each prefix length and
-each system, ``repeat`` rounds of store -> clear the KV blocks -> evict caches -> retrieve into a
-new random block permutation -> verify every byte.  Figures are medians over the rounds.
+Flow: check room; measure the storage (and host-to-GPU) limits at several thread counts; then for
+each prefix length and each system, ``repeat`` rounds of limit write pass -> store -> clear the KV
+blocks -> limit read pass -> evict caches -> retrieve into a new random block permutation -> verify
+every byte.  Figures are medians over the rounds; each pass is also compared with the limit pass
+measured right before it ("x beside"), which cancels the drift of a shared disk's speed.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Sample:
     gbps: float
     cpu_us_per_layer: float
     host_core_s_per_gb: float
+    limit_gbps: float = 0.0  # the storage limit measured right before this pass
 
 
 @dataclass
@@ -195,8 +198,8 @@ def check_room(plan: Plan) -> None:
         pool = [int(c * GIB) for c in caps]
     else:
         pool = [pool_bytes_per_path(max_bytes, n)] * n
-    # Phases run one after another and each frees its files: the peak is the largest of them.
-    per_path = [max(plan.limit_bytes // n, -(-max_bytes // n), p) + 64 * MIB for p in pool]
+    # The limit's files stay for the whole run; the systems' files come and go one at a time.
+    per_path = [max(plan.limit_bytes, max_bytes) // n + max(-(-max_bytes // n), p) + 64 * MIB for p in pool]
     by_fs: dict[int, list[int]] = {}
     tmpfs_bytes = 0
     for d, need in zip(plan.dirs, per_path):
@@ -300,6 +303,7 @@ def run(plan: Plan) -> dict[str, Any]:
     page_cache: set[str] = set()
     samples: dict[tuple[str, str, int], list[Sample]] = {}
     progress: _Progress | None = None
+    probe: limits_mod.StorageProbe | None = None
     try:
         for w in work:
             w.mkdir()
@@ -315,12 +319,14 @@ def run(plan: Plan) -> dict[str, Any]:
                 systems[name] = _make_system(name, plan, kv, work)
             except ImportError as e:
                 plan.skipped[name] = str(e)
-        steps = 2 * len(plan.limit_threads) + 1 + (plan.device.type == "cuda")
+        steps = 2 * len(plan.limit_threads) + (plan.device.type == "cuda")
         steps += len(plan.prefixes) * plan.repeat * 2 * len(systems)
         progress = _Progress(steps)
-        lim = limits_mod.measure_storage(
-            work, direct, plan.limit_bytes, plan.limit_threads, plan.staging_bytes, plan.device, progress.step
+        max_bytes = plan.shape.prefix_bytes(max(plan.prefixes))
+        probe = limits_mod.StorageProbe(
+            work, direct, max(plan.limit_bytes, max_bytes), plan.staging_bytes, plan.device
         )
+        lim = probe.sweep(plan.limit_threads, plan.limit_bytes, progress.step)
         for tokens in plan.prefixes:
             n = tokens // plan.shape.block_tokens
             nbytes = plan.shape.prefix_bytes(tokens)
@@ -329,15 +335,19 @@ def run(plan: Plan) -> dict[str, Any]:
                     rnd = Round(tokens, n, kv.place(n), kv.permutation(n), tag=f"{tokens}-{r}")
                     label = f"{name} {tokens // 1024}K"
                     system.prepare(rnd)
+                    limit = probe.write_pass(nbytes)
                     s = _measure(system.store, rnd, nbytes, plan.shape.layers)
+                    s.limit_gbps = limit
                     if "store" in system.ops:
                         samples.setdefault((name, "store", tokens), []).append(s)
                     progress.step(f"{label} store")
                     kv.clear(n)
+                    limit = probe.read_pass(nbytes)
                     system.before_read(rnd)
                     if plan.drop_caches:
                         page_cache.add(fsutil.drop_caches())
                     s = _measure(system.retrieve, rnd, nbytes, plan.shape.layers)
+                    s.limit_gbps = limit
                     kv.verify(n, rnd.retrieve_ids, name)
                     samples.setdefault((name, "retrieve", tokens), []).append(s)
                     system.end_round(rnd)
@@ -348,6 +358,8 @@ def run(plan: Plan) -> dict[str, Any]:
     finally:
         if progress is not None:
             progress.close()
+        if probe is not None:
+            probe.close()
         for system in systems.values():
             try:
                 system.close()
@@ -373,6 +385,8 @@ def run(plan: Plan) -> dict[str, Any]:
                 "gbps": round(statistics.median(s.gbps for s in ss), 3),
                 "cpu_us_per_layer": round(statistics.median(s.cpu_us_per_layer for s in ss), 2),
                 "host_core_s_per_gb": round(statistics.median(s.host_core_s_per_gb for s in ss), 4),
+                "adjacent_limit_gbps": round(statistics.median(s.limit_gbps for s in ss), 3),
+                "x_adjacent_limit": round(statistics.median(s.gbps / s.limit_gbps for s in ss), 3),
                 "bytes": plan.shape.prefix_bytes(tokens),
                 "rounds": len(ss),
                 "verified": True,
@@ -388,19 +402,22 @@ def _jsonable(obj: Any) -> Any:
 def format_table(report: dict[str, Any]) -> str:
     """The human-readable table printed at the end of a run."""
     lim = report["limits"]
-    head = f"{'system':<10} {'op':<8} {'prefix':>7} {'GB/s':>8} {'x limit':>8} {'cpu us/layer':>13} {'core-s/GB':>10}"
+    head = (f"{'system':<10} {'op':<8} {'prefix':>7} {'GB/s':>8} {'x limit':>8} {'x beside':>9} {'cpu us/layer':>13}"
+            f" {'core-s/GB':>10}")
     lines = [head, "-" * len(head)]
     order = {s: i for i, s in enumerate(SYSTEMS)}
     for r in sorted(report["results"], key=lambda r: (r["op"] != "retrieve", r["prefix_tokens"], order[r["system"]])):
         ref = lim["storage_read_gbps"] if r["op"] == "retrieve" else lim["storage_write_gbps"]
         lines.append(
             f"{r['system']:<10} {r['op']:<8} {r['prefix_tokens'] // 1024:>6}K {r['gbps']:>8.2f} "
-            f"{r['gbps'] / ref:>8.2f} {r['cpu_us_per_layer']:>13.1f} {r['host_core_s_per_gb']:>10.3f}"
+            f"{r['gbps'] / ref:>8.2f} {r['x_adjacent_limit']:>9.2f} {r['cpu_us_per_layer']:>13.1f}"
+            f" {r['host_core_s_per_gb']:>10.3f}"
         )
     parts = [f"storage read {lim['storage_read_gbps']:.2f} GB/s", f"write {lim['storage_write_gbps']:.2f} GB/s"]
     if "h2d_gbps" in lim:
         parts.append(f"host-to-GPU {lim['h2d_gbps']:.2f} GB/s")
-    lines.append("limits (same run): " + ", ".join(parts))
+    lines.append("limits (same run, best of the thread counts): " + ", ".join(parts))
+    lines.append("  x beside: against a limit pass at the best thread count measured right before each pass")
     m = report["machine"]
     if "limit_read_gbps_by_threads" in m:
         by = lambda d: ", ".join(f"{t} thr {v:.2f}" for t, v in d.items())  # noqa: E731
