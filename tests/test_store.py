@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -347,6 +349,39 @@ def test_read_unit_into_and_reader_refresh(store_dirs):
         reader.close()
 
 
+def test_read_unit_into_without_verify_leaves_the_checksums_to_the_consumer(store_dirs):
+    """The node daemon serves remote reads with verify=False: the header is still checked, and a
+    corrupt object is caught where the bytes are consumed (scatter_unit, import_unit)."""
+    import mmap
+
+    from tutti_cluster.errors import NotFound
+
+    kv = make_kv(seed=33)
+    with open_store(store_dirs, kv) as s:
+        ub = s.unit_blocks
+        g = s.geometry()
+        assert s.store([5], np.arange(ub)).ok
+        pool = store_dirs[0] / "tutti-default.pool"
+        with open(pool, "r+b") as f:  # the store's only unit sits in the first slot of path 0
+            f.seek(g["header_bytes"] + g["obj_bytes"] + 7)
+            f.write(b"\x5a\xa5")
+        buf = mmap.mmap(-1, g["slot_bytes"])
+        with pytest.raises(NotFound, match="checksum"):
+            s.read_unit_into(5, buf)
+        assert s.read_unit_into(5, buf, verify=False) == g["slot_bytes"]
+        with pytest.raises(NotFound, match="checksum"):
+            s.scatter_unit(buf, np.arange(ub) + 10)
+        with pytest.raises(NotFound, match="checksum"):
+            s.import_unit(buf)
+        with pytest.raises(NotFound):
+            s.read_unit_into(6, buf, verify=False)  # absent
+        buf[:8] = b"\0" * 8  # a header that is not one: caught without verify as well
+        with open(pool, "r+b") as f:
+            f.write(bytes(buf[: g["header_bytes"]]))
+        with pytest.raises(NotFound, match="header"):
+            s.read_unit_into(5, buf, verify=False)
+
+
 @pytest.mark.parametrize("unit_tokens", [64, 48])  # 48: objects carry alignment padding
 def test_memory_fs_moves_straight_between_file_and_blocks(tmpfs, unit_tokens):
     """On tmpfs the CPU I/O kernel skips staging (scatter-gather I/O into the KV blocks) and checks
@@ -390,3 +425,52 @@ def test_config_file_sits_below_the_environment(monkeypatch, tmp_path):
     f.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
         TuttiConfig()
+
+
+def _unwritten_bytes(path: Path) -> int | None:
+    """Bytes of ``path`` in unwritten extents (FIEMAP), or None where the file system cannot say."""
+    import fcntl
+    import struct
+
+    fs_ioc_fiemap, n_ext, unwritten, last = 0xC020660B, 128, 0x800, 0x1
+    total, start = 0, 0
+    while True:
+        out = bytearray(struct.pack("=QQLLLL", start, (1 << 64) - 1 - start, 0, 0, n_ext, 0) + bytes(56 * n_ext))
+        try:
+            with open(path, "rb") as f:
+                fcntl.ioctl(f.fileno(), fs_ioc_fiemap, out, True)
+        except OSError:
+            return None
+        mapped = struct.unpack_from("=L", out, 20)[0]
+        if mapped == 0:
+            return total
+        for i in range(mapped):
+            logical, _phys, length, _r1, _r2, flags = struct.unpack_from("=QQQQQL", out, 32 + 56 * i)
+            total += length if flags & unwritten else 0
+            start = logical + length
+            if flags & last:
+                return total
+
+
+def test_prewrite_leaves_no_unwritten_extents(tmp_path):
+    """fallocate leaves unwritten extents on ext4/XFS, and O_DIRECT stores into them convert extents
+    under the file's exclusive lock; prewrite_pool (the default) zeroes them once at first open."""
+    kv = make_kv(seed=34)
+    cold, warm = tmp_path / "cold", tmp_path / "warm"
+    cold.mkdir()
+    warm.mkdir()
+    with open_store([cold], kv, prewrite_pool=False) as s:
+        assert s.store([1], np.arange(s.unit_blocks)).ok
+    want = snapshot(kv)
+    before = _unwritten_bytes(cold / "tutti-default.pool")
+    if not before:
+        pytest.skip("this file system reports no unwritten extents after fallocate (nothing to prewrite)")
+    with open_store([warm], kv) as s:
+        assert _unwritten_bytes(warm / "tutti-default.pool") == 0
+        assert s.store([1], np.arange(s.unit_blocks)).ok
+    with open_store([cold], kv) as s:  # an existing pool is completed on the next open, data kept
+        assert _unwritten_bytes(cold / "tutti-default.pool") == 0
+        zero(kv)
+        assert s.retrieve([1], np.arange(s.unit_blocks) + 7).ok
+        for l in range(len(kv)):
+            np.testing.assert_array_equal(kv[l][:, 7 : 7 + s.unit_blocks], want[l][:, : s.unit_blocks])

@@ -61,6 +61,11 @@ class TuttiConfig(BaseSettings):
         0, ge=0, le=64,
         description="Pool files per path; 0 = 8 on memory file systems (parallel writes), 1 elsewhere.",
     )
+    prewrite_pool: bool = Field(
+        True,
+        description="Write zeros once over the pool space a block device's file system keeps unwritten "
+        "after fallocate, so that stores are overwrites (first start writes the capacity once).",
+    )
 
     # Layout
     unit_tokens: int = Field(256, gt=0, description="Tokens per cache unit (one GPU file).")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import mmap
 import os
 import signal
 import socket
@@ -144,20 +145,23 @@ class _InstanceView:
                 self.refreshed_at = time.monotonic()
             return True
 
-    def read_into(self, key: int, view: memoryview, refresh_after_s: float = 0.2) -> int | None:
-        """Read and verify the unit of ``key`` straight into ``view``: its size, or None if absent.
+    def read_into(self, key: int, view: memoryview, refresh_after_s: float = 0.2, verify: bool = False) -> int | None:
+        """Read the unit of ``key`` straight into ``view``: its size, or None if absent.
 
         ``store.read_unit_into`` lands in place with O_DIRECT when ``view`` is 4 KiB aligned (the
-        registered staging slots are), so a staged unit is never copied on this node. A key
-        committed after our last rescan triggers one ``refresh()`` (at most every
-        ``refresh_after_s``). Raises NotFound when the unit is listed but fails verification
-        (evicted and overwritten under us, or corrupt), CapacityExceeded when ``view`` is too small.
+        registered staging slots are), so a staged unit is never copied on this node. Unless
+        ``verify``, only its header is checked here (key and layout): the requester verifies every
+        object's checksum as it scatters, so a corrupt object is its miss (it reports it, and
+        ``NodeDaemon`` then verifies its copy), and each byte is summed once. A key committed
+        after our last rescan triggers one ``refresh()`` (at most every ``refresh_after_s``). Raises
+        NotFound when the slot holds another unit (evicted and overwritten under us),
+        CapacityExceeded when ``view`` is too small.
         """
         for attempt in range(2):
             with self._shared() as st:
                 seen = self.refreshed_at
                 if st is not None and st.contains(key):
-                    return int(st.read_unit_into(key, view))
+                    return int(st.read_unit_into(key, view, verify=verify))
             if attempt or st is None or time.monotonic() - seen < refresh_after_s:
                 return None
             if not self._refresh(seen):
@@ -258,7 +262,7 @@ class NodeDaemon:
         slot = max((v.slot_bytes() for v in self._instances.values()), default=0)
         self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes, slot_bytes=slot)
         self.stage = StageServer(self.transfer, None, host=self.host, port=self.stage_port,
-                                 read_into=self._read_into).start()
+                                 read_into=self._read_into, check=self._check_unit).start()
         self.directory = EtcdDirectory(",".join(self.config.etcd), self.node_id, self.config.lease_ttl_s,
                                        timeout_s=self.directory_timeout_s)
         with self._lock:
@@ -359,6 +363,23 @@ class NodeDaemon:
             if got is not None:
                 return got
         return None
+
+    def _check_unit(self, key: int) -> None:
+        """A requester found ``key`` corrupt: verify our copies and stop advertising bad ones."""
+        with self._lock:
+            views = [self._instances[o] for o in self._index.get(key, ()) if o in self._instances]
+        for v in views:
+            buf = mmap.mmap(-1, max(v.slot_bytes(), mmap.PAGESIZE))  # page-aligned: read in place
+            try:
+                with memoryview(buf) as view:
+                    v.read_into(key, view, verify=True)
+            except NotFound:
+                self.counters["unreadable_units"] += 1
+                self._evict(v.name, [key])
+            except TuttiError as exc:
+                log.warning("cannot check unit %x of instance %s: %s", key, v.name, exc)
+            finally:
+                buf.close()
 
     # -- requests ---------------------------------------------------------------------------------
     def _serve(self, rfile: Any, wfile: Any) -> None:

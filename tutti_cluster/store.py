@@ -122,7 +122,8 @@ class TuttiStore:
             staging_bytes=self.config.staging_mb << 20, max_requests=self.config.max_requests,
             io_sms=self.config.io_sms, direct=_DIRECT[self.config.direct_io], backend=backend,
             device=self.config.device, read_only=read_only, layers=descs, desc=desc,
-            files_per_path=self.config.pool_files, cuda_pair=self.config.cuda_pair,
+            files_per_path=self.config.pool_files, prewrite=self.config.prewrite_pool,
+            cuda_pair=self.config.cuda_pair,
             cuda_trace=self.config.cuda_trace,
         )
         if not read_only:
@@ -311,13 +312,16 @@ class TuttiStore:
         """The whole GPU file of ``key`` (header and objects), read on the CPU and verified."""
         return bytes(self._n.read_unit(to_key(key)))
 
-    def read_unit_into(self, key: Key, out: Any) -> int:
+    def read_unit_into(self, key: Key, out: Any, verify: bool = True) -> int:
         """Reads and verifies the GPU file of ``key`` into the writable buffer ``out``; returns its size.
 
         With a 4 KiB-aligned buffer (e.g. one registered with a transfer engine) the read lands in
         place with O_DIRECT, with no copy. Raises NotFound for an absent or corrupt unit.
+        ``verify=False`` checks only the header (key and layout) and leaves the per-object checksums
+        to whoever consumes the bytes (``scatter_unit`` and ``import_unit`` verify them): the node
+        daemon serves remote reads this way, so that each byte is summed once, at the requester.
         """
-        return int(self._n.read_unit_into(to_key(key), out))
+        return int(self._n.read_unit_into(to_key(key), out, verify))
 
     def refresh(self) -> None:
         """Read-only stores: rescans the headers for units committed since open."""

@@ -88,7 +88,7 @@ PYBIND11_MODULE(_native, m) {
           [](std::vector<std::string> paths, std::vector<uint64_t> capacity, std::string instance, uint32_t unit_blocks,
              uint32_t queue_depth, uint64_t staging_bytes, uint32_t max_requests, uint32_t io_sms, int direct,
              std::string backend, int device, bool read_only, std::vector<LayerKV> layers, std::string desc,
-             uint32_t files_per_path, bool cuda_pair, bool cuda_trace) {
+             uint32_t files_per_path, bool prewrite, bool cuda_pair, bool cuda_trace) {
             StoreOptions o;
             o.paths = std::move(paths);
             o.capacity = std::move(capacity);
@@ -103,6 +103,7 @@ PYBIND11_MODULE(_native, m) {
             o.device = device;
             o.read_only = read_only;
             o.files_per_path = files_per_path;
+            o.prewrite = prewrite;
             o.cuda_pair = cuda_pair;
             o.cuda_trace = cuda_trace;
             auto* ps = new PyStore();
@@ -120,7 +121,7 @@ PYBIND11_MODULE(_native, m) {
           py::kw_only(), py::arg("paths"), py::arg("capacity"), py::arg("instance"), py::arg("unit_blocks"),
           py::arg("queue_depth"), py::arg("staging_bytes"), py::arg("max_requests"), py::arg("io_sms"),
           py::arg("direct"), py::arg("backend"), py::arg("device"), py::arg("read_only"), py::arg("layers"),
-          py::arg("desc"), py::arg("files_per_path") = 0,
+          py::arg("desc"), py::arg("files_per_path") = 0, py::arg("prewrite") = true,
           py::arg("cuda_pair") = false, py::arg("cuda_trace") = false)
       .def("init_queue", [](PyStore& p, uint32_t depth) {
         Store& s = p.get();
@@ -188,13 +189,13 @@ PYBIND11_MODULE(_native, m) {
         }
         return to_bytes(out);
       })
-      .def("read_unit_into", [](PyStore& p, uint64_t key, py::buffer out) {
+      .def("read_unit_into", [](PyStore& p, uint64_t key, py::buffer out, bool verify) {
         Store& s = p.get();
         py::buffer_info i = out.request(true);
         const uint64_t n = static_cast<uint64_t>(i.size * i.itemsize);
-        ok(without_gil([&] { return s.read_unit_into(key, static_cast<uint8_t*>(i.ptr), n); }));
+        ok(without_gil([&] { return s.read_unit_into(key, static_cast<uint8_t*>(i.ptr), n, verify); }));
         return s.geometry().slot_bytes;
-      })
+      }, py::arg("key"), py::arg("out"), py::arg("verify") = true)
       .def("refresh", [](PyStore& p) {
         Store& s = p.get();
         ok(without_gil([&] { return s.refresh(); }));

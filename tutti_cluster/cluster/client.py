@@ -138,6 +138,7 @@ class ClusterClient:
                     except TuttiError as exc:
                         # A unit that fails verification is a miss, never wrong data.
                         log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
+                        stream.report_corrupt(key)
                         stream.error = str(exc)
                         break
                     got += 1

@@ -11,6 +11,8 @@ Protocol (one stream per connection, requests and answers are single JSON lines)
     -> {"op": "stage", "keys": [k0, k1, ...], "window": W}
     <- {"key": k0, "addr": A, "len": N}            one per unit, in key order
     -> {"op": "done", "addr": A}                   requester has pulled A
+    -> {"op": "corrupt", "key": k}                 k failed the requester's checksums: the owner
+                                                   verifies its copy (``check``) and drops it if bad
     <- {"key": kj, "miss": "reason"}               unit j is absent/corrupt/busy: the stream ends
     <- {"end": true}                               after the last unit or a miss
     -> {"op": "ping"}  <- {"pong": true}
@@ -43,6 +45,8 @@ UnitReader = Callable[[int], "bytes | None"]
 # read_into(key, view) -> bytes written into `view` (a whole registered slot), or None when absent:
 # the node daemon's reader (store.read_unit_into), which reads in place, with no copy.
 UnitReaderInto = Callable[[int, memoryview], "int | None"]
+# check(key): called for a unit a requester reported corrupt; verifies the local copy, drops it if bad.
+UnitCheck = Callable[[int], None]
 
 MAX_LINE = 16 << 20  # a stage request of 4096 keys is ~100 KiB; anything far larger is an error
 
@@ -55,6 +59,7 @@ class StageStats:
     read_s: float = 0.0  # time spent reading units into slots (summed over reader threads)
     units_copied: int = 0  # staged through a bytes copy (sources without read_into), not in place
     misses: int = 0
+    corrupt_reports: int = 0  # units requesters found corrupt (the owner then checks its copy)
     reclaimed_slots: int = 0
 
     def as_dict(self) -> dict[str, float]:
@@ -66,7 +71,8 @@ class StageServer:
 
     def __init__(self, transfer: TransferNode, read_unit: UnitReader | None, host: str = "127.0.0.1", port: int = 0,
                  max_window: int = 4, slot_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
-                 read_into: UnitReaderInto | None = None, readers: int | None = None) -> None:
+                 read_into: UnitReaderInto | None = None, readers: int | None = None,
+                 check: UnitCheck | None = None) -> None:
         self.transfer = transfer
         # Units read at once per stream. A read is an O_DIRECT read straight into a registered slot
         # plus one checksum pass, so it mostly waits on the device: two in flight keep the SSD busy
@@ -75,6 +81,7 @@ class StageServer:
         self.readers = max(1, readers or max(2, min(4, (os.cpu_count() or 2) // 2)))
         self.read_unit = read_unit
         self.read_into = read_into
+        self.check = check
         self.max_window = max(1, max_window)
         self.slot_timeout_s = slot_timeout_s
         self.idle_timeout_s = idle_timeout_s
@@ -188,6 +195,10 @@ class StageServer:
                     window = max(1, min(int(msg.get("window", 2)), self.max_window))
                     stream = threading.Thread(target=run_stream, args=(keys, window), daemon=True)
                     stream.start()
+                elif op == "corrupt":
+                    self.stats.corrupt_reports += 1
+                    if self.check is not None:
+                        self.check(int(msg["key"]) & 0xFFFFFFFFFFFFFFFF)
                 elif op == "ping":
                     send({"pong": True})
                 else:
@@ -288,6 +299,20 @@ class StageStream:
         self.miss: str | None = None
         self.bytes = 0
         self.pull_s = 0.0  # time in Transfer Engine reads
+        self._sock: socket.socket | None = None
+        self._send_lock = threading.Lock()  # the puller's `done` and the consumer's `corrupt`
+
+    def _send(self, sock: socket.socket, obj: dict) -> None:
+        with self._send_lock:
+            sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def report_corrupt(self, key: int) -> None:
+        """Tell the owner that ``key`` failed our checksums (call while iterating); best effort."""
+        if self._sock is not None:
+            try:
+                self._send(self._sock, {"op": "corrupt", "key": int(key)})
+            except OSError:
+                pass
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
         # A puller thread reads the owner's announcements and pulls each unit into one of `depth`
@@ -299,6 +324,7 @@ class StageStream:
         except OSError as exc:
             self.error = f"connect {self.stage_addr}: {exc}"
             return
+        self._sock = sock
         ready: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
         free: queue.Queue[int] = queue.Queue()
         held: list[int] = []
@@ -324,7 +350,7 @@ class StageStream:
             try:
                 sock.settimeout(self.timeout_s)
                 rfile = sock.makefile("rb")
-                sock.sendall(json.dumps({"op": "stage", "keys": self.keys, "window": self.window}).encode() + b"\n")
+                self._send(sock, {"op": "stage", "keys": self.keys, "window": self.window})
                 expected = iter(self.keys)
                 while not stop.is_set():
                     line = rfile.readline(MAX_LINE)
@@ -358,7 +384,7 @@ class StageStream:
                     t0 = time.perf_counter()
                     self.transfer.read(self.segment, local, int(msg["addr"]), n)
                     self.pull_s += time.perf_counter() - t0
-                    sock.sendall(json.dumps({"op": "done", "addr": msg["addr"]}).encode() + b"\n")
+                    self._send(sock, {"op": "done", "addr": msg["addr"]})
                     self.bytes += n
                     ready.put((key, local, n))
             except (OSError, ValueError, KeyError, TuttiError) as exc:
@@ -379,6 +405,7 @@ class StageStream:
                 free.put(local)
         finally:
             stop.set()
+            self._sock = None
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:

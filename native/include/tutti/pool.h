@@ -41,10 +41,11 @@ class FilePool {
   // `files_per_path` > 1 also `<dir>/tutti-<instance>.<k>.pool`; the capacity of a path is split
   // evenly. 0 files per path means: 8 on memory file systems (tmpfs, ramfs), 1 elsewhere. Files are
   // ordered so that consecutive slots go to different paths. `read_only` opens the existing files
-  // without lock, for readers such as the node daemon.
+  // without lock, for readers such as the node daemon. `prewrite` writes zeros once over what
+  // fallocate left unwritten (O_DIRECT files on block devices), so that stores overwrite in place.
   Status open(const std::vector<std::string>& dirs, const std::vector<uint64_t>& capacity,
               const std::string& instance, const Geometry& g, DirectMode mode, bool read_only,
-              uint32_t files_per_path = 1);
+              uint32_t files_per_path = 1, bool prewrite = false);
   void close();
 
   uint32_t num_slots() const { return num_slots_; }

@@ -21,6 +21,7 @@ struct StoreOptions {
   std::vector<uint64_t> capacity;  // bytes per path
   std::string instance = "default";
   uint32_t files_per_path = 0;     // pool files per path; 0: 8 on memory file systems, 1 elsewhere
+  bool prewrite = true;            // zero what fallocate left unwritten, once (see FilePool::open)
   uint32_t unit_blocks = 16;
   uint32_t queue_depth = 64;       // io_uring depth of the agent
   uint64_t staging_bytes = 64ull << 20;
@@ -91,7 +92,7 @@ class Store {
   Status read_unit(uint64_t key, std::vector<uint8_t>* out);
   // Reads and verifies a whole GPU file into `dst` (`cap` bytes, at least slot_bytes); in place, with
   // O_DIRECT, when `dst` is 4 KiB aligned.
-  Status read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap);
+  Status read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap, bool verify = true);
   // Read-only stores: rescans the headers to see units committed since open.
   Status refresh();
   Status import_unit(const uint8_t* data, uint64_t n, uint64_t* key);
