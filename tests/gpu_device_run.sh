@@ -70,11 +70,13 @@ for step in "$@"; do
     done
     export PATH=/tmp/cdeb/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/clibs:${LD_LIBRARY_PATH:-}
     python3 -c "import mooncake.engine; print('mooncake ok')" || exit 1
-    for owner in /dev/shm/owner /var/tmp/owner; do
-      log "cluster bench, owner store on $owner"
+    for run in "shm 16" "shm 64" "tmp 16"; do
+      set -- $run
+      owner=$([ $1 = shm ] && echo /dev/shm/owner || echo /var/tmp/owner)
+      log "cluster bench, $2 units, owner store on $owner"
       mkdir -p $owner
-      timeout $(left) python3 -m tutti_cluster.cluster.bench --only fetch --owner-path $owner \
-        --json "$OUT/cluster_$(basename $(dirname $owner)).json" 2>&1 | grep -v "^[IWE][0-9]\{4\} " | tail -8
+      timeout $(left) python3 -m tutti_cluster.cluster.bench --only fetch --owner-path $owner --units $2 \
+        --json "$OUT/cluster_$1_$2.json" 2>&1 | grep -v "^[IWE][0-9]\{4\} " | tail -8
       rm -rf $owner
     done ;;
   none) ;;
