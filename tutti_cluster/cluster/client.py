@@ -55,10 +55,11 @@ class ClusterClient:
     def transfer(self) -> Any:
         """Our Transfer Engine, started on the first remote fetch."""
         if self._transfer is None:
+            from tutti_cluster.cluster.stage import default_depth
             from tutti_cluster.cluster.transfer import TransferNode
 
             slot = int(self.store.geometry()["slot_bytes"]) if callable(getattr(self.store, "geometry", None)) else 0
-            arena = self.arena_bytes or max(2 * slot, 64 << 20)
+            arena = self.arena_bytes or max(default_depth() * slot, 64 << 20)
             self._transfer = TransferNode(self.host, self.config.protocol, arena, slot_bytes=slot)
         return self._transfer
 

@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from tutti_cluster.cluster.transfer import TransferNode
+from tutti_cluster.cluster.transfer import Pull, TransferNode
 from tutti_cluster.errors import TuttiError
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ UnitReaderInto = Callable[[int, memoryview], "int | None"]
 # check(key): called for a unit a requester reported corrupt; verifies the local copy, drops it if bad.
 UnitCheck = Callable[[int], None]
 
+# The completer may be waiting out a pull's deadline (Mooncake's transfer timeout plus 1 s per GiB).
+_TRANSFER_JOIN_S = 10.0
 MAX_LINE = 16 << 20  # a stage request of 4096 keys is ~100 KiB; anything far larger is an error
 
 
@@ -277,6 +279,11 @@ class StageServer:
         return addr, n
 
 
+def default_depth() -> int:
+    """Local slots of a stage stream (see :class:`StageStream`)."""
+    return 3 if (os.cpu_count() or 1) > 4 else 2
+
+
 class StageStream:
     """Requester side of one stage stream. Iterate to get ``(key, view)`` pairs in key order.
 
@@ -284,12 +291,17 @@ class StageStream:
     next iteration step (the slot is then reused). The iteration ends early at the owner's first
     miss or at any fault (connection refused or dropped, transfer failure, timeout): the caller
     treats the rest as misses. Faults are counted in ``error`` and never raised.
+
+    Up to ``depth`` local slots are used: while the caller works on one unit, the others are being
+    pulled, so ``depth - 1`` pulls are in flight at once. The default is two pulls in flight
+    above four cores, and one below, where a second pull only competes for the cores with the
+    Transfer Engine's threads and the scatter.
     """
 
     def __init__(self, transfer: TransferNode, stage_addr: str, segment: str, keys: Sequence[int],
-                 window: int = 2, timeout_s: float = 5.0, depth: int = 2) -> None:
+                 window: int = 2, timeout_s: float = 5.0, depth: int | None = None) -> None:
         self.transfer = transfer
-        self.depth = max(1, depth)
+        self.depth = max(2, depth or default_depth())
         self.stage_addr = stage_addr
         self.segment = segment
         self.keys = [int(k) & 0xFFFFFFFFFFFFFFFF for k in keys]
@@ -298,9 +310,9 @@ class StageStream:
         self.error: str | None = None
         self.miss: str | None = None
         self.bytes = 0
-        self.pull_s = 0.0  # time in Transfer Engine reads
+        self.pull_s = 0.0  # summed submit-to-completion time of the pulls (they overlap)
         self._sock: socket.socket | None = None
-        self._send_lock = threading.Lock()  # the puller's `done` and the consumer's `corrupt`
+        self._send_lock = threading.Lock()  # the completer's `done` and the consumer's `corrupt`
 
     def _send(self, sock: socket.socket, obj: dict) -> None:
         with self._send_lock:
@@ -315,9 +327,10 @@ class StageStream:
                 pass
 
     def __iter__(self) -> Iterator[tuple[int, memoryview]]:
-        # A puller thread reads the owner's announcements and pulls each unit into one of `depth`
-        # local slots while the consumer works on the previous one (the Transfer Engine and the
-        # store's scatter both release the GIL), so pull and scatter overlap.
+        # Two threads: the puller reads the owner's announcements and submits a pull of each unit
+        # into a free local slot; the completer waits for the pulls in order, returns each owner
+        # slot (`done`) and hands the unit over. The Transfer Engine and the store's scatter both
+        # release the GIL, so pulls, waits and the caller's scatter overlap.
         host, _, port = self.stage_addr.rpartition(":")
         try:
             sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
@@ -325,6 +338,7 @@ class StageStream:
             self.error = f"connect {self.stage_addr}: {exc}"
             return
         self._sock = sock
+        inflight: queue.Queue[tuple[int, int, int, Pull] | None] = queue.Queue()
         ready: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
         free: queue.Queue[int] = queue.Queue()
         held: list[int] = []
@@ -381,20 +395,43 @@ class StageStream:
                         if not stop.is_set():
                             self.error = "no free local slot"
                         return
-                    t0 = time.perf_counter()
-                    self.transfer.read(self.segment, local, int(msg["addr"]), n)
-                    self.pull_s += time.perf_counter() - t0
-                    self._send(sock, {"op": "done", "addr": msg["addr"]})
-                    self.bytes += n
-                    ready.put((key, local, n))
+                    try:
+                        pull = self.transfer.start_read(self.segment, local, int(msg["addr"]), n)
+                    except TuttiError:
+                        free.put(local)
+                        raise
+                    inflight.put((key, local, int(msg["addr"]), pull))
             except (OSError, ValueError, KeyError, TuttiError) as exc:
                 if not stop.is_set():
                     self.error = f"{type(exc).__name__}: {exc}"
             finally:
-                ready.put(None)
+                inflight.put(None)
 
-        thread = threading.Thread(target=puller, name="tutti-stage-pull", daemon=True)
-        thread.start()
+        def completer() -> None:
+            failed = False
+            while (item := inflight.get()) is not None:
+                key, local, remote, pull = item
+                try:
+                    # A submitted pull is always waited for: its slot is not reused before.
+                    self.transfer.wait(pull)
+                    if failed or stop.is_set():
+                        continue
+                    self.pull_s += pull.seconds
+                    self._send(sock, {"op": "done", "addr": remote})
+                except (OSError, TuttiError) as exc:
+                    if not failed and not stop.is_set():
+                        self.error = f"{type(exc).__name__}: {exc}"
+                    failed = True
+                    stop.set()
+                    continue
+                self.bytes += pull.length
+                ready.put((key, local, pull.length))
+            ready.put(None)
+
+        threads = [threading.Thread(target=puller, name="tutti-stage-pull", daemon=True),
+                   threading.Thread(target=completer, name="tutti-stage-wait", daemon=True)]
+        for t in threads:
+            t.start()
         try:
             while True:
                 item = ready.get()
@@ -410,7 +447,8 @@ class StageStream:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            thread.join(self.timeout_s + 1)
+            for t in threads:
+                t.join(self.timeout_s + _TRANSFER_JOIN_S)
             try:
                 sock.close()
             except OSError:

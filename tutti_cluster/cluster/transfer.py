@@ -19,6 +19,7 @@ import mmap
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tutti_cluster.errors import ConfigError, DeviceError, TuttiError
@@ -62,6 +63,19 @@ def _mlock(addr: int, length: int) -> bool:
     except (OSError, AttributeError) as exc:
         log.debug("mlock unavailable: %s", exc)
     return False
+
+
+@dataclass
+class Pull:
+    """One submitted pull (:meth:`TransferNode.start_read`)."""
+
+    batch: int
+    segment: str
+    local_addr: int
+    length: int
+    t0: float
+    deadline: float
+    seconds: float = 0.0  # submit to completion, once waited for
 
 
 class TransferNode:
@@ -131,6 +145,11 @@ class TransferNode:
     def num_slots(self) -> int:
         return self._nslots
 
+    def slot_addresses(self) -> list[int]:
+        """Every slot's address, in arena order (free or not)."""
+        stride = (self.slot_bytes + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+        return [self.base + i * stride for i in range(self._nslots)]
+
     def acquire(self, timeout: float | None = None) -> int | None:
         """Address of a free slot, or None after ``timeout`` seconds."""
         with self._cv:
@@ -164,33 +183,44 @@ class TransferNode:
 
     # -- transfers --------------------------------------------------------------------------------
     def read(self, segment: str, local_addr: int, remote_addr: int, length: int) -> None:
-        """Pull ``length`` bytes from ``remote_addr`` in ``segment`` into our arena; raise on failure.
+        """Pull ``length`` bytes from ``remote_addr`` in ``segment`` into our arena; raise on failure."""
+        self.wait(self.start_read(segment, local_addr, remote_addr, length))
 
-        Submitted asynchronously and waited for with sleeps: one through most of the time the recent
-        pulls' rate predicts, then short ones. Mooncake's own ``transfer_sync_read`` waits by
-        polling the transfer status in a tight loop, which keeps one core busy for the whole pull;
-        on a host with few cores that core is taken from the Transfer Engine's TCP threads, the
-        owner's reads and our scatter. A transfer that neither completes nor fails by the deadline
-        retires its local slot (a late completion could still write into it) and raises.
-        """
+    def start_read(self, segment: str, local_addr: int, remote_addr: int, length: int) -> Pull:
+        """Submit a pull (asynchronous); :meth:`wait` for it before the slot is used or released."""
         t0 = time.monotonic()
         batch = self.engine.batch_transfer_async_read(segment, [local_addr], [remote_addr], [length])
         if batch in (0, -1, _BAD_BATCH):  # the segment cannot be opened, or the submit failed
             raise TuttiError(f"transfer from {segment} could not be started")
-        deadline = t0 + _TRANSFER_TIMEOUT_S + length / (1 << 30)  # as Mooncake: + 1 s per GiB
+        # As Mooncake's own deadline: its transfer timeout plus 1 s per GiB.
+        return Pull(batch, segment, local_addr, length, t0, t0 + _TRANSFER_TIMEOUT_S + length / (1 << 30))
+
+    def wait(self, pull: Pull) -> None:
+        """Wait for ``pull``; raise if it failed.
+
+        Waits with sleeps: one through most of the time the recent pulls' rate predicts, then short
+        ones. Mooncake's own ``transfer_sync_read`` polls the transfer status in a tight loop,
+        which keeps one core busy for the whole pull; on a host with few cores that core is taken
+        from the Transfer Engine's TCP threads, the owner's reads and our scatter. A transfer that
+        neither completes nor fails by the deadline retires its local slot (a late completion could
+        still write into it) and raises.
+        """
         if self._seconds_per_byte:
-            time.sleep(min(1.0, _PREDICTED_SHARE * self._seconds_per_byte * length))
+            ahead = _PREDICTED_SHARE * self._seconds_per_byte * pull.length - (time.monotonic() - pull.t0)
+            if ahead > 0:
+                time.sleep(min(1.0, ahead))
         while True:
-            rc = self.engine.transfer_check_status(batch)
+            rc = self.engine.transfer_check_status(pull.batch)
             if rc == 1:
-                rate = (time.monotonic() - t0) / max(1, length)
+                pull.seconds = time.monotonic() - pull.t0
+                rate = pull.seconds / max(1, pull.length)
                 self._seconds_per_byte = rate if not self._seconds_per_byte else 0.5 * (self._seconds_per_byte + rate)
                 return
             if rc == -1:
-                raise TuttiError(f"transfer from {segment} failed")
-            if rc == -2 or time.monotonic() > deadline:
-                self.retire(local_addr)
-                raise TuttiError(f"transfer from {segment} timed out")
+                raise TuttiError(f"transfer from {pull.segment} failed")
+            if rc == -2 or time.monotonic() > pull.deadline:
+                self.retire(pull.local_addr)
+                raise TuttiError(f"transfer from {pull.segment} timed out")
             time.sleep(_POLL_S)
 
     def read_sync(self, segment: str, local_addr: int, remote_addr: int, length: int) -> None:
