@@ -224,12 +224,13 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
         te = client.transfer
         # The raw pulls cycle through every slot of both arenas, as the fetch does: pulling one
         # buffer into one buffer over and over would be served partly from the CPU caches.
-        depth = default_depth()
-        locals_ = [a for a in (te.acquire(5) for _ in range(min(te.num_slots, depth))) if a is not None]
+        # As many local slots as the fetch's stream uses, taken for the raw pulls and given back
+        # before each fetch.
+        depth = min(te.num_slots, default_depth())
+        inflight = max(1, depth - 1)  # as StageStream: one slot is being scattered
         remotes = [int(a) for a in ready["arena_slots"]]
-        assert locals_ and remotes
-        inflight = max(1, len(locals_) - 1)  # as StageStream: one slot is being scattered
         raw, raw_par, remote, disk, disk1 = [], [], [], [], []
+        locals_: list[int] = []
 
         def raw_pulls(concurrent: int) -> float:
             pending: deque[Any] = deque()
@@ -262,6 +263,8 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
             # Raw Transfer Engine, three ways: TransferNode pulls one at a time and with as many in
             # flight as the fetch has (submit, then wait with sleeps: what the fetch uses), and
             # Mooncake's transfer_sync_read (one at a time, waits spinning on one core).
+            locals_[:] = [a for a in (te.acquire(5) for _ in range(depth)) if a is not None]
+            assert len(locals_) == depth, "the fetch did not give its slots back"
             c0 = cpu_s()
             raw.append(raw_pulls(1))
             cpu_raw += cpu_s() - c0
@@ -270,6 +273,8 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
             for i in range(n):
                 te.read_sync(ready["segment"], locals_[i % len(locals_)], remotes[i % len(remotes)], unit_bytes)
             raw_sync.append(total / (time.perf_counter() - t0) / GiB)
+            for a in locals_:
+                te.release(a)
             disk.append(owner_read(int(ready["readers"])))
             disk1.append(owner_read(1))
             client.lookup(keys)
@@ -280,8 +285,6 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
             if placed != n:
                 raise SystemExit(f"remote fetch placed {placed} of {n} units: {client.stats}")
             remote.append(total / dt / GiB)
-        for a in locals_:
-            te.release(a)
         owner_stats = _owner_stage_stats(ready)
         reps_n = args.reps * n
         split = {"owner_read_ms_per_unit": 1e3 * owner_stats.get("read_s", 0.0) / max(1, owner_stats.get("units_staged", 1)),

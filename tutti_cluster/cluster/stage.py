@@ -343,6 +343,7 @@ class StageStream:
         free: queue.Queue[int] = queue.Queue()
         held: list[int] = []
         stop = threading.Event()
+        in_flight = threading.Semaphore(self.depth - 1)  # pulls at once; the last slot is the caller's
 
         def local_slot() -> int | None:
             if len(held) < self.depth:
@@ -395,9 +396,14 @@ class StageStream:
                         if not stop.is_set():
                             self.error = "no free local slot"
                         return
+                    while not in_flight.acquire(timeout=0.05):
+                        if stop.is_set():
+                            free.put(local)
+                            return
                     try:
                         pull = self.transfer.start_read(self.segment, local, int(msg["addr"]), n)
                     except TuttiError:
+                        in_flight.release()
                         free.put(local)
                         raise
                     inflight.put((key, local, int(msg["addr"]), pull))
@@ -413,7 +419,10 @@ class StageStream:
                 key, local, remote, pull = item
                 try:
                     # A submitted pull is always waited for: its slot is not reused before.
-                    self.transfer.wait(pull)
+                    try:
+                        self.transfer.wait(pull)
+                    finally:
+                        in_flight.release()
                     if failed or stop.is_set():
                         continue
                     self.pull_s += pull.seconds
