@@ -6,8 +6,8 @@
 # none (build only). The native module is built first (CUDA on, sm_90; CUDA off when the only step
 # is cluster), with liburing from the Debian packages in .deb/ and the wheels the image lacks in
 # .whl/. Logs and JSON go to $OUT (or ./gpu-out). Environment: STAGING_MB and QD for the /dev/shm
-# bench (default 2048 and 24), PREFIXES (default 16K,32K,64K,128K), BUDGET_S (skip later steps
-# that would not fit; default 570).
+# bench (default 2048 and 24), SHM_SYSTEMS (default: all), PREFIXES (default 16K,32K,64K,128K),
+# BUDGET_S (skip later steps that would not fit; default 570).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -47,7 +47,7 @@ for step in "$@"; do
     log "bench /dev/shm (stand-in for an NVMe array), staging ${STAGING_MB:-2048} MiB, queue depth ${QD:-24}"
     mkdir -p $SHM
     TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-24} bench --paths $SHM \
-      --prefix-tokens $PREFIXES --limit-gb 4 --json "$OUT/bench_shm.json" | tail -32
+      --prefix-tokens $PREFIXES --limit-gb 4 ${SHM_SYSTEMS:+--systems $SHM_SYSTEMS} --json "$OUT/bench_shm.json" | tail -32
     rm -rf $SHM ;;
   disk)
     log "bench disk (O_DIRECT, caches dropped)"

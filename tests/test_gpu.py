@@ -237,11 +237,14 @@ def test_unaligned_objects_and_padding(dirs: list[Path]) -> None:
 
 
 @gpu
-def test_layer_calls_are_stream_ordered(dirs: list[Path]) -> None:
+@pytest.mark.parametrize("caller_stream", ["default", "side"])
+def test_layer_calls_are_stream_ordered(dirs: list[Path], caller_stream: str) -> None:
     """store_layer runs after the caller's queued work; wait_layer orders the caller's stream after
-    the retrieve, with no host synchronisation in between."""
+    the retrieve, with no host synchronisation in between. On the default (legacy) stream, whose
+    handle is 0, and on a stream of the caller's own."""
     kv = make_gpu_kv("kv_first", layers=2, blocks=64, seed=4)
-    with open_gpu_store(dirs, kv, "kv_first") as s:
+    side = torch.cuda.Stream() if caller_stream == "side" else torch.cuda.default_stream()
+    with open_gpu_store(dirs, kv, "kv_first") as s, torch.cuda.stream(side):
         blocks = list(range(32))
         keys = list(range(1, 9))
         torch.cuda.synchronize()
@@ -256,16 +259,19 @@ def test_layer_calls_are_stream_ordered(dirs: list[Path]) -> None:
         torch.cuda.synchronize()
         dst = list(range(32, 64))
         req = s.begin_retrieve(keys, dst)
+        torch.cuda._sleep(200_000_000)
+        for l in kv:
+            l[:, 32:].fill_(-2.0)  # queued behind the sleep: the retrieve must land after it
         for layer in range(2):
             s.retrieve_layer(layer, req)
         seen = []
         for layer in range(2):
-            s.wait_layer(layer, req)  # stream wait: returns at once
+            s.wait_layer(layer, req)  # stream wait (a side stream: returns at once)
             seen.append(kv[layer][:, 32:].clone())  # queued on the current stream after the I/O
         assert s.finish(req).ok
         torch.cuda.synchronize()
         for x in seen:
-            assert bool((x == 1.5).all()), "the current stream ran ahead of the retrieve"
+            assert bool((x == 1.5).all()), "the current stream ran ahead of the retrieve, or the retrieve of its work"
 
 
 @gpu

@@ -17,6 +17,7 @@ every one of its objects and then its header are on storage.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -140,10 +141,14 @@ class TuttiStore:
         if device == "cuda":
             import torch  # only CUDA stores need it
 
-            # One reusable event per layer: each call records it on the caller's stream, and the
-            # backend makes the I/O stream wait on it at once, so a later record does not interfere.
-            self._torch_device = torch.device("cuda", self.config.device)
-            self._events = [torch.cuda.Event() for _ in layers]
+            # The caller's current stream, as a raw handle: the native layer call records its
+            # ordering event there (torch's own cheap accessor where this torch has it).
+            index = self.config.device
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            self._current_stream: Callable[[], int] = (
+                functools.partial(raw, index) if raw is not None
+                else lambda: int(torch.cuda.current_stream(index).cuda_stream)
+            )
         log.info("store %s: %d layers, %s, %d blocks/unit, GPU file %d bytes, backend %s",
                  self.config.instance, len(layers), desc, unit_blocks, nat.geometry()["slot_bytes"], backend)
 
@@ -205,16 +210,10 @@ class TuttiStore:
         if have != op:
             raise TuttiError(f"request {req} is a {'retrieve' if have == _RETRIEVE else 'store'} request")
 
-    def _event(self, layer: int, event: int) -> int:
-        """The CUDA event (handle) the layer's I/O is ordered after: ``event`` when given, else one
-        recorded now on the caller's current stream. 0 on CPU stores."""
-        if event or self.device != "cuda" or not 0 <= layer < len(self._events):
-            return event
-        import torch
-
-        ev = self._events[layer]
-        ev.record(torch.cuda.current_stream(self._torch_device))
-        return int(ev.cuda_event)
+    def _order_stream(self, event: int) -> int:
+        """The stream (handle; 0 is the default stream) the layer's I/O is ordered after when no
+        ``event`` is given: the caller's current stream on CUDA stores; -1 (none) otherwise."""
+        return self._current_stream() if not event and self.device == "cuda" else -1
 
     def retrieve_layer(self, layer: int, req: int, event: int = 0) -> None:
         """Starts moving ``layer`` of the request from storage into its KV blocks (asynchronous).
@@ -223,7 +222,7 @@ class TuttiStore:
         the work queued so far on the caller's current stream.
         """
         self._check(req, _RETRIEVE)
-        self._n.layer(layer, req, self._event(layer, event))
+        self._n.layer(layer, req, event, self._order_stream(event))
 
     def store_layer(self, layer: int, req: int, event: int = 0) -> None:
         """Starts writing ``layer`` of the request's KV blocks to its GPU files (asynchronous).
@@ -232,7 +231,7 @@ class TuttiStore:
         current stream (the kernels that wrote the KV blocks).
         """
         self._check(req, _STORE)
-        self._n.layer(layer, req, self._event(layer, event))
+        self._n.layer(layer, req, event, self._order_stream(event))
 
     def wait_layer(self, layer: int, req: int, stream: int | None = None) -> None:
         """Waits until ``layer`` of the request has moved.
@@ -244,11 +243,7 @@ class TuttiStore:
         if req not in self._ops:
             raise TuttiError(f"no request {req} in flight")
         if stream is None:
-            stream = 0
-            if self.device == "cuda":
-                import torch
-
-                stream = int(torch.cuda.current_stream(self._torch_device).cuda_stream)
+            stream = self._current_stream() if self.device == "cuda" else 0
         self._n.wait_layer(layer, req, stream)
 
     def compute_stream(self) -> int:

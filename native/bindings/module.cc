@@ -138,10 +138,10 @@ PYBIND11_MODULE(_native, m) {
                    static_cast<uint64_t>(blocks.size()), &id); }));
         return id;
       })
-      .def("layer", [](PyStore& p, uint32_t layer, uint32_t req, uint64_t event) {
+      .def("layer", [](PyStore& p, uint32_t layer, uint32_t req, uint64_t event, int64_t stream) {
         Store& s = p.get();
-        ok(without_gil([&] { return s.layer(layer, req, event); }));
-      }, py::arg("layer"), py::arg("request"), py::arg("event") = 0)
+        ok(without_gil([&] { return s.layer(layer, req, event, stream); }));
+      }, py::arg("layer"), py::arg("request"), py::arg("event") = 0, py::arg("stream") = -1)
       .def("wait_layer", [](PyStore& p, uint32_t layer, uint32_t req, uint64_t stream) {
         Store& s = p.get();
         ok(without_gil([&] { return s.wait_layer(layer, req, stream); }));

@@ -394,7 +394,7 @@ Status Store::post_layer(uint32_t id, uint32_t op, uint32_t layer, uint32_t firs
   return issue_io(ids.data(), n, 0, event);
 }
 
-Status Store::layer(uint32_t layer, uint32_t id, uint64_t event) {
+Status Store::layer(uint32_t layer, uint32_t id, uint64_t event, int64_t stream) {
   std::lock_guard<std::mutex> lk(mu_);
   if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no such request"};
   Request& r = requests_[id];
@@ -403,6 +403,11 @@ Status Store::layer(uint32_t layer, uint32_t id, uint64_t event) {
   if (r.layer_issued[layer]) return {Code::kInvalid, "layer " + std::to_string(layer) + " already issued for this request"};
   r.layer_issued[layer] = 1;
   if (r.ctx.empty()) return Status::Ok();
+  if (!event && stream >= 0) {
+    // Recorded and waited on under mu_, back to back: one reusable event serves every layer.
+    Status st = backend_->record_on(static_cast<uint64_t>(stream), &event);
+    if (!st.ok()) return st;
+  }
   const uint32_t op = static_cast<uint32_t>(r.op == ReqOp::kRetrieve ? IoOp::kRead : IoOp::kWrite);
   return post_layer(id, op, layer, 0, static_cast<uint32_t>(r.ctx.size()), &r.layer_iocbs[layer], event);
 }

@@ -84,6 +84,13 @@ class Backend {
     (void)view;
     return Status::Ok();
   }
+  // Records an event on the caller's `stream` (a device stream handle) for the next launch to wait
+  // on, so that it starts after the work queued there; *event = 0 on backends without streams.
+  virtual Status record_on(uint64_t stream, uint64_t* event) {
+    (void)stream;
+    *event = 0;
+    return Status::Ok();
+  }
   // Makes `stream` wait for these IOCBs without blocking the host. Returns false when the backend
   // has no streams, and the caller then waits on the host (wait_cqe).
   virtual bool stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) {

@@ -74,7 +74,9 @@ class Store {
   // are O(1) on the host: each posts the layer's prepared IOCBs.
   Status begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int64_t* block_ids, uint64_t n_blocks,
                uint32_t* request);
-  Status layer(uint32_t layer, uint32_t request, uint64_t event);
+  // Posts one layer, ordered after `event` (a device event handle) when given, else after the work
+  // queued on `stream` (a device stream handle; 0 is the legacy default stream) when >= 0.
+  Status layer(uint32_t layer, uint32_t request, uint64_t event, int64_t stream = -1);
   // Waits for a layer: on the host, or, with a device `stream`, by making that stream wait.
   Status wait_layer(uint32_t layer, uint32_t request, uint64_t stream = 0);
   Status finish(uint32_t request, RequestResult* out);

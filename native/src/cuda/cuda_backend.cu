@@ -564,6 +564,7 @@ class CudaBackend final : public Backend {
   Status begin_request(uint32_t id, RequestView* view) override;
   Status end_request(uint32_t id, RequestView* view) override;
   bool stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) override;
+  Status record_on(uint64_t stream, uint64_t* event) override;
 
  private:
   Status make_partition(uint32_t sms);
@@ -593,6 +594,7 @@ class CudaBackend final : public Backend {
   KernelContext* k_ = nullptr;
   uint32_t workers_ = 0, grid_ = 0, per_worker_ = 0;
   std::vector<cudaEvent_t> events_;
+  cudaEvent_t order_event_ = nullptr;  // primary context, recorded on callers' streams (record_on)
   DevQueue* dev_queues_ = nullptr;
   uint32_t* counters_ = nullptr;
   uint64_t* abort_ = nullptr;  // mapped host page
@@ -740,6 +742,8 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   if (!st.ok()) return st;
   abort_ = static_cast<uint64_t*>(a);
   *abort_ = 0;
+  if ((e = cudaEventCreateWithFlags(&order_event_, cudaEventDisableTiming)) != cudaSuccess)
+    return {Code::kDevice, cuda_msg("cudaEventCreate", e)};
   push();
   events_.assign(ctx->num_iocbs, nullptr);
   for (auto& ev : events_)
@@ -892,6 +896,14 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
   return Status::Ok();
 }
 
+Status CudaBackend::record_on(uint64_t stream, uint64_t* event) {
+  if (!started_) return {Code::kDevice, "CUDA backend not started"};
+  const cudaError_t e = cudaEventRecord(order_event_, reinterpret_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaEventRecord on the caller's stream", e)};
+  *event = reinterpret_cast<uint64_t>(order_event_);
+  return Status::Ok();
+}
+
 bool CudaBackend::stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) {
   for (uint32_t i = 0; i < n; ++i)
     if (cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), events_[ids[i]], 0) != cudaSuccess) return false;
@@ -979,6 +991,8 @@ void CudaBackend::stop() {
     if (m.dev) cudaFree(m.dev);
   }
   pop();
+  if (order_event_) cudaEventDestroy(order_event_);
+  order_event_ = nullptr;
   for (auto& m : req_) free_host(m.host, m.host_bytes);
   req_.clear();
   if (trace_ && print_trace_) {
