@@ -26,7 +26,7 @@ def engines():
     from tutti_cluster.cluster.transfer import TransferNode
 
     owner = TransferNode(arena_bytes=4 * UNIT, slot_bytes=UNIT)
-    requester = TransferNode(arena_bytes=2 * UNIT, slot_bytes=UNIT)
+    requester = TransferNode(arena_bytes=3 * UNIT, slot_bytes=UNIT)
     yield owner, requester
     owner.close()
     requester.close()
@@ -48,11 +48,13 @@ def test_stream_is_byte_exact_and_in_order(served):
 
     owner, requester, units, srv = served
     keys = list(range(1, 9))
-    for window in (1, 2, 3, 8):
-        got = [(k, bytes(v)) for k, v in StageStream(requester, srv.address, owner.segment, keys, window=window)]
-        assert [k for k, _ in got] == keys
-        assert all(v == units[k] for k, v in got)
-    assert srv.stats.units_staged == srv.stats.units_copied == 4 * len(keys)  # a bytes source: one copy each
+    for depth in (2, 3):  # one pull in flight, or two
+        for window in (1, 2, 3, 8):
+            stream = StageStream(requester, srv.address, owner.segment, keys, window=window, depth=depth)
+            got = [(k, bytes(v)) for k, v in stream]
+            assert [k for k, _ in got] == keys and stream.error is None
+            assert all(v == units[k] for k, v in got)
+    assert srv.stats.units_staged == srv.stats.units_copied == 8 * len(keys)  # a bytes source: one copy each
     # Every slot came back to both arenas.
     assert owner.acquire(0) is not None and requester.acquire(0) is not None
 

@@ -77,9 +77,10 @@ class StageServer:
                  check: UnitCheck | None = None) -> None:
         self.transfer = transfer
         # Units read at once per stream. A read is an O_DIRECT read straight into a registered slot
-        # plus one checksum pass, so it mostly waits on the device: two in flight keep the SSD busy
-        # (measured here for 32 MiB units: 0.73-0.97 GiB/s with one reader, 0.85-1.1 with two), and
-        # more than one per two cores only adds contention with the Transfer Engine's TCP threads.
+        # (the requester verifies the checksums), so it mostly waits on the device: two in flight
+        # keep the SSD busy (measured here for 32 MiB units: 0.73-0.97 GiB/s with one reader,
+        # 0.85-1.1 with two), and more than one per two cores only adds contention with the
+        # Transfer Engine's TCP threads.
         self.readers = max(1, readers or max(2, min(4, (os.cpu_count() or 2) // 2)))
         self.read_unit = read_unit
         self.read_into = read_into
@@ -338,7 +339,7 @@ class StageStream:
             self.error = f"connect {self.stage_addr}: {exc}"
             return
         self._sock = sock
-        inflight: queue.Queue[tuple[int, int, int, Pull] | None] = queue.Queue()
+        submitted: queue.Queue[tuple[int, int, int, Pull] | None] = queue.Queue()
         ready: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
         free: queue.Queue[int] = queue.Queue()
         held: list[int] = []
@@ -406,16 +407,16 @@ class StageStream:
                         in_flight.release()
                         free.put(local)
                         raise
-                    inflight.put((key, local, int(msg["addr"]), pull))
+                    submitted.put((key, local, int(msg["addr"]), pull))
             except (OSError, ValueError, KeyError, TuttiError) as exc:
                 if not stop.is_set():
                     self.error = f"{type(exc).__name__}: {exc}"
             finally:
-                inflight.put(None)
+                submitted.put(None)
 
         def completer() -> None:
             failed = False
-            while (item := inflight.get()) is not None:
+            while (item := submitted.get()) is not None:
                 key, local, remote, pull = item
                 try:
                     # A submitted pull is always waited for: its slot is not reused before.
