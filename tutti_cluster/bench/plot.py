@@ -35,6 +35,13 @@ def plot(report: Mapping[str, Any], path: Path, title: str = "") -> None:
             if key in limits:
                 ax.axhline(limits[key], linestyle="--", color=f"C{7 + i}", label=f"{label} ({limits[key]:.1f} GB/s)")
                 top = max(top, limits[key])
+        # The limit passes measured beside tutti's own passes (median over its rounds).
+        beside = sorted((r["prefix_tokens"], r["adjacent_limit_gbps"]) for r in results
+                        if r["op"] == op and r["system"] == "tutti" and r.get("adjacent_limit_gbps"))
+        if beside:
+            ax.plot([p[0] for p in beside], [p[1] for p in beside], linestyle=":", marker="x", color="C7",
+                    label="storage limit beside tutti's passes")
+            top = max([top] + [p[1] for p in beside])
         ax.set_xscale("log", base=2)
         xs = sorted({r["prefix_tokens"] for r in results})
         ax.set_xticks(xs, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in xs])
