@@ -474,3 +474,24 @@ def test_prewrite_leaves_no_unwritten_extents(tmp_path):
         assert s.retrieve([1], np.arange(s.unit_blocks) + 7).ok
         for l in range(len(kv)):
             np.testing.assert_array_equal(kv[l][:, 7 : 7 + s.unit_blocks], want[l][:, : s.unit_blocks])
+
+
+def test_prewrite_keeps_a_pool_copied_a_moment_ago(tmp_path):
+    """A pool copied with buffered writes is still in the page cache, without blocks: fallocate must
+    not turn it into unwritten extents that the prewrite then zeroes."""
+    import shutil
+
+    kv = make_kv(seed=35)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    with open_store([src], kv) as s:
+        ub = s.unit_blocks
+        assert s.store([1, 2, 3], np.arange(3 * ub)).ok
+    want = snapshot(kv)
+    shutil.copytree(src, dst)  # buffered copy; nothing synced
+    zero(kv)
+    with open_store([dst], kv) as s:
+        assert s.lookup([1, 2, 3]) == 3
+        assert s.retrieve([1, 2, 3], np.arange(3 * ub) + 5).ok
+        for l in range(len(kv)):
+            np.testing.assert_array_equal(kv[l][:, 5 : 5 + 3 * ub], want[l][:, : 3 * ub])

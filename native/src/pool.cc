@@ -37,6 +37,9 @@ void FilePool::close() {
 // serialised per file; an overwrite of written blocks goes straight to the device. Asking FIEMAP
 // for the unwritten extents makes this cheap on every later start and resumes a start that was
 // killed half way. File systems without FIEMAP or unwritten extents are left as they are.
+// Data still in the page cache (a pool copied with buffered writes a moment ago) has no blocks yet,
+// and fallocate gives it unwritten ones: the caller syncs the file before fallocate, and FIEMAP
+// syncs again (FIEMAP_FLAG_SYNC), so such data is on its blocks, written, before we look.
 static Status write_unwritten(const PoolPath& p, uint64_t bytes) {
   constexpr uint32_t kExtents = 64;
   constexpr uint64_t kChunk = 8ull << 20;
@@ -49,12 +52,16 @@ static Status write_unwritten(const PoolPath& p, uint64_t bytes) {
     std::memset(fm, 0, sizeof(fiemap) + kExtents * sizeof(fiemap_extent));
     fm->fm_start = start;
     fm->fm_length = bytes - start;
+    fm->fm_flags = FIEMAP_FLAG_SYNC;
     fm->fm_extent_count = kExtents;
     if (::ioctl(p.fd, FS_IOC_FIEMAP, fm) != 0 || fm->fm_mapped_extents == 0) break;
     for (uint32_t i = 0; i < fm->fm_mapped_extents && st.ok(); ++i) {
       const fiemap_extent& e = fm->fm_extents[i];
       start = e.fe_logical + e.fe_length;
-      if (!(e.fe_flags & FIEMAP_EXTENT_UNWRITTEN)) continue;
+      // Only plain unwritten extents; anything the file system cannot describe yet is left alone.
+      if ((e.fe_flags & (FIEMAP_EXTENT_UNWRITTEN | FIEMAP_EXTENT_DELALLOC | FIEMAP_EXTENT_UNKNOWN)) !=
+          FIEMAP_EXTENT_UNWRITTEN)
+        continue;
       if (!zeros) {
         if (::posix_memalign(&zeros, kAlign, kChunk) != 0) {
           zeros = nullptr;
@@ -110,6 +117,10 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
   }
   // A larger existing file is left as it is (never truncated): its tail is simply not used.
   if (bytes > 0) {
+    // Before fallocate: dirty pages of an existing file get their blocks as written data (see
+    // write_unwritten).
+    if (prewrite && p->direct && !p->memory && ::fdatasync(fd) != 0)
+      return {Code::kStorage, errno_message("fdatasync " + p->file, errno)};
     int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
     if (rc == ENOSPC)
       return {Code::kCapacityExceeded, "no space left on " + p->dir + " to preallocate " + std::to_string(bytes) + " bytes"};
