@@ -431,9 +431,9 @@ def test_two_processes_two_gpus(shm_dirs: list[Path]) -> None:
         assert p.returncode == 0, err[-2000:]
     results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
     assert sorted(r["device"] for r in results) == [0, 1]
-    # Each process owns its share of every path.
+    # Each process owns its share of every path (one or several pool files each: 8 on tmpfs).
     for d in shm_dirs:
-        assert sorted(p.name for p in d.glob("tutti-*.pool")) == ["tutti-gpu0.pool", "tutti-gpu1.pool"]
+        assert {p.name.split(".")[0] for p in d.glob("tutti-*.pool")} == {"tutti-gpu0", "tutti-gpu1"}
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
