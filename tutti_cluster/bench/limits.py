@@ -116,7 +116,7 @@ class StorageProbe:
         device: torch.device,
     ) -> None:
         n_files = len(dirs) * FILES_PER_PATH
-        self.file_bytes = max(REQUEST_BYTES, total_bytes // n_files // REQUEST_BYTES * REQUEST_BYTES)
+        per_file = max(REQUEST_BYTES, total_bytes // n_files // REQUEST_BYTES * REQUEST_BYTES)
         self.device = device
         self._buf = fsutil.aligned_buffer(max(buffer_bytes, 64 * REQUEST_BYTES))
         self._pinned = fsutil.PinnedRegion(self._buf) if device.type == "cuda" else None
@@ -131,14 +131,14 @@ class StorageProbe:
         self._direct = direct_io
         self._fds: list[int] = []
         self.limits = Limits(
-            0.0, 0.0, None, file_bytes=self.file_bytes * n_files, buffer_bytes=len(self._buf),
+            0.0, 0.0, None, file_bytes=per_file * n_files, buffer_bytes=len(self._buf),
             direct_io={str(d): direct_io[d] for d in dirs},
         )
         try:
             for d, p in zip(self._owners, self._paths):
                 fd = os.open(p, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct_io[d] else 0), 0o600)
                 self._fds.append(fd)
-                os.posix_fallocate(fd, 0, self.file_bytes)
+                os.posix_fallocate(fd, 0, per_file)
             _run_pass(self._fds, self.limits.file_bytes, self._view, 16, write=True)
         except BaseException:
             self.close()
