@@ -10,8 +10,9 @@ Run ``python -m tutti_cluster.cluster.bench [--quick] [--json out.json]``. It st
    run: (a) raw Transfer Engine: N pulls of one unit's size from the owner's registered arena,
    cycling through the slots of both arenas (as the fetch does; one buffer pulled into one buffer
    would stay in the CPU caches), one at a time, with as many in flight as the fetch has, and
-   through Mooncake's ``transfer_sync_read``; (b) the owner's SSD read alone: ``store.read_unit_into`` of the N units into page-aligned
-   buffers, with as many threads as the stage endpoint reads with (and with one); (c) remote fetch:
+   through Mooncake's ``transfer_sync_read``; (b) the owner's SSD read alone:
+   ``store.read_unit_into`` of the N units into page-aligned buffers, with as many threads as the
+   stage endpoint reads with (and with one); (c) remote fetch:
    ``ClusterClient.retrieve_remote`` of the N units, which is the whole path (the owner daemon reads
    each unit from its SSD straight into a registered slot, the requester pulls it with the Transfer
    Engine into its own registered slot and scatters it into its KV blocks, checksums verified at
@@ -222,9 +223,9 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
         total = n * unit_bytes
         assert client.lookup(keys) == n, "requester does not see the owner's units"
         te = client.transfer
-        # The raw pulls cycle through every slot of both arenas, as the fetch does: pulling one
-        # buffer into one buffer over and over would be served partly from the CPU caches.
-        # As many local slots as the fetch's stream uses, taken for the raw pulls and given back
+        # The raw pulls cycle through every slot of both arenas, as the fetch does (pulling one
+        # buffer into one buffer over and over would be served partly from the CPU caches), with
+        # as many local slots as the fetch's stream uses: taken for the raw pulls, given back
         # before each fetch.
         depth = min(te.num_slots, default_depth())
         inflight = max(1, depth - 1)  # as StageStream: one slot is being scattered
