@@ -6,8 +6,9 @@
 # none (build only). The native module is built first (CUDA on, sm_90; CUDA off when the only step
 # is cluster), with liburing from the Debian packages in .deb/ and the wheels the image lacks in
 # .whl/. Logs and JSON go to $OUT (or ./gpu-out). Environment: STAGING_MB and QD for the /dev/shm
-# bench (default 2048 and 24: the figures of runs A and B in docs/PERF.md), SHM_SYSTEMS (default: all), PREFIXES (default 16K,32K,64K,128K),
-# BUDGET_S (skip later steps that would not fit; default 570).
+# bench (default 2048 and 24: the figures of runs A and B in docs/PERF.md), SHM_SYSTEMS (default:
+# all), PREFIXES (default 16K,32K,64K,128K), DISK_PREFIXES (default 16K,128K), BUDGET_S (later
+# steps get what is left of it; default 570 s).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
