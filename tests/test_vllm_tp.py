@@ -13,7 +13,6 @@ CPU worker processes, about a minute each on two cores.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import subprocess
@@ -30,7 +29,7 @@ if importlib.util.find_spec("vllm") is None:
 if (os.cpu_count() or 1) < 2:
     pytest.skip("two CPU worker ranks need two cores", allow_module_level=True)
 
-from vllm_model import corrupt_pool, units_in_pool  # noqa: E402
+from vllm_model import corrupt_pool, kv_transfer_config, run_engine, units_in_pool  # noqa: E402
 
 DRIVER = Path(__file__).with_name("vllm_model.py")
 UNIT_TOKENS = 128
@@ -38,22 +37,9 @@ TP = 2
 
 
 def _engine(model: Path, out: Path, store: Path, node: Path) -> dict[str, Any]:
-    kv = {
-        "kv_connector": "TuttiConnector",
-        "kv_connector_module_path": "tutti_cluster.vllm",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"paths": [str(store)], "capacity_gb": 0.05, "unit_tokens": UNIT_TOKENS,
-                                      "data_dir": str(node)},
-    }
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("TUTTI_") and k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_MODEL_TP=str(TP))
-    proc = subprocess.run([sys.executable, str(DRIVER), "run", str(model), str(out), json.dumps(kv)],
-                          env=env, capture_output=True, text=True, timeout=500)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return json.loads(out.read_text())
+    return run_engine(model, out, kv_transfer_config(UNIT_TOKENS, paths=[str(store)], data_dir=str(node)),
+                      timeout=500, drop=("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"),
+                      VLLM_MODEL_TP=str(TP))
 
 
 def test_two_ranks_store_reuse_and_recompute(tmp_path: Path) -> None:

@@ -86,6 +86,36 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
         json.dump(result, f)
 
 
+def kv_transfer_config(unit_tokens: int, **extra: Any) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for the TuttiConnector with a small pool; ``extra`` goes into
+    the store's config (``kv_connector_extra_config``)."""
+    return {
+        "kv_connector": "TuttiConnector",
+        "kv_connector_module_path": "tutti_cluster.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"capacity_gb": 0.05, "unit_tokens": unit_tokens, **extra},
+    }
+
+
+def run_engine(model: Any, out: Any, kv_config: dict[str, Any] | None, *, timeout: float,
+               drop: tuple[str, ...] = (), **env: str) -> dict[str, Any]:
+    """``run`` in a fresh process, without the caller's ``TUTTI_*`` variables and those in ``drop``,
+    with ``env`` added; returns what it wrote, or raises AssertionError with its output."""
+    import subprocess
+
+    child = {k: v for k, v in os.environ.items() if not k.startswith("TUTTI_") and k not in drop}
+    child.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", **env)
+    cmd = [sys.executable, os.path.abspath(__file__), "run", str(model), str(out)]
+    if kv_config is not None:
+        cmd.append(json.dumps(kv_config))
+    proc = subprocess.run(cmd, env=child, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise AssertionError(f"engine run failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
 def _open_pool(path: Any, instance: str, unit_tokens: int, tp: int) -> Any:
     """Opens a rank's pool read-only with the descriptors the connector builds for this model."""
     import torch
