@@ -6,11 +6,14 @@ Engines and daemons run as separate processes (`cluster_fixtures.NodeProcess` wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -98,17 +101,32 @@ def test_engine_keeps_working_when_the_daemon_dies(tmp_path: Path):
         d.stop()
 
 
-def test_daemon_keeps_serving_a_dead_engines_units_to_other_nodes(tmp_path: Path):
-    """SIGKILL the engine of node A: A's daemon still serves its units, byte-exact, to node B."""
+@contextlib.contextmanager
+def two_nodes(tmp_path: Path,
+              lease_ttl_s: int) -> Iterator[tuple[dict[str, Any], DaemonProcess, NodeProcess, NodeProcess]]:
+    """Real etcd; node A as a daemon process plus an engine process attached to it (lease
+    ``lease_ttl_s``); node B as a daemon with its engine in one process. Yields A's config, A's
+    daemon, A's engine and B."""
     require_etcd()
     require_mooncake()
     etcd = EtcdServer(tmp_path)
     etcd.start()
-    cfg = daemon_config(tmp_path, etcd=etcd.endpoint, node_id="A", lease_ttl_s=3)
+    cfg = daemon_config(tmp_path, etcd=etcd.endpoint, node_id="A", lease_ttl_s=lease_ttl_s)
     d = DaemonProcess(cfg, tmp_path / "daemon.log")
     a = engine(tmp_path, cfg, etcd=etcd.endpoint)
     b = NodeProcess("B", etcd.endpoint, tmp_path, lease_ttl_s=3)
     try:
+        yield cfg, d, a, b
+    finally:
+        b.close()
+        a.close()
+        d.stop()
+        etcd.stop()
+
+
+def test_daemon_keeps_serving_a_dead_engines_units_to_other_nodes(tmp_path: Path):
+    """SIGKILL the engine of node A: A's daemon still serves its units, byte-exact, to node B."""
+    with two_nodes(tmp_path, lease_ttl_s=3) as (cfg, _d, a, b):
         assert a.call(op="store", keys=KEYS)["units"] == len(KEYS)
         # B's daemon answers node-wide lookups: nothing local, A holds the prefix.
         r = ask(b.config, op="lookup", keys=KEYS + [1])
@@ -119,11 +137,6 @@ def test_daemon_keeps_serving_a_dead_engines_units_to_other_nodes(tmp_path: Path
         assert f["ok"] and f["placed"] == len(KEYS) and f["exact"] == [True] * len(KEYS), f
         st = ask(cfg, op="stats")
         assert st["stage"]["units_staged"] >= len(KEYS)
-    finally:
-        b.close()
-        a.close()
-        d.stop()
-        etcd.stop()
 
 
 def test_capacity_shares(tmp_path: Path):
@@ -187,15 +200,7 @@ def test_engine_without_daemon_works_alone(tmp_path: Path):
 
 def test_stopping_a_daemon_withdraws_its_replicas_at_once(tmp_path: Path):
     """SIGTERM (a clean `tutti up` stop) revokes the node's lease: no waiting for the TTL."""
-    require_etcd()
-    require_mooncake()
-    etcd = EtcdServer(tmp_path)
-    etcd.start()
-    cfg = daemon_config(tmp_path, etcd=etcd.endpoint, node_id="A", lease_ttl_s=30)
-    d = DaemonProcess(cfg, tmp_path / "daemon.log")
-    a = engine(tmp_path, cfg, etcd=etcd.endpoint)
-    b = NodeProcess("B", etcd.endpoint, tmp_path, lease_ttl_s=3)
-    try:
+    with two_nodes(tmp_path, lease_ttl_s=30) as (_cfg, d, a, b):
         assert a.call(op="store", keys=KEYS)["units"] == len(KEYS)
         assert b.call(op="lookup", keys=KEYS)["hits"] == len(KEYS)
         assert d.stop(signal.SIGTERM) == 0
@@ -204,11 +209,6 @@ def test_stopping_a_daemon_withdraws_its_replicas_at_once(tmp_path: Path):
         # The engine without its daemon still serves its own hits.
         f = a.call(op="fetch", keys=KEYS)
         assert f["local"] == len(KEYS) and all(f["exact"])
-    finally:
-        b.close()
-        a.close()
-        d.stop()
-        etcd.stop()
 
 
 def test_read_only_view_refreshes_and_reads_in_place_while_the_engine_commits(tmp_path: Path):
