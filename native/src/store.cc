@@ -529,13 +529,20 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   return Status::Ok();
 }
 
-Status Store::verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const {
+Status Store::decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const {
   const Geometry& g = geom_;
   if (n != g.slot_bytes)
     return {Code::kLayout, "unit is " + std::to_string(n) + " bytes, this layout's GPU file is " + std::to_string(g.slot_bytes)};
   sums->assign(g.num_objs(), 0);
   uint64_t seq;
   if (!decode_header(g, data, key, &seq, sums->data())) return {Code::kNotFound, "unit header invalid or of another layout"};
+  return Status::Ok();
+}
+
+Status Store::verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const {
+  const Geometry& g = geom_;
+  Status st = decode_unit(data, n, key, sums);
+  if (!st.ok()) return st;
   for (uint32_t o = 0; o < g.num_objs(); ++o)
     if (checksum(data + g.header_bytes + static_cast<uint64_t>(o) * g.obj_bytes, g.obj_bytes) != (*sums)[o])
       return {Code::kNotFound, "unit object " + std::to_string(o) + " fails its checksum"};
@@ -561,12 +568,11 @@ Status Store::read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap, bool veri
   if (st.ok()) st = pool_.pread_all(slot, 0, buf, n);
   index_.unpin(key);
   if (!st.ok()) return st;
-  uint64_t k, seq;
-  std::vector<uint64_t> sums(geom_.num_objs());
+  uint64_t k;
+  std::vector<uint64_t> sums;
   // Without verify only the header is checked; the reader then verifies the objects (as
   // scatter_unit and import_unit do) so that each byte is summed once on its way.
-  if (verify) st = verify_unit(buf, n, &k, &sums);
-  else if (!decode_header(geom_, buf, &k, &seq, sums.data())) st = {Code::kNotFound, "unit header invalid or of another layout"};
+  st = verify ? verify_unit(buf, n, &k, &sums) : decode_unit(buf, n, &k, &sums);
   if (st.ok() && k != key) st = {Code::kNotFound, "unit slot holds another key"};
   if (!st.ok()) return st;
   if (!aligned) std::memcpy(dst, buf, n);
@@ -629,13 +635,12 @@ Status Store::scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block
   if (backend_->name() != "cpu") return {Code::kDevice, "scatter_unit from host memory needs the cpu backend here"};
   const Geometry& g = geom_;
   if (n_blocks != g.unit_blocks) return {Code::kLayout, "scatter_unit needs exactly one unit of block ids"};
-  if (n != g.slot_bytes)
-    return {Code::kLayout, "unit is " + std::to_string(n) + " bytes, this layout's GPU file is " + std::to_string(g.slot_bytes)};
-  uint64_t key, seq;
-  std::vector<uint64_t> sums(g.num_objs());
-  if (!decode_header(g, data, &key, &seq, sums.data())) return {Code::kNotFound, "unit header invalid or of another layout"};
+  uint64_t key;
+  std::vector<uint64_t> sums;
+  Status st = decode_unit(data, n, &key, &sums);
+  if (!st.ok()) return st;
   std::vector<Extent> ext;
-  Status st = extents_.build(block_ids, g.unit_blocks, &ext);
+  st = extents_.build(block_ids, g.unit_blocks, &ext);
   if (!st.ok()) return st;
   // One pass: copy each object into its blocks while summing it, as the I/O kernel does.
   const uint64_t payload = g.payload_bytes();

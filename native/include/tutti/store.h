@@ -127,6 +127,9 @@ class Store {
   Status recover();
   Status alloc_slot(uint32_t* slot);
   void free_slot(uint32_t slot);
+  // A GPU file's size and header (key, layout, per-object checksums into *sums); verify_unit also
+  // checks every object against its checksum.
+  Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
   Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
   Status post_layer(uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
                     std::vector<uint32_t>* iocbs, uint64_t event);
