@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the benchmark moves torch KV tensors")
 
-from tutti_cluster.bench import main  # noqa: E402
+from tutti_cluster.bench import fsutil, main  # noqa: E402
 from tutti_cluster.bench.baselines import PerBlockBaseline, PerChunkBaseline  # noqa: E402
 from tutti_cluster.bench.common import Round  # noqa: E402
 from tutti_cluster.bench.errors import BenchVerificationError  # noqa: E402
@@ -63,11 +63,11 @@ def test_quick_run_on_disk_writes_the_json_schema(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this host")
-def test_quick_run_on_tmpfs_baselines_only(tmp_path: Path) -> None:
+def test_quick_run_on_tmpfs_with_the_mapped_store(tmp_path: Path) -> None:
     shm = Path("/dev/shm")
     before = set(shm.iterdir())
-    report = _run(tmp_path, shm, "--systems", "per-block,per-chunk")
-    _check_report(report, {"per-block", "per-chunk"})
+    report = _run(tmp_path, shm, "--systems", "tutti-mapped,per-block")
+    _check_report(report, {"tutti-mapped", "per-block"})
     assert report["machine"]["paths"][0]["fs_type"] == "tmpfs"
     assert set(shm.iterdir()) <= before
 
@@ -134,6 +134,9 @@ def test_bad_input_gets_clear_errors(tmp_path: Path) -> None:
         main(["--quick", "--paths", str(tmp_path / "missing")])
     with pytest.raises(ConfigError, match="repeat"):
         main([*base, "--repeat", "0"])
+    if fsutil.fs_type(tmp_path) not in fsutil.MEMORY_FS:
+        with pytest.raises(ConfigError, match="memory file systems"):
+            main([*base, "--systems", "tutti-mapped"])
     # 64M tokens are 8 TiB of KV: refused before anything is written.
     with pytest.raises(CapacityExceeded, match="needs"):
         main([*base, "--prefix-tokens", "64M"])

@@ -185,3 +185,14 @@ def test_closed_store(store_dirs):
         s.lookup([1])
     s.close()  # idempotent
     assert os.path.exists(store_dirs[0] / "tutti-default.pool")
+
+
+@pytest.mark.parametrize("argv", [["bench", "--quick", "--paths"], ["up", "--demo", "--paths"]])
+def test_cli_reports_bad_input_in_one_line(tmp_path, capsys, argv):
+    """The console script turns a TuttiError into one line on stderr and status 2, no traceback."""
+    from tutti_cluster.cli import main
+
+    assert main([*argv, str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("tutti: error:") and "missing" in last and "Traceback" not in err

@@ -382,15 +382,19 @@ def test_read_unit_into_without_verify_leaves_the_checksums_to_the_consumer(stor
             s.read_unit_into(5, buf, verify=False)
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["io_uring", "mapped"])
 @pytest.mark.parametrize("unit_tokens", [64, 48])  # 48: objects carry alignment padding
-def test_memory_fs_moves_straight_between_file_and_blocks(tmpfs, unit_tokens):
-    """On tmpfs the CPU I/O kernel skips staging (scatter-gather I/O into the KV blocks) and checks
-    the checksum in place; every layout round-trips and a corrupt object is still a reported miss."""
+def test_memory_fs_moves_straight_between_file_and_blocks(tmpfs, unit_tokens, mapped):
+    """On tmpfs the CPU I/O kernel skips staging: scatter-gather I/O into the KV blocks with the
+    checksum taken in place, or (map_memory_paths) copies from the mapped pool file that checksum as
+    they go. Every layout round-trips and a corrupt object is still a reported miss."""
     d = tmpfs("64m")
     rng = np.random.default_rng(unit_tokens)
+    opts = dict(unit_tokens=unit_tokens, capacity_gb=0.004, map_memory_paths=mapped)
     for layout in LAYOUTS:
         kv = make_kv(layout, seed=unit_tokens)
-        with open_store([d], kv, layout, unit_tokens=unit_tokens, capacity_gb=0.004, instance=layout) as s:
+        with open_store([d], kv, layout, instance=layout, **opts) as s:
+            assert s.stats()["mapped_files"] == (8 if mapped else 0)
             ub = s.unit_blocks
             keys = list(range(1, 9))
             src = rng.permutation(BLOCKS)[: 8 * ub]
@@ -405,10 +409,33 @@ def test_memory_fs_moves_straight_between_file_and_blocks(tmpfs, unit_tokens):
         with open(pool, "r+b") as f:
             f.seek(g["header_bytes"] + g["obj_bytes"] - 8)  # last bytes of object 0 (padding, if any)
             f.write(b"\x01\x02\x03\x04\x05\x06\x07\x08")
-        with open_store([d], kv, layout, unit_tokens=unit_tokens, capacity_gb=0.004, instance=layout) as s:
+        with open_store([d], kv, layout, instance=layout, **opts) as s:
             res = s.retrieve(keys, dst)
             assert res.failed_units == [0]
             assert s.lookup(keys[:1]) == 0
+
+
+def test_mapped_and_io_uring_paths_share_one_format(tmpfs, tmp_path):
+    """A store with map_memory_paths keeps io_uring for paths that are not memory file systems and
+    writes the same files: units stored through the mapping load through io_uring and back."""
+    shm, disk = tmpfs("64m"), tmp_path / "disk"
+    disk.mkdir()
+    rng = np.random.default_rng(5)
+    kv = make_kv(seed=5)
+    keys = list(range(1, 13))
+    for store_mapped in (True, False):
+        with open_store([shm, disk], kv, map_memory_paths=store_mapped, instance=f"m{store_mapped}") as s:
+            ub = s.unit_blocks
+            assert s.stats()["mapped_files"] == (8 if store_mapped else 0)  # the disk path: never
+            src = rng.permutation(BLOCKS)[: 12 * ub]
+            assert s.store(keys, src).ok
+        want = snapshot(kv)
+        zero(kv)
+        with open_store([shm, disk], kv, map_memory_paths=not store_mapped, instance=f"m{store_mapped}") as s:
+            dst = rng.permutation(BLOCKS)[: 12 * ub]
+            res = s.retrieve(keys, dst)
+            assert res.ok, res.failed_units
+            assert_units_equal(want, src, kv, dst, "kv_first", list(range(12)), ub)
 
 
 def test_config_file_sits_below_the_environment(monkeypatch, tmp_path):

@@ -64,7 +64,18 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tutti`` console script: a TuttiError is one line on stderr, status 2."""
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _dispatch(argv)
+    except TuttiError as e:
+        print(f"tutti: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv[:2] == ["bench", "cluster"]:  # the benchmarks own their flags
         from tutti_cluster.cluster.bench import main as cluster_bench_main
 
@@ -87,13 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                    "`tutti bench cluster` measures remote fetch and lookups (tutti bench cluster --help)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return cmd_up(a)
-    except TuttiError as e:
-        print(f"tutti: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return cmd_up(a)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,13 @@ class TuttiConfig(BaseSettings):
         "after fallocate, so that stores are overwrites (first start writes the capacity once).",
     )
 
+    map_memory_paths: bool = Field(
+        False,
+        description="Map the pool files on memory file systems (tmpfs, ramfs) and let the I/O kernel move "
+        "objects with loads and stores instead of io_uring (byte-addressable storage: one pass over "
+        "each byte, no staging). Other paths still go through io_uring.",
+    )
+
     # Layout
     unit_tokens: int = Field(256, gt=0, description="Tokens per cache unit (one GPU file).")
     min_io_bytes: int = Field(256 << 10, gt=0, description="Smallest storage I/O the layout aims for.")

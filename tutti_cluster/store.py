@@ -132,6 +132,7 @@ class TuttiStore:
             files_per_path=self.config.pool_files, prewrite=self.config.prewrite_pool,
             cuda_pair=self.config.cuda_pair,
             cuda_trace=self.config.cuda_trace,
+            map_memory=self.config.map_memory_paths,
         )
         if not read_only:
             try:

@@ -88,7 +88,7 @@ PYBIND11_MODULE(_native, m) {
           [](std::vector<std::string> paths, std::vector<uint64_t> capacity, std::string instance, uint32_t unit_blocks,
              uint32_t queue_depth, uint64_t staging_bytes, uint32_t max_requests, uint32_t io_sms, int direct,
              std::string backend, int device, bool read_only, std::vector<LayerKV> layers, std::string desc,
-             uint32_t files_per_path, bool prewrite, bool cuda_pair, bool cuda_trace) {
+             uint32_t files_per_path, bool prewrite, bool cuda_pair, bool cuda_trace, bool map_memory) {
             StoreOptions o;
             o.paths = std::move(paths);
             o.capacity = std::move(capacity);
@@ -106,6 +106,7 @@ PYBIND11_MODULE(_native, m) {
             o.prewrite = prewrite;
             o.cuda_pair = cuda_pair;
             o.cuda_trace = cuda_trace;
+            o.map_memory = map_memory;
             auto* ps = new PyStore();
             Status st;
             {
@@ -122,7 +123,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("queue_depth"), py::arg("staging_bytes"), py::arg("max_requests"), py::arg("io_sms"),
           py::arg("direct"), py::arg("backend"), py::arg("device"), py::arg("read_only"), py::arg("layers"),
           py::arg("desc"), py::arg("files_per_path") = 0, py::arg("prewrite") = true,
-          py::arg("cuda_pair") = false, py::arg("cuda_trace") = false)
+          py::arg("cuda_pair") = false, py::arg("cuda_trace") = false, py::arg("map_memory") = false)
       .def("init_queue", [](PyStore& p, uint32_t depth) {
         Store& s = p.get();
         ok(without_gil([&] { return s.init_queue(depth); }));
@@ -254,6 +255,7 @@ PYBIND11_MODULE(_native, m) {
         d["obj_bytes"] = s.obj_bytes;
         d["direct_io"] = s.direct_io;
         d["fixed_buffers"] = s.fixed_buffers;
+        d["mapped_files"] = s.mapped_files;
         d["backend"] = s.backend;
         return d;
       })

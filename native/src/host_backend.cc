@@ -1,13 +1,18 @@
 // The host backend: page-aligned mmap memory and a host thread that plays the I/O kernel (the CPU
 // stand-in for the GPU kernel on dedicated SMs). It runs the same protocol as the CUDA kernel: post
 // IOCTXs as SQEs, wait for their CQEs, verify and scatter (retrieve) or gather and checksum (store).
+// Objects in mapped pool files (map_memory) need no I/O: that thread and its helpers move them
+// between the mapping and the KV blocks directly, checksumming as they copy.
 #include <pthread.h>
 #include <sys/mman.h>
 #include <sys/uio.h>
 #include <time.h>
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <thread>
 
 #include "tutti/backend.h"
@@ -48,6 +53,10 @@ class HostBackend final : public Backend {
     slot_iov_.assign(ctx->num_chunks / group_, {});
     slot_direct_.assign(ctx->num_chunks / group_, 0);
     stop_ = false;
+    any_mapped_ = std::any_of(ctx->mapped.begin(), ctx->mapped.end(), [](const uint8_t* m) { return m != nullptr; });
+    // Copies from mapped files are bound by memory bandwidth: up to eight threads share them.
+    const uint32_t copiers = any_mapped_ ? std::clamp<uint32_t>(std::thread::hardware_concurrency(), 1, 8) : 1;
+    for (uint32_t i = 1; i < copiers; ++i) helpers_.emplace_back([this] { help(); });
     thread_ = std::thread([this] { run(); });
     return Status::Ok();
   }
@@ -66,6 +75,12 @@ class HostBackend final : public Backend {
     stop_ = true;
     k_->kernel_bell->notify();
     thread_.join();
+    {
+      std::lock_guard<std::mutex> l(job_mu_);
+      job_cv_.notify_all();
+    }
+    for (auto& t : helpers_) t.join();
+    helpers_.clear();
   }
 
   double kernel_cpu_seconds() const override { return has_clock_.load() ? thread_cpu_seconds(clock_) : last_cpu_s_; }
@@ -82,7 +97,11 @@ class HostBackend final : public Backend {
                  std::vector<struct iovec>* iov) const;
   bool post(uint32_t id, SpscRing<Sqe>& sq);
   void complete(const Cqe& c);
-  void finish_ctx(uint32_t id);
+  void finish_ctx(uint32_t id, uint32_t n = 1);
+  bool mapped(const Ioctx& x) const { return x.slot != UINT32_MAX && x.path < k_->mapped.size() && k_->mapped[x.path]; }
+  uint32_t run_mapped(uint32_t id);
+  void move_mapped(uint32_t id);
+  void help();
 
   KernelContext* k_ = nullptr;
   RingCtl launch_ctl_{};
@@ -94,6 +113,14 @@ class HostBackend final : public Backend {
   std::vector<std::vector<struct iovec>> slot_iov_;  // scatter-gather list of each slot's I/O
   std::vector<uint8_t> slot_direct_;  // the slot's I/O goes straight to the KV blocks
   std::deque<uint32_t> active_;
+  // Objects of mapped files: one job (an IOCB) at a time, shared by this thread and the helpers.
+  bool any_mapped_ = false;
+  std::vector<std::thread> helpers_;
+  std::mutex job_mu_;
+  std::condition_variable job_cv_, job_done_cv_;
+  uint64_t job_gen_ = 0;
+  uint32_t job_id_ = 0, job_busy_ = 0;
+  std::atomic<uint32_t> job_next_{0};
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> has_clock_{false};
@@ -111,6 +138,7 @@ void HostBackend::run() {
     while (launch_.pop(&id)) {
       posted_[id] = done_[id] = 0;
       active_.push_back(id);
+      if (const uint32_t m = run_mapped(id)) finish_ctx(id, m);
       progress = true;
     }
     // Post as many IOCTXs as staging chunks allow, oldest IOCB first.
@@ -227,6 +255,10 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
     const Ioctx& x = op == IoOp::kCommit ? r.ctx[idx * g.objs_per_layer] : r.ctx[idx];
     const uint32_t unit = op == IoOp::kCommit ? idx : x.unit;
     const uint32_t n = group_size(b, r, off);
+    if (op != IoOp::kCommit && mapped(x)) {  // moved by run_mapped
+      posted_[id] += 1;
+      continue;
+    }
     if (x.slot == UINT32_MAX || r.unit_failed[unit]) {
       posted_[id] += n;
       for (uint32_t k = 0; k < n; ++k) finish_ctx(id);
@@ -316,11 +348,78 @@ void HostBackend::complete(const Cqe& c) {
   for (uint32_t k = 0; k < n; ++k) finish_ctx(id);
 }
 
-void HostBackend::finish_ctx(uint32_t id) {
+void HostBackend::finish_ctx(uint32_t id, uint32_t n) {
   Iocb& b = k_->iocbs[id];
-  if (++done_[id] == b.ctx_count) {
+  if ((done_[id] += n) == b.ctx_count) {
     __atomic_store_n(&b.done_seq, b.issue_seq, __ATOMIC_RELEASE);
     k_->done_bell->notify();
+  }
+}
+
+// Moves the objects of IOCB `id` that lie in mapped files, on this thread and the helpers; returns
+// how many IOCTXs that was (all of them done).
+uint32_t HostBackend::run_mapped(uint32_t id) {
+  const Iocb& b = k_->iocbs[id];
+  if (!any_mapped_ || static_cast<IoOp>(b.op) == IoOp::kCommit) return 0;
+  const RequestView& r = k_->requests[b.request];
+  uint32_t n = 0;
+  for (uint32_t i = 0; i < b.ctx_count; ++i) n += mapped(r.ctx[b.ctx_first + i]) ? 1 : 0;
+  if (n == 0) return 0;
+  job_next_.store(0);
+  if (helpers_.empty() || n == 1) {
+    move_mapped(id);
+    return n;
+  }
+  {
+    std::lock_guard<std::mutex> l(job_mu_);
+    job_id_ = id;
+    job_busy_ = static_cast<uint32_t>(helpers_.size());
+    ++job_gen_;
+  }
+  job_cv_.notify_all();
+  move_mapped(id);
+  std::unique_lock<std::mutex> l(job_mu_);
+  job_done_cv_.wait(l, [&] { return job_busy_ == 0; });
+  return n;
+}
+
+// Takes the IOCB's IOCTXs one at a time (shared cursor) and moves the mapped ones: retrieve verifies
+// as it copies into the KV blocks (a mismatch fails the unit: a miss); store gathers and records the
+// checksum that the commit header will carry.
+void HostBackend::move_mapped(uint32_t id) {
+  Iocb& b = k_->iocbs[id];
+  RequestView& r = k_->requests[b.request];
+  const Geometry& g = k_->geom;
+  const bool read = static_cast<IoOp>(b.op) == IoOp::kRead;
+  for (uint32_t i; (i = job_next_.fetch_add(1)) < b.ctx_count;) {
+    const Ioctx& x = r.ctx[b.ctx_first + i];
+    if (!mapped(x) || __atomic_load_n(&r.unit_failed[x.unit], __ATOMIC_RELAXED)) continue;
+    uint8_t* obj = k_->mapped[x.path] + x.file_offset + g.obj_offset(b.layer, x.obj);
+    uint64_t& sum = r.checksums[static_cast<uint64_t>(x.unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj];
+    const uint64_t got = move_object(b.layer, r, x, obj, read);
+    if (!read) {
+      sum = got;
+    } else if (got != sum) {
+      __atomic_store_n(&r.unit_failed[x.unit], static_cast<uint8_t>(2), __ATOMIC_RELAXED);
+      __atomic_fetch_add(&b.errors, 1, __ATOMIC_RELAXED);
+    }
+  }
+}
+
+void HostBackend::help() {
+  uint64_t seen = 0;
+  for (;;) {
+    uint32_t id;
+    {
+      std::unique_lock<std::mutex> l(job_mu_);
+      job_cv_.wait(l, [&] { return stop_.load() || job_gen_ != seen; });
+      if (stop_.load()) return;
+      seen = job_gen_;
+      id = job_id_;
+    }
+    move_mapped(id);
+    std::lock_guard<std::mutex> l(job_mu_);
+    if (--job_busy_ == 0) job_done_cv_.notify_one();
   }
 }
 

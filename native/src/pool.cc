@@ -5,6 +5,7 @@
 #include <linux/fs.h>
 #include <linux/magic.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/file.h>
 #include <sys/statfs.h>
 #include <sys/stat.h>
@@ -22,6 +23,9 @@ FilePool::~FilePool() { close(); }
 
 void FilePool::close() {
   for (PoolPath& p : paths_) {
+    if (p.map) ::munmap(p.map, p.map_bytes);
+    p.map = nullptr;
+    p.map_bytes = 0;
     // Unlock explicitly: io_uring may hold its registered file reference a little past close().
     if (p.fd >= 0) {
       ::flock(p.fd, LOCK_UN);
@@ -201,6 +205,18 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
     for (uint32_t s = 0; s < paths_[i].num_slots; ++s) slot_path_[paths_[i].first_slot + s] = i;
     // Highest index at the back so low slots are used first.
     for (uint32_t s = paths_[i].num_slots; s-- > 0;) free_[i].push_back(paths_[i].first_slot + s);
+  }
+  return Status::Ok();
+}
+
+Status FilePool::map_memory_files() {
+  for (PoolPath& p : paths_) {
+    if (!p.memory || p.map || p.num_slots == 0) continue;
+    const uint64_t bytes = static_cast<uint64_t>(p.num_slots) * slot_bytes_;
+    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, p.fd, 0);
+    if (m == MAP_FAILED) return {Code::kStorage, errno_message("mmap " + p.file, errno)};
+    p.map = static_cast<uint8_t*>(m);
+    p.map_bytes = bytes;
   }
   return Status::Ok();
 }

@@ -178,9 +178,18 @@ Status Store::init_queue(uint32_t depth) {
   kctx_.chunk_bytes = chunk;
   kctx_.num_chunks = chunks;
   kctx_.queues = qs;
+  if (opt_.map_memory) {
+    st = pool_.map_memory_files();
+    if (!st.ok()) return st;
+  }
   kctx_.any_buffer.clear();
-  for (uint32_t i = 0; i < pool_.num_paths(); ++i)
+  kctx_.mapped.clear();
+  kctx_.mapped_bytes.clear();
+  for (uint32_t i = 0; i < pool_.num_paths(); ++i) {
     kctx_.any_buffer.push_back(pool_.path(i).cached() ? 1 : 0);
+    kctx_.mapped.push_back(pool_.path(i).map);
+    kctx_.mapped_bytes.push_back(pool_.path(i).map_bytes);
+  }
   kctx_.agent = &agent_;
   kctx_.kernel_bell = &kernel_bell_;
   kctx_.done_bell = &done_bell_;
@@ -706,6 +715,7 @@ StoreStats Store::stats() const {
   s.obj_bytes = geom_.obj_bytes;
   s.direct_io = pool_.num_paths() > 0 && pool_.path(0).direct;
   s.fixed_buffers = agent_.fixed_buffers();
+  for (uint32_t i = 0; i < pool_.num_paths(); ++i) s.mapped_files += pool_.path(i).map ? 1 : 0;
   s.backend = backend_ ? backend_->name() : "none";
   return s;
 }

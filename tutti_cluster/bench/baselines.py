@@ -112,6 +112,9 @@ class _FileBaseline:
             p.unlink(missing_ok=True)
         self._files = []
 
+    def release(self) -> None:
+        """Nothing stays between rounds: each round's files go in end_round."""
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.end_round(None)  # type: ignore[arg-type]

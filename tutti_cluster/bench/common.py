@@ -63,6 +63,10 @@ class BenchSystem(Protocol):
         """Untimed: free the round's storage."""
         ...
 
+    def release(self) -> None:
+        """Untimed: free what stays between rounds of one prefix (a store's pool files)."""
+        ...
+
     def close(self) -> None:
         """Release everything (files, stores, threads)."""
         ...

@@ -19,6 +19,9 @@ ALIGN = 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+MEMORY_FS = ("tmpfs", "ramfs")
+
+
 def fs_type(path: str | os.PathLike[str]) -> str:
     """File-system type of the mount holding ``path`` (from /proc/self/mounts), or "unknown"."""
     real = os.path.realpath(path)

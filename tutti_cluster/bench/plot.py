@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-_COLORS = {"tutti": "C2", "per-block": "C0", "per-chunk": "C1", "kvikio": "C3"}
+_COLORS = {"tutti": "C2", "tutti-mapped": "C4", "per-block": "C0", "per-chunk": "C1", "kvikio": "C3"}
 _LIMIT_LINES = {
     "retrieve": (("storage_read_gbps", "storage read limit"), ("h2d_gbps", "host-to-GPU limit")),
     "store": (("storage_write_gbps", "storage write limit"),),

@@ -33,7 +33,7 @@ from tutti_cluster.errors import CapacityExceeded, ConfigError, DeviceError
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("tutti", "per-block", "per-chunk", "kvikio")
+SYSTEMS = ("tutti", "tutti-mapped", "per-block", "per-chunk", "kvikio")
 DEFAULT_PREFIXES = (16 << 10, 32 << 10, 64 << 10, 128 << 10)
 QUICK_PREFIXES = (4 << 10, 16 << 10)
 GIB = 1 << 30
@@ -153,10 +153,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 f"prefix of {n} tokens: must be a positive multiple of {CHUNK_TOKENS} (chunk) and of "
                 f"unit_tokens={cfg.unit_tokens}, e.g. {unit}"
             )
-    systems = _split(args.systems) or list(SYSTEMS)
+    memory = all(fsutil.fs_type(d) in fsutil.MEMORY_FS for d in dirs)
+    # tutti-mapped differs from tutti only on memory file systems: by default it runs there only.
+    systems = _split(args.systems) or [s for s in SYSTEMS if s != "tutti-mapped" or memory]
     for s in systems:
         if s not in SYSTEMS:
             raise ConfigError(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if "tutti-mapped" in systems and not memory:
+        raise ConfigError("tutti-mapped maps pool files on memory file systems (tmpfs, ramfs); "
+                          f"not every path of {', '.join(map(str, dirs))} is one")
     repeat = args.repeat if args.repeat is not None else 1
     if repeat < 1:
         raise ConfigError("--repeat must be at least 1")
@@ -204,7 +209,7 @@ def check_room(plan: Plan) -> None:
     tmpfs_bytes = 0
     for d, need in zip(plan.dirs, per_path):
         by_fs.setdefault(os.stat(d).st_dev, []).append(need)
-        if fsutil.fs_type(d) in ("tmpfs", "ramfs"):
+        if fsutil.fs_type(d) in fsutil.MEMORY_FS:
             tmpfs_bytes += need
     for d in plan.dirs:
         dev = os.stat(d).st_dev
@@ -273,10 +278,10 @@ def _measure(fn: Callable[[Round], OpTiming], rnd: Round, nbytes: int, layers: i
 
 
 def _make_system(name: str, plan: Plan, kv: KVData, work: list[Path]) -> BenchSystem:
-    if name == "tutti":
+    if name in ("tutti", "tutti-mapped"):
         from tutti_cluster.bench.tutti_system import TuttiSystem
 
-        return TuttiSystem(kv, plan.cfg, work, plan.capacity_gb, plan.seed)
+        return TuttiSystem(kv, plan.cfg, work, plan.capacity_gb, plan.seed, mapped=name == "tutti-mapped")
     if name == "per-block":
         return PerBlockBaseline(kv, work, plan.baseline_threads)
     if name == "per-chunk":
@@ -352,6 +357,7 @@ def run(plan: Plan) -> dict[str, Any]:
                     samples.setdefault((name, "retrieve", tokens), []).append(s)
                     system.end_round(rnd)
                     progress.step(f"{label} retrieve")
+                system.release()
         stats = getattr(systems.get("tutti"), "stats", None)
         if stats:
             info["tutti_stats"] = _jsonable(stats)
@@ -402,14 +408,14 @@ def _jsonable(obj: Any) -> Any:
 def format_table(report: dict[str, Any]) -> str:
     """The human-readable table printed at the end of a run."""
     lim = report["limits"]
-    head = (f"{'system':<10} {'op':<8} {'prefix':>7} {'GB/s':>8} {'x limit':>8} {'x beside':>9} {'cpu us/layer':>13}"
+    head = (f"{'system':<12} {'op':<8} {'prefix':>7} {'GB/s':>8} {'x limit':>8} {'x beside':>9} {'cpu us/layer':>13}"
             f" {'core-s/GB':>10}")
     lines = [head, "-" * len(head)]
     order = {s: i for i, s in enumerate(SYSTEMS)}
     for r in sorted(report["results"], key=lambda r: (r["op"] != "retrieve", r["prefix_tokens"], order[r["system"]])):
         ref = lim["storage_read_gbps"] if r["op"] == "retrieve" else lim["storage_write_gbps"]
         lines.append(
-            f"{r['system']:<10} {r['op']:<8} {r['prefix_tokens'] // 1024:>6}K {r['gbps']:>8.2f} "
+            f"{r['system']:<12} {r['op']:<8} {r['prefix_tokens'] // 1024:>6}K {r['gbps']:>8.2f} "
             f"{r['gbps'] / ref:>8.2f} {r['x_adjacent_limit']:>9.2f} {r['cpu_us_per_layer']:>13.1f}"
             f" {r['host_core_s_per_gb']:>10.3f}"
         )

@@ -33,21 +33,33 @@ def pool_bytes_per_path(prefix_bytes: int, n_paths: int) -> int:
 class TuttiSystem:
     """One TuttiStore per prefix length, on its own sub-directory of each path.
 
+    ``tutti`` moves every object through the host agent and io_uring, memory file systems included
+    (there /dev/shm stands in for an NVMe array); ``tutti-mapped`` sets ``map_memory_paths``, so that
+    the I/O kernel copies objects straight between mapped tmpfs pool files and the KV blocks
+    (byte-addressable storage).
+
     ``store``: ``begin_store`` once, ``store_layer`` per layer, ``wait_layer`` per layer, ``finish``.
     ``retrieve``: ``begin_retrieve`` once, ``retrieve_layer`` for every layer, then ``wait_layer``
     per layer, ``finish``.  ``engine_cpu_s`` is the calling thread's CPU time inside the
     ``store_layer``/``retrieve_layer`` calls only.
     """
 
-    name = "tutti"
     ops: tuple[str, ...] = ("store", "retrieve")
 
     def __init__(
-        self, kv: KVData, cfg: TuttiConfig, dirs: Sequence[Path], capacity_gb: list[float] | None, seed: int
+        self,
+        kv: KVData,
+        cfg: TuttiConfig,
+        dirs: Sequence[Path],
+        capacity_gb: list[float] | None,
+        seed: int,
+        mapped: bool = False,
     ) -> None:
+        self.name = "tutti-mapped" if mapped else "tutti"
         self.kv = kv
         self._base_cfg = cfg
-        self._dirs = [d / "tutti" for d in dirs]
+        self._mapped = mapped
+        self._dirs = [d / self.name for d in dirs]
         self._capacity_gb = capacity_gb
         self._rng = np.random.default_rng(seed ^ 0x7A77)
         self._store: Any = None
@@ -71,6 +83,7 @@ class TuttiSystem:
             paths=self._dirs,
             capacity_gb=caps,
             instance=f"bench{self._instances}",
+            map_memory_paths=self._mapped,
             backend="cuda" if self.kv.device.type == "cuda" else "cpu",
         )
         if self.kv.device.type == "cuda" and self.kv.device.index is not None:
@@ -146,6 +159,10 @@ class TuttiSystem:
             self.stats = dict(self._store.stats())
         except Exception:  # noqa: BLE001 - stats are informational only
             logger.debug("store stats unavailable", exc_info=True)
+
+    def release(self) -> None:
+        self._close_store()
+        self._n_blocks = 0
 
     def _close_store(self) -> None:
         if self._store is not None:

@@ -42,6 +42,10 @@ struct KernelContext {
   // Per pool file: it takes any buffer (memory file system, or no O_DIRECT), so a host kernel may
   // move objects straight between the file and the KV blocks with scatter-gather I/O.
   std::vector<uint8_t> any_buffer;
+  // Per pool file: its shared mapping (map_memory), or null. The I/O kernel moves the objects of a
+  // mapped file with loads and stores, without SQEs or staging; headers still go through the agent.
+  std::vector<uint8_t*> mapped;
+  std::vector<uint64_t> mapped_bytes;
   Agent* agent = nullptr;
   Doorbell* kernel_bell = nullptr;               // agent -> kernel (host backend)
   Doorbell* done_bell = nullptr;                 // kernel -> engine, on every finished IOCB

@@ -27,6 +27,8 @@ struct PoolPath {
   bool cached() const { return memory || !direct; }
   uint32_t first_slot = 0;
   uint32_t num_slots = 0;
+  uint8_t* map = nullptr;  // the whole file, mapped shared (map_memory_files), or null
+  uint64_t map_bytes = 0;
 };
 
 class FilePool {
@@ -47,6 +49,10 @@ class FilePool {
               const std::string& instance, const Geometry& g, DirectMode mode, bool read_only,
               uint32_t files_per_path = 1, bool prewrite = false);
   void close();
+  // Maps every pool file on a memory file system (tmpfs, ramfs) shared and populated, so that the
+  // I/O kernel can move objects between it and the KV blocks with loads and stores (byte-addressable
+  // storage); other files stay unmapped. Undone by close().
+  Status map_memory_files();
 
   uint32_t num_slots() const { return num_slots_; }
   // Pool files ("paths" of the I/O layer: an SQE names one by its registered index).

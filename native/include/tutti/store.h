@@ -35,6 +35,9 @@ struct StoreOptions {
   bool cuda_pair = false;          // CUDA: K and V of a unit-layer as one I/O (slower on the H200 host)
   bool cuda_trace = false;         // CUDA: print the I/O kernel's counters when the store closes
   bool read_only = false;          // open existing pools for reading only (no agent)
+  // Map the pool files on memory file systems and move their objects with loads and stores
+  // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
+  bool map_memory = false;
 };
 
 struct RequestResult {
@@ -52,6 +55,7 @@ struct StoreStats {
   // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
   uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
   bool direct_io = false, fixed_buffers = false;
+  uint32_t mapped_files = 0;  // pool files moved with loads and stores (map_memory)
   std::string backend;
 };
 
