@@ -1,6 +1,7 @@
 #!/bin/bash
 # Runs steps on the lent GPU host, from the repository root: tests/gpu_device_run.sh STEP...
-# Steps: tests (GPU tests), shm (bench, all systems, /dev/shm as a stand-in for an NVMe array),
+# Steps: tests (GPU tests), memory (host memory copy bandwidth by thread count), shm (bench, all
+# systems, /dev/shm as a stand-in for an NVMe array, tutti-mapped included),
 # disk (bench on the real disk, O_DIRECT, caches dropped), driver (640K tokens through the fixed
 # staging area), cluster (the cluster benchmark; needs .cdeb/ and the Mooncake wheel in .whl/),
 # none (build only). The native module is built first (CUDA on, sm_90; CUDA off when the only step
@@ -44,6 +45,9 @@ for step in "$@"; do
   tests)
     log "gpu tests"
     TUTTI_CUDA_TRACE=1 timeout 150 python3 -m pytest -q -m gpu --timeout=90 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -6 ;;
+  memory)
+    log "host memory copy bandwidth"
+    timeout "$(left)" python3 tests/host_copy_bandwidth.py --json "$OUT/copy.json" ;;
   shm)
     log "bench /dev/shm (stand-in for an NVMe array), staging ${STAGING_MB:-2048} MiB, queue depth ${QD:-24}"
     mkdir -p $SHM

@@ -323,6 +323,44 @@ def test_corrupt_object_is_a_miss(dirs: list[Path]) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("layout", ["kv_first", "block_first", "interleaved"])
+def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str) -> None:
+    """map_memory_paths: the I/O kernel loads and stores tmpfs pool pages over PCIe (no SQE, no
+    staging) while a disk path of the same store still goes through io_uring. Units move byte-exact
+    either way and across the two modes, and a corrupt mapped object is a miss."""
+    paths = [shm_dirs[0], dirs[0]]
+    kv = make_gpu_kv(layout, layers=3, blocks=128, seed=8)
+    rng = np.random.default_rng(19)
+    keys = [int(k) for k in rng.integers(1, 1 << 62, 16)]
+    with open_gpu_store(paths, kv, layout, map_memory_paths=True) as s:
+        assert s.stats()["mapped_files"] == 8
+        src = rng.permutation(128)[: 16 * s.unit_blocks]
+        res = s.store(keys, src)
+        assert res.ok and res.committed_units == list(range(16)), res
+    want = clone(kv)
+    for mapped in (False, True):  # through io_uring, then through the mapping
+        poison(kv)
+        with open_gpu_store(paths, kv, layout, map_memory_paths=mapped) as s:
+            dst = rng.permutation(128)[: 16 * s.unit_blocks]
+            res = s.retrieve(keys, dst)
+            torch.cuda.synchronize()
+            assert res.ok, res
+            assert_moved(want, src, kv, dst, layout)
+            s.read_unit(keys[0])  # the CPU verifies the checksums the GPU wrote into the mapping
+    with open_gpu_store(paths, kv, layout, map_memory_paths=True) as s:
+        g = s.geometry()
+        pool = shm_dirs[0] / "tutti-gpu.pool"  # slot 0 of the first file: the first unit
+        with open(pool, "r+b") as f:
+            f.seek(g["header_bytes"] + g["obj_bytes"] + 64)
+            b = f.read(4)
+            f.seek(g["header_bytes"] + g["obj_bytes"] + 64)
+            f.write(bytes(x ^ 0xFF for x in b))
+        res = s.retrieve(keys, rng.permutation(128)[: 16 * s.unit_blocks])
+        assert res.failed_units == [0], res
+        assert s.lookup(keys[:1]) == 0
+
+
+@gpu
 @pytest.mark.slow
 def test_ring_stress_millions_of_ioctxs(shm_dirs: list[Path]) -> None:
     """4 KiB objects through a small staging area: >= 2M IOCTXs, the rings wrap thousands of times."""

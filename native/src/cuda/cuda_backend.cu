@@ -85,6 +85,7 @@ struct LaunchParams {
   uint32_t* counters;     // device, [iocb][2]: blocks finished, errors
   const uint64_t* abort;  // mapped host word, set by stop()
   unsigned long long* trace;  // device, [4]: worker busy ns, manager idle ns, block ns, objects
+  const uint64_t* mapped;     // device, per pool file: device address of its mapping or 0; null: none
   LaunchIocb b[kMaxLaunchIocbs];
 };
 
@@ -183,12 +184,22 @@ __device__ __forceinline__ void warp_zero(uint8_t* dst, uint64_t bytes, uint32_t
   for (uint64_t i = lane; i < bytes / 4; i += 32) d[i] = 0;
 }
 
-// Retrieve: verify and scatter one object from staging. Store: gather one object into staging and
+// The object of IOCTX `x` in its mapped pool file (map_memory), or null when that file is not mapped.
+// Mapped objects need no SQE: the workers move them between the file's pages and the KV blocks.
+__device__ __forceinline__ uint8_t* mapped_object(const LaunchParams& p, const LaunchIocb& B, const Ioctx& x) {
+  const uint64_t base = p.mapped ? p.mapped[x.path] : 0;
+  if (!base) return nullptr;
+  return reinterpret_cast<uint8_t*>(base + x.file_offset + p.header_bytes +
+                                    (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
+}
+
+// Retrieve: verify and scatter one object from staging (or its mapped file). Store: gather one object into staging and
 // record its checksum. Runs on one warp.
 __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint32_t off, uint8_t* chunk, uint32_t lane,
                                uint32_t* errors) {
   const Ioctx x = B.ctx[B.ctx_first + off];
   const bool read = B.op == static_cast<uint32_t>(IoOp::kRead);
+  if (uint8_t* m = mapped_object(p, B, x)) chunk = m;
   uint32_t lo = 0, hi = 0;
   for (uint32_t e = 0; e < x.extent_count; ++e) {
     const Extent ext = B.extents[x.extent_first + e];
@@ -303,7 +314,8 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
           ++fh;
           progress = true;
           const uint32_t c = ent_chunk(e), s = c / G;
-          if (e & kPost) {
+          const LaunchIocb& B = p.b[ent_k(e)];
+          if ((e & kPost) && !mapped_object(p, B, B.ctx[B.ctx_first + ent_off(e)])) {
             if (slot_state[s] & 16u) {
               slot_state[s] = static_cast<uint8_t>(slot_state[s] - 4u);
               if ((slot_state[s] & 12u) == 0) {
@@ -367,7 +379,8 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
           }
           if (need == 0) continue;
           const Ioctx* xs = B.ctx + B.ctx_first + first;
-          const bool paired = need == 3u && xs[0].obj == 0 && xs[1].obj == 1 && xs[0].unit == xs[1].unit;
+          const bool paired = need == 3u && xs[0].obj == 0 && xs[1].obj == 1 && xs[0].unit == xs[1].unit &&
+                              !mapped_object(p, B, xs[0]);
           const uint32_t s = free_stack[--nfree];
           const bool read = B.op == static_cast<uint32_t>(IoOp::kRead);
           slot_state[s] = static_cast<uint8_t>(__popc(need) | (paired ? 16u | 8u : 0u));
@@ -376,13 +389,13 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
             const uint32_t c = s * G + i;
             const uint32_t e = pack(first + i, ck, c);
             chunk_ent[c] = e;
-            if (read) {
+            if (read && !mapped_object(p, B, xs[i])) {
               if (!paired) {
                 post_sqe(c, 1, IoOp::kRead);
                 posted = true;
               }
             } else {
-              ready[ready_head % C] = e;  // gather first, post after
+              ready[ready_head % C] = e;  // store: gather first, post after; mapped: no I/O at all
               __threadfence_block();
               vstore<uint32_t>(&ready_head, ready_head + 1);
             }
@@ -543,7 +556,10 @@ struct RequestMem {
 class CudaBackend final : public Backend {
  public:
   CudaBackend(int device, bool pair_io, bool trace) : device_(device), pair_io_(pair_io), print_trace_(trace) {}
-  ~CudaBackend() override { stop(); }
+  ~CudaBackend() override {
+    stop();
+    for (void* m : registered_) cudaHostUnregister(m);  // a start() that failed half-way
+  }
 
   Status init();
   std::string name() const override { return "cuda"; }
@@ -596,6 +612,8 @@ class CudaBackend final : public Backend {
   std::vector<cudaEvent_t> events_;
   cudaEvent_t order_event_ = nullptr;  // primary context, recorded on callers' streams (record_on)
   DevQueue* dev_queues_ = nullptr;
+  uint64_t* dev_mapped_ = nullptr;     // device, per pool file: its registered mapping (map_memory)
+  std::vector<void*> registered_;      // mapped pool files registered with CUDA
   uint32_t* counters_ = nullptr;
   uint64_t* abort_ = nullptr;  // mapped host page
   unsigned long long* trace_ = nullptr;  // device counters, printed at stop() with cuda_trace
@@ -730,6 +748,24 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   }
   cudaError_t e;
   if ((e = cudaMalloc(&dev_queues_, sizeof(DevQueue) * workers)) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
+  // Mapped pool files (map_memory): pinned and mapped into the device, so that the kernel's workers
+  // load and store their objects over PCIe, with no SQE, no staging and no host copy.
+  std::vector<uint64_t> maps(ctx->mapped.size(), 0);
+  for (size_t i = 0; i < ctx->mapped.size(); ++i) {
+    if (!ctx->mapped[i]) continue;
+    e = cudaHostRegister(ctx->mapped[i], ctx->mapped_bytes[i], cudaHostRegisterMapped | cudaHostRegisterPortable);
+    if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaHostRegister (mapped pool file)", e)};
+    registered_.push_back(ctx->mapped[i]);
+    void* d = nullptr;
+    if ((e = cudaHostGetDevicePointer(&d, ctx->mapped[i], 0)) != cudaSuccess)
+      return {Code::kDevice, cuda_msg("cudaHostGetDevicePointer (mapped pool file)", e)};
+    maps[i] = reinterpret_cast<uint64_t>(d);
+  }
+  if (!registered_.empty()) {
+    if ((e = cudaMalloc(&dev_mapped_, sizeof(uint64_t) * maps.size())) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
+    if ((e = cudaMemcpy(dev_mapped_, maps.data(), sizeof(uint64_t) * maps.size(), cudaMemcpyHostToDevice)) != cudaSuccess)
+      return {Code::kDevice, cuda_msg("cudaMemcpy", e)};
+  }
   if ((e = cudaMemcpy(dev_queues_, qs.data(), sizeof(DevQueue) * workers, cudaMemcpyHostToDevice)) != cudaSuccess)
     return {Code::kDevice, cuda_msg("cudaMemcpy", e)};
   if ((e = cudaMalloc(&counters_, sizeof(uint32_t) * 2 * ctx->num_iocbs)) != cudaSuccess)
@@ -864,6 +900,7 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
     p.counters = counters_;
     p.abort = abort_;
     p.trace = trace_;
+    p.mapped = dev_mapped_;
     for (uint32_t i = 0; i < p.n; ++i) {
       const Iocb& b = k_->iocbs[ids[first + i]];
       const RequestMem& m = req_[b.request];
@@ -1008,6 +1045,10 @@ void CudaBackend::stop() {
   trace_ = nullptr;
   if (dev_queues_) cudaFree(dev_queues_);
   if (counters_) cudaFree(counters_);
+  if (dev_mapped_) cudaFree(dev_mapped_);
+  dev_mapped_ = nullptr;
+  for (void* m : registered_) cudaHostUnregister(m);
+  registered_.clear();
   dev_queues_ = nullptr;
   counters_ = nullptr;
   free_host(abort_, kAlign);
