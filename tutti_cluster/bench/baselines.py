@@ -347,5 +347,8 @@ class KvikioBaseline:
     def end_round(self, rnd: Round) -> None:
         self._writer.end_round(rnd)
 
+    def release(self) -> None:
+        self._writer.release()
+
     def close(self) -> None:
         self._writer.close()
