@@ -364,7 +364,8 @@ class NodeProcess:
             raise TimeoutError(f"node {self.name} did not answer within {timeout} s")
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"node {self.name} exited (see {self.workdir / 'node.log'})")
+            rc = self.proc.wait(timeout=5)
+            raise RuntimeError(f"node {self.name} exited with status {rc} (see {self.workdir / 'node.log'})")
         return json.loads(line)
 
     def call(self, timeout: float = 60.0, **msg) -> dict:

@@ -438,6 +438,23 @@ def test_mapped_and_io_uring_paths_share_one_format(tmpfs, tmp_path):
             assert_units_equal(want, src, kv, dst, "kv_first", list(range(12)), ub)
 
 
+def test_mapped_requests_back_to_back(tmpfs):
+    """Hundreds of short requests on mapped pool files: every one completes byte-exact while the
+    engine releases each request as soon as its last object is reported done."""
+    d = tmpfs("64m")
+    kv = make_kv(seed=21)
+    with open_store([d], kv, capacity_gb=0.02, map_memory_paths=True) as s:
+        ub = s.unit_blocks
+        assert s.store([1, 2, 3], np.arange(3 * ub)).ok
+        want = snapshot(kv)
+        for i in range(400):
+            n = 1 + i % 3
+            dst = np.arange(3 * ub, (3 + n) * ub)
+            res = s.retrieve([1, 2, 3][:n], dst)
+            assert res.ok, (i, res.failed_units)
+        assert_units_equal(want, np.arange(3 * ub), kv, np.arange(3 * ub, 6 * ub), "kv_first", [0, 1, 2], ub)
+
+
 def test_config_file_sits_below_the_environment(monkeypatch, tmp_path):
     import json
 

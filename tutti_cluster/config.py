@@ -68,10 +68,10 @@ class TuttiConfig(BaseSettings):
     )
 
     map_memory_paths: bool = Field(
-        False,
+        True,
         description="Map the pool files on memory file systems (tmpfs, ramfs) and let the I/O kernel move "
         "objects with loads and stores instead of io_uring (byte-addressable storage: one pass over "
-        "each byte, no staging). Other paths still go through io_uring.",
+        "each byte, no staging; on CUDA the pool is pinned). Other paths always go through io_uring.",
     )
 
     # Layout

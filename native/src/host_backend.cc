@@ -97,9 +97,9 @@ class HostBackend final : public Backend {
                  std::vector<struct iovec>* iov) const;
   bool post(uint32_t id, SpscRing<Sqe>& sq);
   void complete(const Cqe& c);
-  void finish_ctx(uint32_t id, uint32_t n = 1);
+  void finish_ctx(uint32_t id);
   bool mapped(const Ioctx& x) const { return x.slot != UINT32_MAX && x.path < k_->mapped.size() && k_->mapped[x.path]; }
-  uint32_t run_mapped(uint32_t id);
+  void run_mapped(uint32_t id);
   void move_mapped(uint32_t id);
   void help();
 
@@ -138,15 +138,12 @@ void HostBackend::run() {
     while (launch_.pop(&id)) {
       posted_[id] = done_[id] = 0;
       active_.push_back(id);
-      if (const uint32_t m = run_mapped(id)) finish_ctx(id, m);
+      run_mapped(id);
       progress = true;
     }
     // Post as many IOCTXs as staging chunks allow, oldest IOCB first.
     bool posted_any = false;
-    for (uint32_t a : active_) {
-      if (free_slots_.empty()) break;
-      posted_any |= post(a, sq);
-    }
+    for (uint32_t a : active_) posted_any |= post(a, sq);
     if (posted_any) {
       k_->agent->kick();
       progress = true;
@@ -248,15 +245,18 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
   const Geometry& g = k_->geom;
   const auto op = static_cast<IoOp>(b.op);
   bool any = false;
-  while (posted_[id] < b.ctx_count && !free_slots_.empty()) {
+  // IOCTXs finish in this walk's order (or later, on their CQE): the walk never reads the request
+  // again after its last IOCTX finished, when the engine may already be releasing it.
+  while (posted_[id] < b.ctx_count) {
     const uint32_t off = posted_[id];
     // Commit IOCBs walk units; layer IOCBs walk the request's IOCTX array.
     const uint32_t idx = b.ctx_first + off;
     const Ioctx& x = op == IoOp::kCommit ? r.ctx[idx * g.objs_per_layer] : r.ctx[idx];
     const uint32_t unit = op == IoOp::kCommit ? idx : x.unit;
     const uint32_t n = group_size(b, r, off);
-    if (op != IoOp::kCommit && mapped(x)) {  // moved by run_mapped
+    if (op != IoOp::kCommit && mapped(x)) {  // moved by run_mapped when the IOCB was launched
       posted_[id] += 1;
+      finish_ctx(id);
       continue;
     }
     if (x.slot == UINT32_MAX || r.unit_failed[unit]) {
@@ -264,6 +264,7 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
       for (uint32_t k = 0; k < n; ++k) finish_ctx(id);
       continue;
     }
+    if (free_slots_.empty()) break;
     const uint32_t slot = free_slots_.back();
     const uint64_t buf_offset = static_cast<uint64_t>(slot) * group_ * k_->chunk_bytes;
     uint8_t* buf = k_->staging + buf_offset;
@@ -348,27 +349,27 @@ void HostBackend::complete(const Cqe& c) {
   for (uint32_t k = 0; k < n; ++k) finish_ctx(id);
 }
 
-void HostBackend::finish_ctx(uint32_t id, uint32_t n) {
+void HostBackend::finish_ctx(uint32_t id) {
   Iocb& b = k_->iocbs[id];
-  if ((done_[id] += n) == b.ctx_count) {
+  if (++done_[id] == b.ctx_count) {
     __atomic_store_n(&b.done_seq, b.issue_seq, __ATOMIC_RELEASE);
     k_->done_bell->notify();
   }
 }
 
-// Moves the objects of IOCB `id` that lie in mapped files, on this thread and the helpers; returns
-// how many IOCTXs that was (all of them done).
-uint32_t HostBackend::run_mapped(uint32_t id) {
+// Moves the objects of IOCB `id` that lie in mapped files, on this thread and the helpers; post()
+// then finishes those IOCTXs in its walk.
+void HostBackend::run_mapped(uint32_t id) {
   const Iocb& b = k_->iocbs[id];
-  if (!any_mapped_ || static_cast<IoOp>(b.op) == IoOp::kCommit) return 0;
+  if (!any_mapped_ || static_cast<IoOp>(b.op) == IoOp::kCommit) return;
   const RequestView& r = k_->requests[b.request];
   uint32_t n = 0;
   for (uint32_t i = 0; i < b.ctx_count; ++i) n += mapped(r.ctx[b.ctx_first + i]) ? 1 : 0;
-  if (n == 0) return 0;
+  if (n == 0) return;
   job_next_.store(0);
   if (helpers_.empty() || n == 1) {
     move_mapped(id);
-    return n;
+    return;
   }
   {
     std::lock_guard<std::mutex> l(job_mu_);
@@ -380,7 +381,6 @@ uint32_t HostBackend::run_mapped(uint32_t id) {
   move_mapped(id);
   std::unique_lock<std::mutex> l(job_mu_);
   job_done_cv_.wait(l, [&] { return job_busy_ == 0; });
-  return n;
 }
 
 // Takes the IOCB's IOCTXs one at a time (shared cursor) and moves the mapped ones: retrieve verifies
