@@ -432,13 +432,13 @@ def test_compute_on_the_complement_partition(shm_dirs: list[Path]) -> None:
 # ---- two processes on two GPUs -------------------------------------------------------------------
 
 
-def _worker(device: int, paths: list[str]) -> dict[str, Any]:
-    """One GPU process: its own store instance and queues on the shared paths."""
+def _worker(device: int, mapped: bool, paths: list[str]) -> dict[str, Any]:
+    """One GPU process: its own store instance and queues (or registered mappings) on the shared paths."""
     torch.cuda.set_device(device)
     kv = make_gpu_kv("kv_first", layers=8, blocks=2048, seed=device)
     rng = np.random.default_rng(device)
     s = TuttiStore(TuttiConfig(paths=paths, capacity_gb=1.0, unit_tokens=256, staging_mb=32, backend="cuda",
-                               device=device, instance=f"gpu{device}"))
+                               device=device, instance=f"gpu{device}", map_memory_paths=mapped))
     s.register_kv_caches([t for t in kv], block_tokens=16, layout="kv_first")
     n = 2048 // s.unit_blocks
     keys = [int(k) for k in rng.integers(1, 1 << 62, n)]
@@ -453,15 +453,17 @@ def _worker(device: int, paths: list[str]) -> dict[str, Any]:
     assert_moved(want, src, kv, dst, "kv_first")
     st = s.stats()
     s.close()
-    return {"device": device, "units": n, "bytes_read": st["bytes_read"], "backend": st["backend"]}
+    return {"device": device, "units": n, "bytes_read": st["bytes_read"], "backend": st["backend"],
+            "mapped_files": st["mapped_files"]}
 
 
 @gpu
 @pytest.mark.skipif(not HAVE_GPU or torch.cuda.device_count() < 2, reason="needs two GPUs in one host")
-def test_two_processes_two_gpus(shm_dirs: list[Path]) -> None:
+@pytest.mark.parametrize("mapped", [False, True], ids=["io_uring", "mapped"])
+def test_two_processes_two_gpus(shm_dirs: list[Path], mapped: bool) -> None:
     paths = [str(d) for d in shm_dirs]
     procs = [
-        subprocess.Popen([sys.executable, __file__, "worker", str(dev), *paths], stdout=subprocess.PIPE,
+        subprocess.Popen([sys.executable, __file__, "worker", str(dev), str(int(mapped)), *paths], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, cwd=str(Path(__file__).parent))
         for dev in (0, 1)
     ]
@@ -470,10 +472,11 @@ def test_two_processes_two_gpus(shm_dirs: list[Path]) -> None:
         assert p.returncode == 0, err[-2000:]
     results = [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
     assert sorted(r["device"] for r in results) == [0, 1]
+    assert all(r["mapped_files"] == (16 if mapped else 0) for r in results)  # 8 per tmpfs path
     # Each process owns its share of every path (one or several pool files each: 8 on tmpfs).
     for d in shm_dirs:
         assert {p.name.split(".")[0] for p in d.glob("tutti-*.pool")} == {"tutti-gpu0", "tutti-gpu1"}
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "worker":
-    print(json.dumps(_worker(int(sys.argv[2]), sys.argv[3:])))
+    print(json.dumps(_worker(int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4:])))
