@@ -715,7 +715,7 @@ StoreStats Store::stats() const {
   s.obj_bytes = geom_.obj_bytes;
   s.direct_io = pool_.num_paths() > 0 && pool_.path(0).direct;
   s.fixed_buffers = agent_.fixed_buffers();
-  for (uint32_t i = 0; i < pool_.num_paths(); ++i) s.mapped_files += pool_.path(i).map ? 1 : 0;
+  for (const uint8_t* m : kctx_.mapped) s.mapped_files += m ? 1 : 0;
   s.backend = backend_ ? backend_->name() : "none";
   return s;
 }

@@ -55,7 +55,7 @@ struct StoreStats {
   // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
   uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
   bool direct_io = false, fixed_buffers = false;
-  uint32_t mapped_files = 0;  // pool files moved with loads and stores (map_memory)
+  uint32_t mapped_files = 0;  // pool files the I/O kernel moves with loads and stores (map_memory)
   std::string backend;
 };
 

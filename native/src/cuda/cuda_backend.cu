@@ -754,7 +754,13 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   for (size_t i = 0; i < ctx->mapped.size(); ++i) {
     if (!ctx->mapped[i]) continue;
     e = cudaHostRegister(ctx->mapped[i], ctx->mapped_bytes[i], cudaHostRegisterMapped | cudaHostRegisterPortable);
-    if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaHostRegister (mapped pool file)", e)};
+    if (e != cudaSuccess) {  // the file stays on the io_uring path
+      cudaGetLastError();
+      std::fprintf(stderr, "tutti: %s: its objects go through io_uring\n",
+                   cuda_msg("cannot register a mapped pool file with CUDA", e).c_str());
+      ctx->mapped[i] = nullptr;
+      continue;
+    }
     registered_.push_back(ctx->mapped[i]);
     void* d = nullptr;
     if ((e = cudaHostGetDevicePointer(&d, ctx->mapped[i], 0)) != cudaSuccess)
