@@ -1,6 +1,7 @@
 #!/bin/bash
 # Runs steps on the lent GPU host, from the repository root: tests/gpu_device_run.sh STEP...
-# Steps: tests (GPU tests), memory (host memory copy bandwidth by thread count), shm (bench, all
+# Steps: tests (GPU tests), memory (host memory copy bandwidth by thread count; the storage read
+# limit alone and while the GPU copies from pinned memory), shm (bench, all
 # systems, /dev/shm as a stand-in for an NVMe array, tutti-mapped included),
 # disk (bench on the real disk, O_DIRECT, caches dropped), driver (640K tokens through the fixed
 # staging area), cluster (the cluster benchmark; needs .cdeb/ and the Mooncake wheel in .whl/),
@@ -47,7 +48,9 @@ for step in "$@"; do
     TUTTI_CUDA_TRACE=1 timeout 150 python3 -m pytest -q -m gpu --timeout=90 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -6 ;;
   memory)
     log "host memory copy bandwidth"
-    timeout "$(left)" python3 tests/host_copy_bandwidth.py --json "$OUT/copy.json" ;;
+    timeout "$(left)" python3 tests/host_copy_bandwidth.py --json "$OUT/copy.json"
+    timeout "$(left)" python3 tests/limit_under_h2d.py --path /dev/shm/lim --json "$OUT/limit_h2d.json"
+    rm -rf /dev/shm/lim ;;
   shm)
     log "bench /dev/shm (stand-in for an NVMe array), staging ${STAGING_MB:-2048} MiB, queue depth ${QD:-24}"
     mkdir -p $SHM
