@@ -4,7 +4,9 @@
 # limit alone and while the GPU copies from pinned memory), shm (bench, all
 # systems, /dev/shm as a stand-in for an NVMe array, tutti-mapped included),
 # disk (bench on the real disk, O_DIRECT, caches dropped), driver (640K tokens through the fixed
-# staging area), cluster (the cluster benchmark; needs .cdeb/ and the Mooncake wheel in .whl/),
+# staging area), cpudisk and cpushm (the bench with the KV cache in host memory: the CPU backend on
+# this host's disk and on /dev/shm), cluster (the cluster benchmark; needs .cdeb/ and the Mooncake
+# wheel in .whl/),
 # none (build only). The native module is built first (CUDA on, sm_90; CUDA off when the only step
 # is cluster), with liburing from the Debian packages in .deb/ and the wheels the image lacks in
 # .whl/. Logs and JSON go to $OUT (or ./gpu-out). Environment: STAGING_MB and QD for the /dev/shm
@@ -40,6 +42,7 @@ BENCH='import sys; from tutti_cluster.bench import main; sys.exit(main(sys.argv[
 SHM="/dev/shm/tb0 /dev/shm/tb1 /dev/shm/tb2 /dev/shm/tb3"
 PREFIXES=${PREFIXES:-16K,32K,64K,128K}
 bench() { timeout "$(left)" python3 -c "$BENCH" --device cuda "$@" 2>&1 | grep -v "it/s\]\|step/s\]"; }
+cpubench() { timeout "$(left)" python3 -c "$BENCH" --device cpu "$@" 2>&1 | grep -v "it/s\]\|step/s\]"; }
 
 for step in "$@"; do
   case $step in
@@ -65,6 +68,18 @@ for step in "$@"; do
     [ "$(left)" -gt 120 ] && bench --paths /var/tmp/tutti-disk --prefix-tokens 16K \
       --systems per-block per-chunk kvikio --drop-caches --limit-gb 1 --json "$OUT/bench_disk_base.json" | tail -12
     rm -rf /var/tmp/tutti-disk ;;
+  cpudisk)
+    log "bench, CPU backend, disk (O_DIRECT, caches dropped)"
+    mkdir -p /var/tmp/tutti-disk
+    cpubench --paths /var/tmp/tutti-disk --prefix-tokens ${DISK_PREFIXES:-16K,32K,64K,128K} --drop-caches \
+      --systems ${CPU_SYSTEMS:-tutti} --json "$OUT/bench_cpu_disk.json" | tail -16
+    rm -rf /var/tmp/tutti-disk ;;
+  cpushm)
+    log "bench, CPU backend, /dev/shm"
+    mkdir -p $SHM
+    cpubench --paths $SHM --prefix-tokens $PREFIXES --systems tutti tutti-mapped per-block \
+      --json "$OUT/bench_cpu_shm.json" | tail -20
+    rm -rf $SHM ;;
   driver)
     log "driver 640K"
     mkdir -p $SHM
