@@ -2,7 +2,8 @@
 // stand-in for the GPU kernel on dedicated SMs). It runs the same protocol as the CUDA kernel: post
 // IOCTXs as SQEs, wait for their CQEs, verify and scatter (retrieve) or gather and checksum (store).
 // Objects in mapped pool files (map_memory) need no I/O: that thread and its helpers move them
-// between the mapping and the KV blocks directly, checksumming as they copy.
+// between the mapping and the KV blocks directly, checksumming as they copy. The helpers also
+// share the verification of completed reads.
 #include <pthread.h>
 #include <sys/mman.h>
 #include <sys/uio.h>
@@ -12,6 +13,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -54,9 +56,9 @@ class HostBackend final : public Backend {
     slot_direct_.assign(ctx->num_chunks / group_, 0);
     stop_ = false;
     any_mapped_ = std::any_of(ctx->mapped.begin(), ctx->mapped.end(), [](const uint8_t* m) { return m != nullptr; });
-    // Copies from mapped files are bound by memory bandwidth: up to eight threads share them.
-    const uint32_t copiers = any_mapped_ ? std::clamp<uint32_t>(std::thread::hardware_concurrency(), 1, 8) : 1;
-    for (uint32_t i = 1; i < copiers; ++i) helpers_.emplace_back([this] { help(); });
+    // Copies and checksums are bound by memory bandwidth: up to eight threads share them.
+    const uint32_t threads = std::clamp<uint32_t>(std::thread::hardware_concurrency(), 1, 8);
+    for (uint32_t i = 1; i < threads; ++i) helpers_.emplace_back([this] { help(); });
     thread_ = std::thread([this] { run(); });
     return Status::Ok();
   }
@@ -96,11 +98,14 @@ class HostBackend final : public Backend {
   bool build_iov(uint32_t layer, const RequestView& r, const Ioctx* xs, uint32_t n, uint8_t* pad,
                  std::vector<struct iovec>* iov) const;
   bool post(uint32_t id, SpscRing<Sqe>& sq);
-  void complete(const Cqe& c);
+  void verify(const Cqe& c);
+  void retire(const Cqe& c);
   void finish_ctx(uint32_t id);
   bool mapped(const Ioctx& x) const { return x.slot != UINT32_MAX && x.path < k_->mapped.size() && k_->mapped[x.path]; }
   void run_mapped(uint32_t id);
-  void move_mapped(uint32_t id);
+  void move_mapped(uint32_t id, uint32_t off);
+  void parallel_for(uint32_t n, const std::function<void(uint32_t)>& fn);
+  void work();
   void help();
 
   KernelContext* k_ = nullptr;
@@ -113,13 +118,15 @@ class HostBackend final : public Backend {
   std::vector<std::vector<struct iovec>> slot_iov_;  // scatter-gather list of each slot's I/O
   std::vector<uint8_t> slot_direct_;  // the slot's I/O goes straight to the KV blocks
   std::deque<uint32_t> active_;
-  // Objects of mapped files: one job (an IOCB) at a time, shared by this thread and the helpers.
+  std::vector<Cqe> batch_;  // completions verified together
   bool any_mapped_ = false;
+  // One parallel loop at a time (parallel_for), shared by this thread and the helpers.
   std::vector<std::thread> helpers_;
   std::mutex job_mu_;
   std::condition_variable job_cv_, job_done_cv_;
   uint64_t job_gen_ = 0;
-  uint32_t job_id_ = 0, job_busy_ = 0;
+  uint32_t job_busy_ = 0, job_n_ = 0;
+  const std::function<void(uint32_t)>* job_fn_ = nullptr;
   std::atomic<uint32_t> job_next_{0};
   std::thread thread_;
   std::atomic<bool> stop_{false};
@@ -148,9 +155,13 @@ void HostBackend::run() {
       k_->agent->kick();
       progress = true;
     }
+    // Completions: verified in parallel (each reads its own objects), then retired in order.
     Cqe c;
-    while (cq.pop(&c)) {
-      complete(c);
+    batch_.clear();
+    while (cq.pop(&c)) batch_.push_back(c);
+    if (!batch_.empty()) {
+      parallel_for(static_cast<uint32_t>(batch_.size()), [this](uint32_t i) { verify(batch_[i]); });
+      for (const Cqe& done : batch_) retire(done);
       progress = true;
     }
     while (!active_.empty() && done_[active_.front()] == k_->iocbs[active_.front()].ctx_count) active_.pop_front();
@@ -313,7 +324,10 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
   return any;
 }
 
-void HostBackend::complete(const Cqe& c) {
+// Checks a completion: its result, and for a read every object's checksum, verified as it moves
+// from staging (or in place). A failure marks the unit failed, so its blocks are reported as not
+// loaded (a miss) and the engine recomputes them; never presented as a hit. Runs on any thread.
+void HostBackend::verify(const Cqe& c) {
   const uint32_t id = static_cast<uint32_t>(c.tag >> 32);
   const uint32_t slot = static_cast<uint32_t>((c.tag >> 12) & 0xfffff);
   const uint32_t off = static_cast<uint32_t>(c.tag & 0xfff);
@@ -322,30 +336,36 @@ void HostBackend::complete(const Cqe& c) {
   const Geometry& g = k_->geom;
   const auto op = static_cast<IoOp>(b.op);
   const uint32_t idx = b.ctx_first + off;
-  const Ioctx& x = op == IoOp::kCommit ? r.ctx[idx * g.objs_per_layer] : r.ctx[idx];
-  const uint32_t unit = op == IoOp::kCommit ? idx : x.unit;
+  const uint32_t unit = op == IoOp::kCommit ? idx : r.ctx[idx].unit;
   const uint32_t n = group_size(b, r, off);
   const uint64_t want = op == IoOp::kCommit ? g.header_bytes : n * g.obj_bytes;
-  uint8_t* buf = k_->staging + static_cast<uint64_t>(slot) * group_ * k_->chunk_bytes;
+  auto fail = [&](uint8_t why) {
+    __atomic_store_n(&r.unit_failed[unit], why, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&b.errors, 1, __ATOMIC_RELAXED);
+  };
   if (c.res != static_cast<int64_t>(want)) {
-    r.unit_failed[unit] = 1;
-    b.errors++;
-  } else if (op == IoOp::kRead) {
-    // Verified as it moves (or in place): a mismatch marks the unit failed, so its blocks are
-    // reported as not loaded (a miss) and the engine recomputes them; never presented as a hit.
-    for (uint32_t k = 0; k < n; ++k) {
-      const Ioctx& xk = r.ctx[idx + k];
-      uint8_t* obj = buf + k * k_->chunk_bytes;
-      const uint64_t expect = r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj];
-      const uint64_t got = slot_direct_[slot] ? sum_in_place(b.layer, r, xk, obj + g.payload_bytes())
-                                              : move_object(b.layer, r, xk, obj, true);
-      if (got != expect) {
-        r.unit_failed[unit] = 2;
-        b.errors++;
-      }
-    }
+    fail(1);
+    return;
   }
-  free_slots_.push_back(slot);
+  if (op != IoOp::kRead) return;
+  uint8_t* buf = k_->staging + static_cast<uint64_t>(slot) * group_ * k_->chunk_bytes;
+  for (uint32_t k = 0; k < n; ++k) {
+    const Ioctx& xk = r.ctx[idx + k];
+    uint8_t* obj = buf + k * k_->chunk_bytes;
+    const uint64_t expect = r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj];
+    const uint64_t got = slot_direct_[slot] ? sum_in_place(b.layer, r, xk, obj + g.payload_bytes())
+                                            : move_object(b.layer, r, xk, obj, true);
+    if (got != expect) fail(2);
+  }
+}
+
+// Frees a verified completion's staging slot and finishes its IOCTXs (this thread only).
+void HostBackend::retire(const Cqe& c) {
+  const uint32_t id = static_cast<uint32_t>(c.tag >> 32);
+  const uint32_t off = static_cast<uint32_t>(c.tag & 0xfff);
+  Iocb& b = k_->iocbs[id];
+  free_slots_.push_back(static_cast<uint32_t>((c.tag >> 12) & 0xfffff));
+  const uint32_t n = group_size(b, k_->requests[b.request], off);
   for (uint32_t k = 0; k < n; ++k) finish_ctx(id);
 }
 
@@ -362,62 +382,63 @@ void HostBackend::finish_ctx(uint32_t id) {
 void HostBackend::run_mapped(uint32_t id) {
   const Iocb& b = k_->iocbs[id];
   if (!any_mapped_ || static_cast<IoOp>(b.op) == IoOp::kCommit) return;
-  const RequestView& r = k_->requests[b.request];
-  uint32_t n = 0;
-  for (uint32_t i = 0; i < b.ctx_count; ++i) n += mapped(r.ctx[b.ctx_first + i]) ? 1 : 0;
-  if (n == 0) return;
-  job_next_.store(0);
-  if (helpers_.empty() || n == 1) {
-    move_mapped(id);
+  parallel_for(b.ctx_count, [this, id](uint32_t off) { move_mapped(id, off); });
+}
+
+// One IOCTX of a mapped file: retrieve verifies as it copies into the KV blocks (a mismatch fails
+// the unit: a miss); store gathers and records the checksum that the commit header will carry.
+void HostBackend::move_mapped(uint32_t id, uint32_t off) {
+  Iocb& b = k_->iocbs[id];
+  RequestView& r = k_->requests[b.request];
+  const Ioctx& x = r.ctx[b.ctx_first + off];
+  if (!mapped(x) || __atomic_load_n(&r.unit_failed[x.unit], __ATOMIC_RELAXED)) return;
+  const Geometry& g = k_->geom;
+  const bool read = static_cast<IoOp>(b.op) == IoOp::kRead;
+  uint8_t* obj = k_->mapped[x.path] + x.file_offset + g.obj_offset(b.layer, x.obj);
+  uint64_t& sum = r.checksums[static_cast<uint64_t>(x.unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj];
+  const uint64_t got = move_object(b.layer, r, x, obj, read);
+  if (!read) {
+    sum = got;
+  } else if (got != sum) {
+    __atomic_store_n(&r.unit_failed[x.unit], static_cast<uint8_t>(2), __ATOMIC_RELAXED);
+    __atomic_fetch_add(&b.errors, 1, __ATOMIC_RELAXED);
+  }
+}
+
+// Runs fn(0..n-1) on this thread and the helpers; returns when every call has returned.
+void HostBackend::parallel_for(uint32_t n, const std::function<void(uint32_t)>& fn) {
+  if (helpers_.empty() || n < 2) {
+    for (uint32_t i = 0; i < n; ++i) fn(i);
     return;
   }
   {
     std::lock_guard<std::mutex> l(job_mu_);
-    job_id_ = id;
+    job_fn_ = &fn;
+    job_n_ = n;
+    job_next_.store(0);
     job_busy_ = static_cast<uint32_t>(helpers_.size());
     ++job_gen_;
   }
   job_cv_.notify_all();
-  move_mapped(id);
+  work();
   std::unique_lock<std::mutex> l(job_mu_);
   job_done_cv_.wait(l, [&] { return job_busy_ == 0; });
 }
 
-// Takes the IOCB's IOCTXs one at a time (shared cursor) and moves the mapped ones: retrieve verifies
-// as it copies into the KV blocks (a mismatch fails the unit: a miss); store gathers and records the
-// checksum that the commit header will carry.
-void HostBackend::move_mapped(uint32_t id) {
-  Iocb& b = k_->iocbs[id];
-  RequestView& r = k_->requests[b.request];
-  const Geometry& g = k_->geom;
-  const bool read = static_cast<IoOp>(b.op) == IoOp::kRead;
-  for (uint32_t i; (i = job_next_.fetch_add(1)) < b.ctx_count;) {
-    const Ioctx& x = r.ctx[b.ctx_first + i];
-    if (!mapped(x) || __atomic_load_n(&r.unit_failed[x.unit], __ATOMIC_RELAXED)) continue;
-    uint8_t* obj = k_->mapped[x.path] + x.file_offset + g.obj_offset(b.layer, x.obj);
-    uint64_t& sum = r.checksums[static_cast<uint64_t>(x.unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj];
-    const uint64_t got = move_object(b.layer, r, x, obj, read);
-    if (!read) {
-      sum = got;
-    } else if (got != sum) {
-      __atomic_store_n(&r.unit_failed[x.unit], static_cast<uint8_t>(2), __ATOMIC_RELAXED);
-      __atomic_fetch_add(&b.errors, 1, __ATOMIC_RELAXED);
-    }
-  }
+void HostBackend::work() {
+  for (uint32_t i; (i = job_next_.fetch_add(1)) < job_n_;) (*job_fn_)(i);
 }
 
 void HostBackend::help() {
   uint64_t seen = 0;
   for (;;) {
-    uint32_t id;
     {
       std::unique_lock<std::mutex> l(job_mu_);
       job_cv_.wait(l, [&] { return stop_.load() || job_gen_ != seen; });
       if (stop_.load()) return;
       seen = job_gen_;
-      id = job_id_;
     }
-    move_mapped(id);
+    work();
     std::lock_guard<std::mutex> l(job_mu_);
     if (--job_busy_ == 0) job_done_cv_.notify_one();
   }
