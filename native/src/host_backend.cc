@@ -98,6 +98,7 @@ class HostBackend final : public Backend {
   bool build_iov(uint32_t layer, const RequestView& r, const Ioctx* xs, uint32_t n, uint8_t* pad,
                  std::vector<struct iovec>* iov) const;
   bool post(uint32_t id, SpscRing<Sqe>& sq);
+  void gather(const Sqe& e);
   void verify(const Cqe& c);
   void retire(const Cqe& c);
   void finish_ctx(uint32_t id);
@@ -118,7 +119,8 @@ class HostBackend final : public Backend {
   std::vector<std::vector<struct iovec>> slot_iov_;  // scatter-gather list of each slot's I/O
   std::vector<uint8_t> slot_direct_;  // the slot's I/O goes straight to the KV blocks
   std::deque<uint32_t> active_;
-  std::vector<Cqe> batch_;  // completions verified together
+  std::vector<Sqe> pending_;  // SQEs of one post() call, pushed after the stores' gathers
+  std::vector<Cqe> batch_;    // completions verified together
   bool any_mapped_ = false;
   // One parallel loop at a time (parallel_for), shared by this thread and the helpers.
   std::vector<std::thread> helpers_;
@@ -255,7 +257,6 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
   RequestView& r = k_->requests[b.request];
   const Geometry& g = k_->geom;
   const auto op = static_cast<IoOp>(b.op);
-  bool any = false;
   // IOCTXs finish in this walk's order (or later, on their CQE): the walk never reads the request
   // again after its last IOCTX finished, when the engine may already be releasing it.
   while (posted_[id] < b.ctx_count) {
@@ -275,7 +276,7 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
       for (uint32_t k = 0; k < n; ++k) finish_ctx(id);
       continue;
     }
-    if (free_slots_.empty()) break;
+    if (free_slots_.empty() || sq.size() + pending_.size() >= sq.capacity()) break;
     const uint32_t slot = free_slots_.back();
     const uint64_t buf_offset = static_cast<uint64_t>(slot) * group_ * k_->chunk_bytes;
     uint8_t* buf = k_->staging + buf_offset;
@@ -303,25 +304,41 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
         s.buf_offset = reinterpret_cast<uint64_t>(iov.data());
         s.len = static_cast<uint32_t>(iov.size());
       }
-      if (op == IoOp::kWrite)
-        for (uint32_t k = 0; k < n; ++k) {
-          const Ioctx& xk = r.ctx[idx + k];
-          uint8_t* obj = buf + k * k_->chunk_bytes;
-          uint64_t& sum = r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj];
-          if (slot_direct_[slot]) {
-            std::memset(obj + g.payload_bytes(), 0, g.obj_bytes - g.payload_bytes());
-            sum = sum_in_place(b.layer, r, xk, obj + g.payload_bytes());
-          } else {
-            sum = move_object(b.layer, r, xk, obj, false);
-          }
-        }
     }
-    if (!sq.push(s)) break;  // SQ full: retry after completions
+    pending_.push_back(s);  // stores gather below, in parallel, before any of these is posted
     free_slots_.pop_back();
     posted_[id] += n;
-    any = true;
   }
-  return any;
+  if (pending_.empty()) return false;
+  if (op == IoOp::kWrite)
+    parallel_for(static_cast<uint32_t>(pending_.size()), [this](uint32_t i) { gather(pending_[i]); });
+  for (const Sqe& e : pending_) sq.push(e);  // room was checked above: the agent only frees more
+  pending_.clear();
+  return true;
+}
+
+// A store's objects for one SQE: gathered from the KV blocks into staging (or, straight I/O, summed
+// in place) with the checksums that the commit header will carry. Runs on any thread.
+void HostBackend::gather(const Sqe& e) {
+  const uint32_t id = static_cast<uint32_t>(e.tag >> 32);
+  const uint32_t slot = static_cast<uint32_t>((e.tag >> 12) & 0xfffff);
+  const uint32_t off = static_cast<uint32_t>(e.tag & 0xfff);
+  const Iocb& b = k_->iocbs[id];
+  RequestView& r = k_->requests[b.request];
+  const Geometry& g = k_->geom;
+  const uint32_t idx = b.ctx_first + off;
+  uint8_t* buf = k_->staging + static_cast<uint64_t>(slot) * group_ * k_->chunk_bytes;
+  for (uint32_t k = 0, n = group_size(b, r, off); k < n; ++k) {
+    const Ioctx& xk = r.ctx[idx + k];
+    uint8_t* obj = buf + k * k_->chunk_bytes;
+    uint64_t& sum = r.checksums[static_cast<uint64_t>(xk.unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj];
+    if (slot_direct_[slot]) {
+      std::memset(obj + g.payload_bytes(), 0, g.obj_bytes - g.payload_bytes());
+      sum = sum_in_place(b.layer, r, xk, obj + g.payload_bytes());
+    } else {
+      sum = move_object(b.layer, r, xk, obj, false);
+    }
+  }
 }
 
 // Checks a completion: its result, and for a read every object's checksum, verified as it moves
