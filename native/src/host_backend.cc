@@ -43,7 +43,7 @@ class HostBackend final : public Backend {
   void free_host(void* ptr, uint64_t bytes) override { munmap(ptr, bytes); }
 
   Status start(KernelContext* ctx, uint32_t workers) override {
-    (void)workers;  // one host worker: the CPU backend runs on small hosts
+    (void)workers;  // one SQ/CQ pair and one kernel thread, with helper threads for copies and checksums
     k_ = ctx;
     launch_mem_.resize(ctx->num_iocbs);
     launch_ = SpscRing<uint32_t>(&launch_ctl_, launch_mem_.data(), launch_mem_.size());

@@ -66,7 +66,8 @@ class Backend {
   virtual void stop() = 0;
   virtual double kernel_cpu_seconds() const = 0;
   // Kernel workers (SQ/CQ pairs served by the I/O kernel) for `io_workers` requested and `sms`
-  // SMs: the host backend has one scatter thread, a GPU one thread block per SM of its partition.
+  // SMs: the host backend has one kernel thread (and helpers), a GPU one thread block per SM of its
+  // partition.
   virtual uint32_t num_workers(uint32_t io_workers, uint32_t sms) const {
     (void)sms;
     return io_workers;
