@@ -193,8 +193,8 @@ __device__ __forceinline__ uint8_t* mapped_object(const LaunchParams& p, const L
                                     (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
 }
 
-// Retrieve: verify and scatter one object from staging (or its mapped file). Store: gather one object into staging and
-// record its checksum. Runs on one warp.
+// Retrieve: verify and scatter one object from staging (or its mapped file). Store: gather one
+// object into staging (or its mapped file) and record its checksum. Runs on one warp.
 __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint32_t off, uint8_t* chunk, uint32_t lane,
                                uint32_t* errors) {
   const Ioctx x = B.ctx[B.ctx_first + off];
