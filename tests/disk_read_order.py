@@ -1,0 +1,73 @@
+"""Does tutti's read order cost bandwidth on a disk, read the way the storage limit reads?
+
+One 2 GiB file laid out as 64 GPU files of 32 layers x 1 MiB; 64 threads read it with 1 MiB O_DIRECT
+`preadv`s (the limit's reader), either in file order or in tutti's retrieve order (layer by layer,
+one 1 MiB K/V pair per unit, units 32 MiB apart). Passes alternate, page cache dropped before each:
+
+    python tests/disk_read_order.py --path /tmp/order
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tutti_cluster.bench import fsutil
+
+MIB = 1 << 20
+UNITS, LAYERS = 64, 32
+
+
+def timed_pass(fd: int, view: memoryview, order: Callable[[int], int], threads: int) -> float:
+    total = UNITS * LAYERS
+
+    def work(t: int) -> None:
+        for k in range(t, total, threads):
+            fsutil.read_all(fd, view[(k % 64) * MIB : (k % 64 + 1) * MIB], order(k))
+
+    fsutil.drop_caches()
+    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    t0 = time.perf_counter()
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join()
+    return total * MIB / (time.perf_counter() - t0) / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--path", type=Path, required=True)
+    p.add_argument("--threads", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=4)
+    a = p.parse_args()
+    a.path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(a.path / "order.dat", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        size = UNITS * LAYERS * MIB
+        os.posix_fallocate(fd, 0, size)
+        view = memoryview(fsutil.aligned_buffer(64 * MIB))
+        view[:] = os.urandom(64 * MIB)
+        for off in range(0, size, 64 * MIB):
+            fsutil.write_all(fd, view, off)
+        os.fsync(fd)
+        orders = {"file order": lambda k: k * MIB,
+                  "tutti order": lambda k: (k % UNITS) * LAYERS * MIB + (k // UNITS) * MIB}
+        got: dict[str, list[float]] = {name: [] for name in orders}
+        for r in range(a.rounds):
+            for name in (list(orders) if r % 2 == 0 else list(reversed(orders))):
+                got[name].append(timed_pass(fd, view, orders[name], a.threads))
+        for name, v in got.items():
+            print(f"{name:>11}: {', '.join(f'{x:.2f}' for x in v)} GB/s")
+    finally:
+        os.close(fd)
+        shutil.rmtree(a.path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
