@@ -161,8 +161,7 @@ class TuttiSystem:
             logger.debug("store stats unavailable", exc_info=True)
 
     def release(self) -> None:
-        self._close_store()
-        self._n_blocks = 0
+        self._close_store()  # prepare() opens a new one for the next prefix
 
     def _close_store(self) -> None:
         if self._store is not None:
