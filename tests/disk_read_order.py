@@ -1,6 +1,6 @@
 """Does tutti's read order cost bandwidth on a disk, read the way the storage limit reads?
 
-One 2 GiB file laid out as 64 GPU files of 32 layers x 1 MiB; 64 threads read it with 1 MiB O_DIRECT
+One file (2 GiB by default) laid out as GPU files (64 by default) of 32 layers x 1 MiB; 64 threads read it with 1 MiB O_DIRECT
 `preadv`s (the limit's reader), either in file order or in tutti's retrieve order (layer by layer,
 one 1 MiB K/V pair per unit, units 32 MiB apart). Passes alternate, page cache dropped before each:
 
@@ -20,11 +20,11 @@ from pathlib import Path
 from tutti_cluster.bench import fsutil
 
 MIB = 1 << 20
-UNITS, LAYERS = 64, 32
+LAYERS = 32
 
 
-def timed_pass(fd: int, view: memoryview, order: Callable[[int], int], threads: int) -> float:
-    total = UNITS * LAYERS
+def timed_pass(fd: int, view: memoryview, order: Callable[[int], int], threads: int, units: int) -> float:
+    total = units * LAYERS
 
     def work(t: int) -> None:
         for k in range(t, total, threads):
@@ -45,11 +45,12 @@ def main() -> None:
     p.add_argument("--path", type=Path, required=True)
     p.add_argument("--threads", type=int, default=64)
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--units", type=int, default=64, help="GPU files of 32 MiB")
     a = p.parse_args()
     a.path.mkdir(parents=True, exist_ok=True)
     fd = os.open(a.path / "order.dat", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     try:
-        size = UNITS * LAYERS * MIB
+        size = a.units * LAYERS * MIB
         os.posix_fallocate(fd, 0, size)
         view = memoryview(fsutil.aligned_buffer(64 * MIB))
         view[:] = os.urandom(64 * MIB)
@@ -57,11 +58,11 @@ def main() -> None:
             fsutil.write_all(fd, view, off)
         os.fsync(fd)
         orders = {"file order": lambda k: k * MIB,
-                  "tutti order": lambda k: (k % UNITS) * LAYERS * MIB + (k // UNITS) * MIB}
+                  "tutti order": lambda k: (k % a.units) * LAYERS * MIB + (k // a.units) * MIB}
         got: dict[str, list[float]] = {name: [] for name in orders}
         for r in range(a.rounds):
             for name in (list(orders) if r % 2 == 0 else list(reversed(orders))):
-                got[name].append(timed_pass(fd, view, orders[name], a.threads))
+                got[name].append(timed_pass(fd, view, orders[name], a.threads, a.units))
         for name, v in got.items():
             print(f"{name:>11}: {', '.join(f'{x:.2f}' for x in v)} GB/s")
     finally:

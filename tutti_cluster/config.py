@@ -83,7 +83,12 @@ class TuttiConfig(BaseSettings):
     device: int = Field(0, ge=0, description="CUDA device ordinal for the cuda backend.")
     queue_depth: int = Field(64, gt=0, description="io_uring depth of the host agent.")
     iocb_depth: int = Field(1024, gt=0, description="IOCBs in the gio_uring table (init_queue).")
-    staging_mb: int = Field(64, gt=0, description="Pinned staging area in MiB; fixed, whatever the context.")
+    staging_mb: int = Field(
+        128,
+        gt=0,
+        description="Pinned staging area in MiB; fixed, whatever the context. Twice queue_depth x 1 MiB keeps "
+        "the agent's queue full while the I/O kernel gathers and scatters the other half.",
+    )
     max_requests: int = Field(256, gt=0, description="Requests in flight per store instance.")
     io_sms: int = Field(8, gt=0, description="SMs given to the I/O kernel (multiples of 8 on CUDA).")
     cuda_pair: bool = Field(False, description="CUDA: K and V of a unit-layer as one I/O (slower on the H200).")

@@ -34,13 +34,8 @@ class HostBackend final : public Backend {
   std::string name() const override { return "cpu"; }
   bool host_agent_polls() const override { return false; }
 
-  Status alloc_host(uint64_t bytes, void** ptr) override {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (p == MAP_FAILED) return {Code::kCapacityExceeded, errno_message("mmap staging", errno)};
-    *ptr = p;
-    return Status::Ok();
-  }
-  void free_host(void* ptr, uint64_t bytes) override { munmap(ptr, bytes); }
+  Status alloc_host(uint64_t bytes, void** ptr) override { return map_host(bytes, ptr); }
+  void free_host(void* ptr, uint64_t bytes) override { unmap_host(ptr, bytes); }
 
   Status start(KernelContext* ctx, uint32_t workers) override {
     (void)workers;  // one SQ/CQ pair and one kernel thread, with helper threads for copies and checksums

@@ -46,6 +46,12 @@ inline void check(const Status& s) {
 
 std::string errno_message(const std::string& what, int err);
 
+// Anonymous memory for staging and rings, populated now and backed by transparent huge pages where
+// the kernel allows: a 1 MiB I/O into 4 KiB pages needs 256 segments, more than some block devices
+// take in one request (virtio-blk: 254), and would reach the disk as two 512 KiB requests.
+Status map_host(uint64_t bytes, void** ptr);
+void unmap_host(void* ptr, uint64_t bytes);
+
 constexpr uint64_t kAlign = 4096;  // O_DIRECT granularity
 inline constexpr uint64_t align_up(uint64_t v, uint64_t a = kAlign) { return (v + a - 1) / a * a; }
 

@@ -654,18 +654,19 @@ Status CudaBackend::alloc_host(uint64_t bytes, void** ptr) {
   // the NVIDIA device file is refused by some. Cacheable (not write-combined): the host reads rings.
   cudaSetDevice(device_);
   bytes = align_up(bytes);
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-  if (p == MAP_FAILED) return {Code::kCapacityExceeded, errno_message("mmap pinned staging", errno)};
+  void* p = nullptr;
+  Status st = map_host(bytes, &p);
+  if (!st.ok()) return st;
   cudaError_t e = cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
   if (e != cudaSuccess) {
-    munmap(p, bytes);
+    unmap_host(p, bytes);
     return {Code::kDevice, cuda_msg("cudaHostRegister", e)};
   }
   void* dp = nullptr;
   e = cudaHostGetDevicePointer(&dp, p, 0);
   if (e != cudaSuccess || dp != p) {
     cudaHostUnregister(p);
-    munmap(p, bytes);
+    unmap_host(p, bytes);
     return {Code::kDevice, "mapped host memory has a device address other than its host address"};
   }
   *ptr = p;
@@ -675,7 +676,7 @@ Status CudaBackend::alloc_host(uint64_t bytes, void** ptr) {
 void CudaBackend::free_host(void* ptr, uint64_t bytes) {
   if (!ptr) return;
   cudaHostUnregister(ptr);
-  munmap(ptr, align_up(bytes));
+  unmap_host(ptr, align_up(bytes));
 }
 
 Status CudaBackend::make_partition(uint32_t sms) {
