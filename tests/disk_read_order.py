@@ -1,8 +1,9 @@
 """Does tutti's read order cost bandwidth on a disk, read the way the storage limit reads?
 
-One file (2 GiB by default) laid out as GPU files (64 by default) of 32 layers x 1 MiB; 64 threads read it with 1 MiB O_DIRECT
-`preadv`s (the limit's reader), either in file order or in tutti's retrieve order (layer by layer,
-one 1 MiB K/V pair per unit, units 32 MiB apart). Passes alternate, page cache dropped before each:
+One file laid out as GPU files (`--units`, 64 by default: 2 GiB) of 32 layers x 1 MiB; 64 threads
+read it with 1 MiB O_DIRECT `preadv`s (the limit's reader), either in file order or in tutti's
+retrieve order (layer by layer, one 1 MiB K/V pair per unit, units 32 MiB apart). Passes alternate,
+page cache dropped before each:
 
     python tests/disk_read_order.py --path /tmp/order
 """
