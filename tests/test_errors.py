@@ -166,6 +166,11 @@ def test_full_disk(tmp_path, tmpfs):
         # Later requests evict the least recently used units instead.
         res = s.store([1000, 1001], np.arange(2 * s.unit_blocks))
         assert res.ok and s.stats()["evictions"] == 2
+    # A failed open gives back only what it preallocated from empty: files with data stay.
+    with pytest.raises(errors.CapacityExceeded, match="no space left"):
+        open_store([small], kv, capacity_gb=0.01)
+    with open_store([small], kv, capacity_gb=g) as s:
+        assert s.lookup([1000, 1001]) == 2
 
 
 def test_falls_back_to_buffered_where_o_direct_is_refused(tmpfs):

@@ -334,7 +334,7 @@ def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str
     rng = np.random.default_rng(19)
     keys = [int(k) for k in rng.integers(1, 1 << 62, 16)]
     with open_gpu_store(paths, kv, layout, map_memory_paths=True) as s:
-        assert s.stats()["mapped_files"] == 8
+        assert s.stats()["mapped_files"] == len(list(shm_dirs[0].glob("tutti-*.pool")))  # the disk path: never
         src = rng.permutation(128)[: 16 * s.unit_blocks]
         res = s.store(keys, src)
         assert res.ok and res.committed_units == list(range(16)), res

@@ -302,9 +302,13 @@ def test_several_pool_files_per_path(tmp_path, tmpfs):
         keys = list(range(1, 13))
         src = rng.permutation(BLOCKS)[: 12 * s.unit_blocks]
         assert s.store(keys, src).ok
-    with open_store([mem], kv, capacity_gb=0.009) as s:  # memory file system: 8 files by default
-        assert len(list(mem.iterdir())) == 8
+    with open_store([mem], kv, capacity_gb=0.009) as s:  # memory file system: 16 files by default
+        assert len(list(mem.iterdir())) == 16
         assert s.store(keys, src).ok
+        slot = s.stats()["slot_bytes"]
+    small = tmpfs("4m")
+    with open_store([small], kv, capacity_gb=3 * slot / (1 << 30)):  # room for 3 GPU files: 3 pool files
+        assert len(list(small.iterdir())) == 3
     want = snapshot(kv)
     for d in (disk, mem):
         zero(kv)
@@ -394,7 +398,8 @@ def test_memory_fs_moves_straight_between_file_and_blocks(tmpfs, unit_tokens, ma
     for layout in LAYOUTS:
         kv = make_kv(layout, seed=unit_tokens)
         with open_store([d], kv, layout, instance=layout, **opts) as s:
-            assert s.stats()["mapped_files"] == (8 if mapped else 0)
+            n_files = len(list(d.glob(f"tutti-{layout}*.pool")))
+            assert s.stats()["mapped_files"] == (n_files if mapped else 0)
             ub = s.unit_blocks
             keys = list(range(1, 9))
             src = rng.permutation(BLOCKS)[: 8 * ub]
@@ -426,7 +431,8 @@ def test_mapped_and_io_uring_paths_share_one_format(tmpfs, tmp_path):
     for store_mapped in (True, False):
         with open_store([shm, disk], kv, map_memory_paths=store_mapped, instance=f"m{store_mapped}") as s:
             ub = s.unit_blocks
-            assert s.stats()["mapped_files"] == (8 if store_mapped else 0)  # the disk path: never
+            n_files = len(list(shm.glob(f"tutti-m{store_mapped}*.pool")))
+            assert s.stats()["mapped_files"] == (n_files if store_mapped else 0)  # the disk path: never
             src = rng.permutation(BLOCKS)[: 12 * ub]
             assert s.store(keys, src).ok
         want = snapshot(kv)

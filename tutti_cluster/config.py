@@ -59,7 +59,8 @@ class TuttiConfig(BaseSettings):
     direct_io: Literal["auto", "on", "off"] = Field("auto", description="O_DIRECT: auto falls back where refused.")
     pool_files: int = Field(
         0, ge=0, le=64,
-        description="Pool files per path; 0 = 8 on memory file systems (parallel writes), 1 elsewhere.",
+        description="Pool files per path; 0 = 16 on memory file systems (parallel writes; fewer where the "
+        "capacity holds fewer GPU files), 1 elsewhere.",
     )
     prewrite_pool: bool = Field(
         True,

@@ -111,6 +111,8 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
     p->direct = false;
   }
   p->fd = fd;
+  struct stat fst;
+  p->fresh = ::fstat(fd, &fst) == 0 && fst.st_size == 0;
   if (read_only) return Status::Ok();
   // A process that just died may hold the lock a moment longer: the kernel drops its io_uring's
   // file references asynchronously. Give that up to two seconds.
@@ -155,7 +157,11 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
   // Files per path: as configured, or (read-only) as many as exist.
   std::vector<uint32_t> files(dirs.size());
   for (size_t d = 0; d < dirs.size(); ++d) {
-    uint32_t n = files_per_path ? files_per_path : (memory_fs(dirs[d]) ? 8 : 1);
+    // Memory file systems: 16 files (each write holds its file's inode lock, and io_uring's workers
+    // run one write per file at a time), but never less than one GPU file each.
+    uint32_t n = files_per_path;
+    if (n == 0)
+      n = memory_fs(dirs[d]) ? static_cast<uint32_t>(std::clamp<uint64_t>(capacity[d] / g.slot_bytes, 1, 16)) : 1;
     if (read_only) {
       struct stat st;
       n = 0;
@@ -178,24 +184,31 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
       paths_.push_back(p);
     }
   free_.assign(paths_.size(), {});
+  // On failure, give back the space of files this open preallocated from empty (best effort);
+  // files that held data stay as they are.
+  auto fail = [this](Status s) {
+    for (PoolPath& q : paths_) {
+      if (q.fd < 0 || !q.fresh) continue;
+      int rc = ::ftruncate(q.fd, 0);
+      (void)rc;
+    }
+    close();
+    return s;
+  };
   for (PoolPath& p : paths_) {
     uint64_t n = p.capacity / g.slot_bytes;
     if (read_only) {
       struct stat st;
-      if (::stat(p.file.c_str(), &st) != 0) return {Code::kNotFound, errno_message("pool file " + p.file, errno)};
+      if (::stat(p.file.c_str(), &st) != 0) return fail({Code::kNotFound, errno_message("pool file " + p.file, errno)});
       n = static_cast<uint64_t>(st.st_size) / g.slot_bytes;
     }
     if (n == 0 && !read_only) {
-      close();
-      return {Code::kConfig, "capacity of " + p.dir + " (" + std::to_string(capacity[p.dir_index]) + " bytes over " +
+      return fail({Code::kConfig, "capacity of " + p.dir + " (" + std::to_string(capacity[p.dir_index]) + " bytes over " +
                                  std::to_string(files[p.dir_index]) + " file(s)) is below one GPU file (" +
-                                 std::to_string(g.slot_bytes) + " bytes)"};
+                                 std::to_string(g.slot_bytes) + " bytes)"});
     }
     Status s = open_one(&p, n * g.slot_bytes, mode, read_only, prewrite);
-    if (!s.ok()) {
-      close();
-      return s;
-    }
+    if (!s.ok()) return fail(s);
     p.first_slot = num_slots_;
     p.num_slots = static_cast<uint32_t>(n);
     num_slots_ += p.num_slots;

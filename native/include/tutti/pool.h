@@ -22,6 +22,7 @@ struct PoolPath {
   uint64_t capacity = 0;   // bytes this instance may use in this file
   int fd = -1;
   bool direct = false;    // O_DIRECT accepted by the file system
+  bool fresh = false;     // empty when this open found it (preallocated by this open)
   bool memory = false;    // tmpfs or ramfs: requests complete inline unless punted to io_uring workers
   // Served from memory or the page cache: requests complete inline and take any buffer.
   bool cached() const { return memory || !direct; }
@@ -41,7 +42,8 @@ class FilePool {
   // Opens (creating and fallocating when needed) the pool files of every path and takes an exclusive
   // lock on each, so one process owns one share: `<dir>/tutti-<instance>.pool`, and with
   // `files_per_path` > 1 also `<dir>/tutti-<instance>.<k>.pool`; the capacity of a path is split
-  // evenly. 0 files per path means: 8 on memory file systems (tmpfs, ramfs), 1 elsewhere. Files are
+  // evenly. 0 files per path means: 16 on memory file systems (tmpfs, ramfs; fewer where the
+  // capacity holds fewer GPU files), 1 elsewhere. Files are
   // ordered so that consecutive slots go to different paths. `read_only` opens the existing files
   // without lock, for readers such as the node daemon. `prewrite` writes zeros once over what
   // fallocate left unwritten (O_DIRECT files on block devices), so that stores overwrite in place.

@@ -20,7 +20,7 @@ struct StoreOptions {
   std::vector<std::string> paths;
   std::vector<uint64_t> capacity;  // bytes per path
   std::string instance = "default";
-  uint32_t files_per_path = 0;     // pool files per path; 0: 8 on memory file systems, 1 elsewhere
+  uint32_t files_per_path = 0;     // pool files per path; 0: up to 16 on memory file systems, 1 elsewhere
   bool prewrite = true;            // zero what fallocate left unwritten, once (see FilePool::open)
   uint32_t unit_blocks = 16;
   uint32_t queue_depth = 64;       // io_uring depth of the agent
