@@ -1,0 +1,75 @@
+"""Where a store's time goes: begin, issue (32 store_layer calls), each layer's wait, finish.
+
+Drives a TuttiStore (the CUDA backend when a GPU is present, else the CPU one) through the same calls
+as the bench's `tutti` system, Llama-3-8B shape, and prints milliseconds per phase for each round:
+
+    python tests/store_phases.py --paths /dev/shm/tb0 /dev/shm/tb1 --prefix-tokens 16K 64K
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tutti_cluster import TuttiStore
+from tutti_cluster.bench.kvdata import KVData, KVShape
+from tutti_cluster.bench.tutti_system import pool_bytes_per_path
+from tutti_cluster.config import load_config
+
+
+def tokens(text: str) -> int:
+    return int(text[:-1]) * 1024 if text.upper().endswith("K") else int(text)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--paths", type=Path, nargs="+", required=True)
+    p.add_argument("--prefix-tokens", type=tokens, nargs="+", default=[16384, 65536])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--mapped", action="store_true", help="map_memory_paths (off: through io_uring)")
+    a = p.parse_args()
+    shape = KVShape()
+    dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for d in a.paths:
+        d.mkdir(parents=True, exist_ok=True)
+    for n_tokens in a.prefix_tokens:
+        n = n_tokens // shape.block_tokens
+        kv = KVData(shape, n, dev, seed=1)
+        cap = pool_bytes_per_path(n * shape.block_bytes, len(a.paths)) / (1 << 30)
+        cfg = load_config(paths=a.paths, capacity_gb=[cap], instance=f"phases{n_tokens}",
+                          backend=dev.type, map_memory_paths=a.mapped)
+        rng = np.random.default_rng(0)
+        with TuttiStore(cfg) as s:
+            s.register_kv_caches(kv.layers, block_tokens=shape.block_tokens)
+            for r in range(a.rounds):
+                keys = [int(k) for k in rng.integers(1, 2**62, n // s.unit_blocks)]
+                sync()
+                t0 = time.perf_counter()
+                h = s.begin_store(keys, rng.permutation(n).tolist())
+                t1 = time.perf_counter()
+                for layer in range(shape.layers):
+                    s.store_layer(layer, h)
+                t2 = time.perf_counter()
+                waits = []
+                for layer in range(shape.layers):
+                    s.wait_layer(layer, h)
+                    sync()
+                    waits.append(time.perf_counter())
+                res = s.finish(h)
+                t3 = time.perf_counter()
+                ms = [1e3 * (b - a_) for a_, b in zip([t2, *waits[:-1]], waits)]
+                print(f"{n_tokens // 1024}K round {r}: begin {1e3 * (t1 - t0):.1f} ms, issue {1e3 * (t2 - t1):.1f}, "
+                      f"layer waits {' '.join(f'{x:.1f}' for x in ms)}, finish {1e3 * (t3 - waits[-1]):.1f}, "
+                      f"total {1e3 * (t3 - t0):.1f} ms, {n * shape.block_bytes / (t3 - t0) / 1e9:.1f} GB/s, ok={res.ok}")
+        for d in a.paths:
+            for f in d.glob(f"tutti-phases{n_tokens}*.pool"):
+                f.unlink()
+
+
+if __name__ == "__main__":
+    main()
