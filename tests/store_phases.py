@@ -1,7 +1,9 @@
-"""Where a store's time goes: begin, issue (32 store_layer calls), each layer's wait, finish.
+"""Where a store's (and then a retrieve's) time goes: begin, issue (32 layer calls), each layer's
+wait, finish.
 
 Drives a TuttiStore (the CUDA backend when a GPU is present, else the CPU one) through the same calls
-as the bench's `tutti` system, Llama-3-8B shape, and prints milliseconds per phase for each round:
+as the bench's `tutti` system, Llama-3-8B shape, and prints milliseconds per phase for each round;
+each round stores a prefix, then retrieves it into other blocks:
 
     python tests/store_phases.py --paths /dev/shm/tb0 /dev/shm/tb1 --prefix-tokens 16K 64K
 """
@@ -48,24 +50,27 @@ def main() -> None:
             s.register_kv_caches(kv.layers, block_tokens=shape.block_tokens)
             for r in range(a.rounds):
                 keys = [int(k) for k in rng.integers(1, 2**62, n // s.unit_blocks)]
-                sync()
-                t0 = time.perf_counter()
-                h = s.begin_store(keys, rng.permutation(n).tolist())
-                t1 = time.perf_counter()
-                for layer in range(shape.layers):
-                    s.store_layer(layer, h)
-                t2 = time.perf_counter()
-                waits = []
-                for layer in range(shape.layers):
-                    s.wait_layer(layer, h)
+                for op, begin, issue in (("store", s.begin_store, s.store_layer),
+                                         ("retrieve", s.begin_retrieve, s.retrieve_layer)):
                     sync()
-                    waits.append(time.perf_counter())
-                res = s.finish(h)
-                t3 = time.perf_counter()
-                ms = [1e3 * (b - a_) for a_, b in zip([t2, *waits[:-1]], waits)]
-                print(f"{n_tokens // 1024}K round {r}: begin {1e3 * (t1 - t0):.1f} ms, issue {1e3 * (t2 - t1):.1f}, "
-                      f"layer waits {' '.join(f'{x:.1f}' for x in ms)}, finish {1e3 * (t3 - waits[-1]):.1f}, "
-                      f"total {1e3 * (t3 - t0):.1f} ms, {n * shape.block_bytes / (t3 - t0) / 1e9:.1f} GB/s, ok={res.ok}")
+                    t0 = time.perf_counter()
+                    h = begin(keys, rng.permutation(n).tolist())
+                    t1 = time.perf_counter()
+                    for layer in range(shape.layers):
+                        issue(layer, h)
+                    t2 = time.perf_counter()
+                    waits = []
+                    for layer in range(shape.layers):
+                        s.wait_layer(layer, h)
+                        sync()
+                        waits.append(time.perf_counter())
+                    res = s.finish(h)
+                    t3 = time.perf_counter()
+                    ms = [1e3 * (b - a_) for a_, b in zip([t2, *waits[:-1]], waits)]
+                    print(f"{n_tokens // 1024}K round {r} {op}: begin {1e3 * (t1 - t0):.1f} ms, "
+                          f"issue {1e3 * (t2 - t1):.1f}, layer waits {' '.join(f'{x:.1f}' for x in ms)}, "
+                          f"finish {1e3 * (t3 - waits[-1]):.1f}, total {1e3 * (t3 - t0):.1f} ms, "
+                          f"{n * shape.block_bytes / (t3 - t0) / 1e9:.1f} GB/s, ok={res.ok}")
         for d in a.paths:
             for f in d.glob(f"tutti-phases{n_tokens}*.pool"):
                 f.unlink()
