@@ -111,8 +111,6 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
     p->direct = false;
   }
   p->fd = fd;
-  struct stat fst;
-  p->fresh = ::fstat(fd, &fst) == 0 && fst.st_size == 0;
   if (read_only) return Status::Ok();
   // A process that just died may hold the lock a moment longer: the kernel drops its io_uring's
   // file references asynchronously. Give that up to two seconds.
@@ -121,6 +119,9 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
       return {Code::kConfig, "pool file " + p->file + " is in use by another process (one instance per process)"};
     ::usleep(50000);
   }
+  // Only under the lock: another process's file is never taken for one this open made.
+  struct stat fst;
+  p->fresh = ::fstat(fd, &fst) == 0 && fst.st_size == 0;
   // A larger existing file is left as it is (never truncated): its tail is simply not used.
   if (bytes > 0) {
     // Before fallocate: dirty pages of an existing file get their blocks as written data (see

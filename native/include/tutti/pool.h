@@ -22,7 +22,7 @@ struct PoolPath {
   uint64_t capacity = 0;   // bytes this instance may use in this file
   int fd = -1;
   bool direct = false;    // O_DIRECT accepted by the file system
-  bool fresh = false;     // empty when this open found it (preallocated by this open)
+  bool fresh = false;     // empty when this open locked it (preallocated by this open)
   bool memory = false;    // tmpfs or ramfs: requests complete inline unless punted to io_uring workers
   // Served from memory or the page cache: requests complete inline and take any buffer.
   bool cached() const { return memory || !direct; }
