@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tutti_cluster.bench import fsutil
+from tutti_cluster.bench.limits import timed_threads
 
 MIB = 1 << 20
 LAYERS = 32
@@ -32,13 +31,7 @@ def timed_pass(fd: int, view: memoryview, order: Callable[[int], int], threads: 
             fsutil.read_all(fd, view[(k % 64) * MIB : (k % 64 + 1) * MIB], order(k))
 
     fsutil.drop_caches()
-    pool = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
-    t0 = time.perf_counter()
-    for th in pool:
-        th.start()
-    for th in pool:
-        th.join()
-    return total * MIB / (time.perf_counter() - t0) / 1e9
+    return total * MIB / timed_threads(threads, work) / 1e9
 
 
 def main() -> None:

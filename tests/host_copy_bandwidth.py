@@ -11,31 +11,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
-import time
 
 import numpy as np
+
+from tutti_cluster.bench.limits import timed_threads
 
 MIB = 1 << 20
 
 
 def copy_gbps(threads: int, buf_mib: int, rounds: int) -> float:
     pairs = [(np.ones(buf_mib * MIB, np.uint8), np.full(buf_mib * MIB, 2, np.uint8)) for _ in range(threads)]
-    barrier = threading.Barrier(threads + 1)
 
-    def work(src: np.ndarray, dst: np.ndarray) -> None:
-        barrier.wait()
+    def work(t: int) -> None:
         for _ in range(rounds):
-            np.copyto(dst, src)
+            np.copyto(pairs[t][1], pairs[t][0])
 
-    ts = [threading.Thread(target=work, args=p) for p in pairs]
-    for t in ts:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in ts:
-        t.join()
-    return threads * rounds * buf_mib * MIB / (time.perf_counter() - t0) / 1e9
+    return threads * rounds * buf_mib * MIB / timed_threads(threads, work) / 1e9
 
 
 def main() -> None:

@@ -53,42 +53,55 @@ class Limits:
         return out
 
 
-def _run_pass(fds: Sequence[int], nbytes: int, buf: memoryview, threads: int, write: bool) -> float:
-    """One pass of ``nbytes`` (whole 1 MiB requests) over the files with ``threads`` threads;
-    returns GB/s."""
-    total = max(1, nbytes // REQUEST_BYTES)
-    slots = len(buf) // REQUEST_BYTES
+def timed_threads(n: int, work: Callable[[int], None]) -> float:
+    """Runs ``work(0)`` .. ``work(n - 1)`` on ``n`` threads released together; returns the seconds
+    from their release to the last one's end, and re-raises the first error in the caller's thread."""
     errors: list[BaseException] = []
-    start = threading.Barrier(threads + 1)
+    start = threading.Barrier(n + 1)
 
-    def worker(t: int) -> None:
+    def run(t: int) -> None:
         try:
             start.wait()
-            for k in range(t, total, threads):
-                # Request k: file k % n at offset (k // n) MiB, so the files are walked in step.
-                fd = fds[k % len(fds)]
-                off = (k // len(fds)) * REQUEST_BYTES
-                slot = buf[(k % slots) * REQUEST_BYTES : (k % slots + 1) * REQUEST_BYTES]
-                if write:
-                    fsutil.write_all(fd, slot, off)
-                else:
-                    fsutil.read_all(fd, slot, off)
+            work(t)
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             errors.append(e)
 
-    pool = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(threads)]
+    pool = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(n)]
     for th in pool:
         th.start()
     start.wait()
     t0 = time.perf_counter()
     for th in pool:
         th.join()
-    if write:
-        for fd in fds:
-            os.fdatasync(fd)
     elapsed = time.perf_counter() - t0
     if errors:
         raise errors[0]
+    return elapsed
+
+
+def _run_pass(fds: Sequence[int], nbytes: int, buf: memoryview, threads: int, write: bool) -> float:
+    """One pass of ``nbytes`` (whole 1 MiB requests) over the files with ``threads`` threads;
+    returns GB/s."""
+    total = max(1, nbytes // REQUEST_BYTES)
+    slots = len(buf) // REQUEST_BYTES
+
+    def worker(t: int) -> None:
+        for k in range(t, total, threads):
+            # Request k: file k % n at offset (k // n) MiB, so the files are walked in step.
+            fd = fds[k % len(fds)]
+            off = (k // len(fds)) * REQUEST_BYTES
+            slot = buf[(k % slots) * REQUEST_BYTES : (k % slots + 1) * REQUEST_BYTES]
+            if write:
+                fsutil.write_all(fd, slot, off)
+            else:
+                fsutil.read_all(fd, slot, off)
+
+    elapsed = timed_threads(threads, worker)
+    if write:
+        t0 = time.perf_counter()
+        for fd in fds:
+            os.fdatasync(fd)
+        elapsed += time.perf_counter() - t0
     return total * REQUEST_BYTES / elapsed / 1e9
 
 
