@@ -98,6 +98,16 @@ class HostBackend final : public Backend {
   void retire(const Cqe& c);
   void finish_ctx(uint32_t id);
   bool mapped(const Ioctx& x) const { return x.slot != UINT32_MAX && x.path < k_->mapped.size() && k_->mapped[x.path]; }
+  // The checksum the commit header carries for object `x` of `layer`.
+  uint64_t& object_sum(RequestView& r, uint32_t layer, const Ioctx& x) const {
+    const Geometry& g = k_->geom;
+    return r.checksums[static_cast<uint64_t>(x.unit) * g.num_objs() + layer * g.objs_per_layer + x.obj];
+  }
+  // Marks the unit failed (its blocks are reported as not loaded) and counts the IOCB's error; any thread.
+  static void fail_unit(RequestView& r, Iocb& b, uint32_t unit, uint8_t why) {
+    __atomic_store_n(&r.unit_failed[unit], why, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&b.errors, 1, __ATOMIC_RELAXED);
+  }
   void run_mapped(uint32_t id);
   void move_mapped(uint32_t id, uint32_t off);
   void parallel_for(uint32_t n, const std::function<void(uint32_t)>& fn);
@@ -326,7 +336,7 @@ void HostBackend::gather(const Sqe& e) {
   for (uint32_t k = 0, n = group_size(b, r, off); k < n; ++k) {
     const Ioctx& xk = r.ctx[idx + k];
     uint8_t* obj = buf + k * k_->chunk_bytes;
-    uint64_t& sum = r.checksums[static_cast<uint64_t>(xk.unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj];
+    uint64_t& sum = object_sum(r, b.layer, xk);
     if (slot_direct_[slot]) {
       std::memset(obj + g.payload_bytes(), 0, g.obj_bytes - g.payload_bytes());
       sum = sum_in_place(b.layer, r, xk, obj + g.payload_bytes());
@@ -351,12 +361,8 @@ void HostBackend::verify(const Cqe& c) {
   const uint32_t unit = op == IoOp::kCommit ? idx : r.ctx[idx].unit;
   const uint32_t n = group_size(b, r, off);
   const uint64_t want = op == IoOp::kCommit ? g.header_bytes : n * g.obj_bytes;
-  auto fail = [&](uint8_t why) {
-    __atomic_store_n(&r.unit_failed[unit], why, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&b.errors, 1, __ATOMIC_RELAXED);
-  };
   if (c.res != static_cast<int64_t>(want)) {
-    fail(1);
+    fail_unit(r, b, unit, 1);
     return;
   }
   if (op != IoOp::kRead) return;
@@ -364,10 +370,9 @@ void HostBackend::verify(const Cqe& c) {
   for (uint32_t k = 0; k < n; ++k) {
     const Ioctx& xk = r.ctx[idx + k];
     uint8_t* obj = buf + k * k_->chunk_bytes;
-    const uint64_t expect = r.checksums[static_cast<uint64_t>(unit) * g.num_objs() + b.layer * g.objs_per_layer + xk.obj];
     const uint64_t got = slot_direct_[slot] ? sum_in_place(b.layer, r, xk, obj + g.payload_bytes())
                                             : move_object(b.layer, r, xk, obj, true);
-    if (got != expect) fail(2);
+    if (got != object_sum(r, b.layer, xk)) fail_unit(r, b, unit, 2);
   }
 }
 
@@ -407,13 +412,12 @@ void HostBackend::move_mapped(uint32_t id, uint32_t off) {
   const Geometry& g = k_->geom;
   const bool read = static_cast<IoOp>(b.op) == IoOp::kRead;
   uint8_t* obj = k_->mapped[x.path] + x.file_offset + g.obj_offset(b.layer, x.obj);
-  uint64_t& sum = r.checksums[static_cast<uint64_t>(x.unit) * g.num_objs() + b.layer * g.objs_per_layer + x.obj];
+  uint64_t& sum = object_sum(r, b.layer, x);
   const uint64_t got = move_object(b.layer, r, x, obj, read);
   if (!read) {
     sum = got;
   } else if (got != sum) {
-    __atomic_store_n(&r.unit_failed[x.unit], static_cast<uint8_t>(2), __ATOMIC_RELAXED);
-    __atomic_fetch_add(&b.errors, 1, __ATOMIC_RELAXED);
+    fail_unit(r, b, x.unit, 2);
   }
 }
 
