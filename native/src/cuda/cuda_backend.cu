@@ -1,8 +1,9 @@
 // The CUDA backend: the I/O kernel on a green-context SM partition, rings and staging in mapped
 // pinned host memory, stream-ordered issue and completion.
 //
-// Data path (retrieve): the engine thread launches one kernel per layer on the I/O stream (after the
-// caller's event). Each thread block owns one SQ/CQ pair and a fixed share of the staging chunks.
+// Data path (retrieve): the engine thread launches one kernel per layer on one of two I/O streams
+// (lanes, taken in turn; each after the caller's event), so that consecutive layers overlap. Each
+// thread block owns one SQ/CQ pair of its lane and a fixed share of the staging chunks.
 // Warp 0, lane 0 of the block is the queue manager: it turns the block's IOCTXs into SQEs, polls
 // the CQ, and hands completed chunks to the worker warps through shared memory. A worker warp reads
 // the object straight from mapped pinned memory, sums its checksum and writes the KV blocks in one
@@ -39,6 +40,10 @@ namespace tutti {
 namespace {
 
 constexpr uint32_t kMaxLaunchIocbs = 8;
+// Launches alternate between two I/O streams ("lanes"), each with its own SQ/CQ pairs and half of
+// the staging chunks, so that the kernel of the next layer gathers (store) or posts its reads while
+// the last I/Os of the previous layer's kernel drain. Two blocks fit on an SM (64 registers).
+constexpr uint32_t kLanes = 2;
 constexpr uint32_t kWorkerWarps = 15;
 constexpr uint32_t kThreads = 32 * (1 + kWorkerWarps);
 constexpr uint32_t kMaxChunksPerWorker = 8192;  // 14-bit chunk index in the packed entries
@@ -78,6 +83,7 @@ struct LaunchParams {
   uint32_t chunks_per_worker;
   uint32_t unit_blocks, objs_per_layer, num_objs, vec16;
   uint32_t group;  // IOCTXs per staging slot: 2 when K and V of a unit-layer may move as one I/O
+  uint32_t queue0; // the lane's first SQ/CQ pair: block b uses pair queue0 + b and its chunk share
   uint64_t block_bytes, obj_bytes, header_bytes, chunk_bytes;
   uint8_t* staging;       // device view of the staging region
   const DevQueue* queues; // device array, one per block
@@ -125,7 +131,7 @@ __device__ __forceinline__ void sum4(const uint4& v, uint32_t w, uint32_t& lo, u
 template <bool kCopy, bool kFromHost>
 __device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint32_t word0, uint32_t& lo,
                                             uint32_t& hi, uint32_t lane) {
-  constexpr uint32_t U = 8;
+  constexpr uint32_t U = 4;  // 64 registers per thread: two blocks per SM (kLanes)
   const uint4* s = reinterpret_cast<const uint4*>(src);
   uint4* d = reinterpret_cast<uint4*>(dst);
   const uint32_t nv = static_cast<uint32_t>(bytes / 16);
@@ -237,7 +243,7 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
   __syncwarp();
 }
 
-__global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__ LaunchParams p) {
+__global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_constant__ LaunchParams p) {
   extern __shared__ uint32_t smem[];
   const uint32_t C = p.chunks_per_worker;
   uint32_t* ready = smem;             // [C] manager -> workers
@@ -255,8 +261,8 @@ __global__ void __launch_bounds__(kThreads, 1) io_kernel(const __grid_constant__
   if (tid == 0) ready_head = ready_claim = freed_claim = all_done = 0;
   __syncthreads();
 
-  const DevQueue q = p.queues[blockIdx.x];
-  const uint64_t chunk0 = static_cast<uint64_t>(blockIdx.x) * C;
+  const DevQueue q = p.queues[p.queue0 + blockIdx.x];
+  const uint64_t chunk0 = static_cast<uint64_t>(p.queue0 + blockIdx.x) * C;
   auto chunk_ptr = [&](uint32_t c) { return p.staging + (chunk0 + c) * p.chunk_bytes; };
 
   if (warp == 0) {
@@ -571,7 +577,7 @@ class CudaBackend final : public Backend {
     uint32_t s = std::max<uint32_t>(8, (sms + 7) / 8 * 8);
     return std::min<uint32_t>(s, std::max<uint32_t>(8, (num_sms_ - 8) / 8 * 8));
   }
-  uint32_t num_queues(uint32_t workers) const override { return workers + 1; }
+  uint32_t num_queues(uint32_t workers) const override { return kLanes * workers + 1; }
   uint64_t compute_stream() const override { return reinterpret_cast<uint64_t>(compute_stream_); }
   Status start(KernelContext* ctx, uint32_t workers) override;
   Status launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) override;
@@ -584,6 +590,14 @@ class CudaBackend final : public Backend {
 
  private:
   Status make_partition(uint32_t sms);
+  void destroy_streams() {
+    for (cudaStream_t* s : {&io_streams_[0], &io_streams_[1], &compute_stream_}) {
+      if (!*s) continue;
+      if (green_) drv_.StreamDestroy(reinterpret_cast<CUstream>(*s));
+      else cudaStreamDestroy(*s);
+      *s = nullptr;
+    }
+  }
   Status host_commit(const uint32_t* ids, uint32_t n);
   void push() {
     if (io_ctx_) drv_.CtxPushCurrent(io_ctx_);
@@ -606,7 +620,7 @@ class CudaBackend final : public Backend {
   bool green_ = false;
   CUgreenCtx io_green_ = nullptr, compute_green_ = nullptr;
   CUcontext io_ctx_ = nullptr;
-  cudaStream_t io_stream_ = nullptr, compute_stream_ = nullptr;
+  cudaStream_t io_streams_[kLanes] = {}, compute_stream_ = nullptr;
   KernelContext* k_ = nullptr;
   uint32_t workers_ = 0, grid_ = 0, per_worker_ = 0;
   std::vector<cudaEvent_t> events_;
@@ -619,7 +633,7 @@ class CudaBackend final : public Backend {
   unsigned long long* trace_ = nullptr;  // device counters, printed at stop() with cuda_trace
   bool pair_io_ = false;
   bool print_trace_ = false;
-  uint64_t launches_ = 0;
+  uint64_t launches_ = 0, launch_calls_ = 0;
   std::vector<RequestMem> req_;
   std::vector<uint32_t> host_free_;
   bool vec16_ = false;
@@ -697,10 +711,12 @@ Status CudaBackend::make_partition(uint32_t sms) {
   if (drv_.GreenCtxCreate(&io_green_, d_io, dev, CU_GREEN_CTX_DEFAULT_STREAM) != CUDA_SUCCESS)
     return {Code::kDevice, "cuGreenCtxCreate (I/O partition) failed"};
   if (drv_.CtxFromGreenCtx(&io_ctx_, io_green_) != CUDA_SUCCESS) return {Code::kDevice, "cuCtxFromGreenCtx failed"};
-  CUstream s = nullptr;
-  if (drv_.GreenCtxStreamCreate(&s, io_green_, CU_STREAM_NON_BLOCKING, 0) != CUDA_SUCCESS)
-    return {Code::kDevice, "cuGreenCtxStreamCreate (I/O) failed"};
-  io_stream_ = reinterpret_cast<cudaStream_t>(s);
+  for (cudaStream_t& io : io_streams_) {
+    CUstream s = nullptr;
+    if (drv_.GreenCtxStreamCreate(&s, io_green_, CU_STREAM_NON_BLOCKING, 0) != CUDA_SUCCESS)
+      return {Code::kDevice, "cuGreenCtxStreamCreate (I/O) failed"};
+    io = reinterpret_cast<cudaStream_t>(s);
+  }
   grid_ = group.sm.smCount;
   if (rest.sm.smCount > 0 && drv_.GreenCtxCreate(&compute_green_, d_rest, dev, CU_GREEN_CTX_DEFAULT_STREAM) == CUDA_SUCCESS) {
     CUstream cs = nullptr;
@@ -714,8 +730,8 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   k_ = ctx;
   workers_ = workers;
   cudaSetDevice(device_);
-  const uint32_t nq = workers + 1;
-  if (ctx->queues.size() != nq) return {Code::kDevice, "CUDA backend expects one SQ/CQ pair per worker plus one"};
+  const uint32_t nq = num_queues(workers);
+  if (ctx->queues.size() != nq) return {Code::kDevice, "CUDA backend expects one SQ/CQ pair per worker and lane, plus one"};
   per_worker_ = ctx->num_chunks / nq;
   if (per_worker_ == 0) return {Code::kConfig, "staging too small: no chunk per I/O thread block"};
   if (per_worker_ > kMaxChunksPerWorker)
@@ -724,10 +740,13 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   Status st = make_partition(workers);
   if (!st.ok()) {
     // No green contexts (older driver): the kernel still runs, on a stream of the whole device.
+    destroy_streams();  // any a failed partition made
     green_ = false;
     io_ctx_ = nullptr;
-    cudaError_t e = cudaStreamCreateWithFlags(&io_stream_, cudaStreamNonBlocking);
-    if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaStreamCreate", e)};
+    for (cudaStream_t& io : io_streams_) {
+      cudaError_t e = cudaStreamCreateWithFlags(&io, cudaStreamNonBlocking);
+      if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaStreamCreate", e)};
+    }
     grid_ = workers;
   }
   if (grid_ > workers) grid_ = workers;  // one block per SQ/CQ pair
@@ -742,13 +761,14 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   // it made retrieves slower (640K tokens through 64 MiB of staging: 19.4 against 26.1 GB/s) and
   // did not speed up stores (docs/PERF_GPU.md).
   group_ = pair_io_ && ctx->geom.objs_per_layer == 2 && ctx->chunk_bytes == ctx->geom.obj_bytes && per_worker_ >= 4 ? 2 : 1;
-  std::vector<DevQueue> qs(workers);
-  for (uint32_t w = 0; w < workers; ++w) {
+  const uint32_t nk = kLanes * workers;  // SQ/CQ pairs of the kernel; the last pair is the host's
+  std::vector<DevQueue> qs(nk);
+  for (uint32_t w = 0; w < nk; ++w) {
     const QueuePair& q = ctx->queues[w];
     qs[w] = DevQueue{q.sq_ctl, q.sq, q.cq_ctl, q.cq, q.depth};
   }
   cudaError_t e;
-  if ((e = cudaMalloc(&dev_queues_, sizeof(DevQueue) * workers)) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
+  if ((e = cudaMalloc(&dev_queues_, sizeof(DevQueue) * nk)) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
   // Mapped pool files (map_memory): pinned and mapped into the device, so that the kernel's workers
   // load and store their objects over PCIe, with no SQE, no staging and no host copy.
   std::vector<uint64_t> maps(ctx->mapped.size(), 0);
@@ -773,7 +793,7 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     if ((e = cudaMemcpy(dev_mapped_, maps.data(), sizeof(uint64_t) * maps.size(), cudaMemcpyHostToDevice)) != cudaSuccess)
       return {Code::kDevice, cuda_msg("cudaMemcpy", e)};
   }
-  if ((e = cudaMemcpy(dev_queues_, qs.data(), sizeof(DevQueue) * workers, cudaMemcpyHostToDevice)) != cudaSuccess)
+  if ((e = cudaMemcpy(dev_queues_, qs.data(), sizeof(DevQueue) * nk, cudaMemcpyHostToDevice)) != cudaSuccess)
     return {Code::kDevice, cuda_msg("cudaMemcpy", e)};
   if ((e = cudaMalloc(&counters_, sizeof(uint32_t) * 2 * ctx->num_iocbs)) != cudaSuccess)
     return {Code::kDevice, cuda_msg("cudaMalloc", e)};
@@ -803,7 +823,7 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   req_.assign(ctx->max_requests, RequestMem{});
   for (auto& m : req_) cudaEventCreateWithFlags(&m.uploaded, cudaEventDisableTiming);
   pop();
-  const uint32_t base = workers * per_worker_;
+  const uint32_t base = nk * per_worker_;
   for (uint32_t c = per_worker_; c-- > 0;) host_free_.push_back(base + c);
   cudaDeviceSynchronize();
   started_ = true;
@@ -861,8 +881,9 @@ Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
   std::memcpy(m.sums_out, v->checksums, nsums * 8);
   std::memcpy(m.failed_out, v->unit_failed, v->num_units);
   push();
-  cudaError_t e = cudaMemcpyAsync(m.dev, up, o_fail + v->num_units, cudaMemcpyHostToDevice, io_stream_);
-  if (e == cudaSuccess) e = cudaEventRecord(m.uploaded, io_stream_);
+  cudaError_t e = cudaMemcpyAsync(m.dev, up, o_fail + v->num_units, cudaMemcpyHostToDevice, io_streams_[0]);
+  if (e == cudaSuccess) e = cudaEventRecord(m.uploaded, io_streams_[0]);
+  for (uint32_t l = 1; l < kLanes && e == cudaSuccess; ++l) e = cudaStreamWaitEvent(io_streams_[l], m.uploaded, 0);
   pop();
   if (e != cudaSuccess) return {Code::kDevice, cuda_msg("request upload", e)};
   return Status::Ok();
@@ -887,7 +908,9 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
   if (sms && sms < grid) grid = std::max<uint32_t>(1, sms);
   push();
   cudaError_t e = cudaSuccess;
-  if (event) e = cudaStreamWaitEvent(io_stream_, reinterpret_cast<cudaEvent_t>(event), 0);
+  const uint32_t lane = static_cast<uint32_t>(launch_calls_++ % kLanes);
+  cudaStream_t stream = io_streams_[lane];
+  if (event) e = cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(event), 0);
   for (uint32_t first = 0; first < n && e == cudaSuccess; first += kMaxLaunchIocbs) {
     LaunchParams p{};
     p.n = std::min(kMaxLaunchIocbs, n - first);
@@ -897,6 +920,7 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
     p.num_objs = g.num_objs();
     p.vec16 = vec16_;
     p.group = group_;
+    p.queue0 = lane * workers_;
     p.block_bytes = g.block_bytes;
     p.obj_bytes = g.obj_bytes;
     p.header_bytes = g.header_bytes;
@@ -930,10 +954,10 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
       L.block_stride = l.block_stride;
     }
     const size_t smem = smem_bytes();
-    io_kernel<<<grid, kThreads, smem, io_stream_>>>(p);
+    io_kernel<<<grid, kThreads, smem, stream>>>(p);
     ++launches_;
     e = cudaGetLastError();
-    for (uint32_t i = 0; i < p.n && e == cudaSuccess; ++i) e = cudaEventRecord(events_[ids[first + i]], io_stream_);
+    for (uint32_t i = 0; i < p.n && e == cudaSuccess; ++i) e = cudaEventRecord(events_[ids[first + i]], stream);
   }
   pop();
   if (e != cudaSuccess) return {Code::kDevice, cuda_msg("I/O kernel launch", e)};
@@ -957,7 +981,7 @@ bool CudaBackend::stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) 
 // Writes the headers of a store's units through the host-owned queue pair (commit after write).
 Status CudaBackend::host_commit(const uint32_t* ids, uint32_t n) {
   const Geometry& g = k_->geom;
-  const QueuePair& qp = k_->queues[workers_];
+  const QueuePair& qp = k_->queues[kLanes * workers_];
   SpscRing<Sqe> sq = qp.sq_ring();
   SpscRing<Cqe> cq = qp.cq_ring();
   struct Pending {
@@ -1026,7 +1050,8 @@ void CudaBackend::stop() {
   cudaSetDevice(device_);
   __atomic_store_n(abort_, 1, __ATOMIC_RELEASE);
   push();
-  cudaStreamSynchronize(io_stream_);
+  for (cudaStream_t io : io_streams_)
+    if (io) cudaStreamSynchronize(io);
   for (auto& ev : events_)
     if (ev) cudaEventDestroy(ev);
   events_.clear();
@@ -1060,15 +1085,11 @@ void CudaBackend::stop() {
   counters_ = nullptr;
   free_host(abort_, kAlign);
   abort_ = nullptr;
+  destroy_streams();
   if (green_) {
-    if (io_stream_) drv_.StreamDestroy(reinterpret_cast<CUstream>(io_stream_));
-    if (compute_stream_) drv_.StreamDestroy(reinterpret_cast<CUstream>(compute_stream_));
     if (compute_green_) drv_.GreenCtxDestroy(compute_green_);
     if (io_green_) drv_.GreenCtxDestroy(io_green_);
-  } else if (io_stream_) {
-    cudaStreamDestroy(io_stream_);
   }
-  io_stream_ = compute_stream_ = nullptr;
   io_green_ = compute_green_ = nullptr;
   io_ctx_ = nullptr;
   host_free_.clear();
