@@ -86,7 +86,7 @@ struct LaunchParams {
   uint32_t queue0; // the lane's first SQ/CQ pair: block b uses pair queue0 + b and its chunk share
   uint64_t block_bytes, obj_bytes, header_bytes, chunk_bytes;
   uint8_t* staging;       // device view of the staging region
-  const DevQueue* queues; // device array, one per block
+  const DevQueue* queues; // device array, one per block of each lane
   Iocb* iocbs;            // device view of the IOCB table
   uint32_t* counters;     // device, [iocb][2]: blocks finished, errors
   const uint64_t* abort;  // mapped host word, set by stop()
@@ -591,12 +591,14 @@ class CudaBackend final : public Backend {
  private:
   Status make_partition(uint32_t sms);
   void destroy_streams() {
-    for (cudaStream_t* s : {&io_streams_[0], &io_streams_[1], &compute_stream_}) {
-      if (!*s) continue;
-      if (green_) drv_.StreamDestroy(reinterpret_cast<CUstream>(*s));
-      else cudaStreamDestroy(*s);
-      *s = nullptr;
-    }
+    auto destroy = [this](cudaStream_t& s) {
+      if (!s) return;
+      if (green_) drv_.StreamDestroy(reinterpret_cast<CUstream>(s));
+      else cudaStreamDestroy(s);
+      s = nullptr;
+    };
+    for (cudaStream_t& s : io_streams_) destroy(s);
+    destroy(compute_stream_);
   }
   Status host_commit(const uint32_t* ids, uint32_t n);
   void push() {
