@@ -381,9 +381,11 @@ Status Store::wait_cqe(uint32_t id) {
   Iocb& b = iocbs_[id];
   auto done = [&] { return __atomic_load_n(&b.done_seq, __ATOMIC_ACQUIRE) == b.issue_seq; };
   for (int spin = 0; spin < 2000 && !done(); ++spin) __builtin_ia32_pause();
-  // The host backend rings done_bell_; a GPU kernel publishes done_seq in mapped memory and rings
-  // nothing, so sleeps stay short (at most 200 us late) rather than relying on the bell.
-  for (int us = 20; !done(); us = std::min(2 * us, 200)) done_bell_.wait(done, us);
+  // The host backend rings done_bell_ (the timeout only guards a lost wake-up); a GPU kernel
+  // publishes done_seq in mapped memory and rings nothing, so there sleeps stay short: at most
+  // 200 us late.
+  const int longest = backend_->host_agent_polls() ? 200 : 10000;
+  for (int us = 20; !done(); us = std::min(2 * us, longest)) done_bell_.wait(done, us);
   return Status::Ok();
 }
 

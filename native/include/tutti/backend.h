@@ -55,6 +55,8 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // True when the kernel (a GPU) can neither write an eventfd nor ring a doorbell: the agent then
+  // polls the SQs, and host waits poll the IOCBs' done_seq.
   virtual bool host_agent_polls() const = 0;
   // Page-aligned, populated host memory usable by io_uring and by the kernel.
   virtual Status alloc_host(uint64_t bytes, void** ptr) = 0;
