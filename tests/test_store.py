@@ -399,6 +399,7 @@ def test_memory_fs_moves_straight_between_file_and_blocks(tmpfs, unit_tokens, ma
         kv = make_kv(layout, seed=unit_tokens)
         with open_store([d], kv, layout, instance=layout, **opts) as s:
             n_files = len(list(d.glob(f"tutti-{layout}*.pool")))
+            assert n_files > 1  # several pool files on a memory file system
             assert s.stats()["mapped_files"] == (n_files if mapped else 0)
             ub = s.unit_blocks
             keys = list(range(1, 9))
@@ -432,6 +433,7 @@ def test_mapped_and_io_uring_paths_share_one_format(tmpfs, tmp_path):
         with open_store([shm, disk], kv, map_memory_paths=store_mapped, instance=f"m{store_mapped}") as s:
             ub = s.unit_blocks
             n_files = len(list(shm.glob(f"tutti-m{store_mapped}*.pool")))
+            assert n_files > 1  # several pool files on a memory file system
             assert s.stats()["mapped_files"] == (n_files if store_mapped else 0)  # the disk path: never
             src = rng.permutation(BLOCKS)[: 12 * ub]
             assert s.store(keys, src).ok
