@@ -178,6 +178,7 @@ Status Store::init_queue(uint32_t depth) {
   kctx_.chunk_bytes = chunk;
   kctx_.num_chunks = chunks;
   kctx_.queues = qs;
+  kctx_.queue_depth = opt_.queue_depth;
   if (opt_.map_memory) {
     st = pool_.map_memory_files();
     if (!st.ok()) return st;

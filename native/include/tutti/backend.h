@@ -39,6 +39,7 @@ struct KernelContext {
   uint64_t chunk_bytes = 0;
   uint32_t num_chunks = 0;
   std::vector<QueuePair> queues;                 // one per kernel worker
+  uint32_t queue_depth = 0;                      // I/Os the agent keeps in flight at most
   // Per pool file: it takes any buffer (memory file system, or no O_DIRECT), so a host kernel may
   // move objects straight between the file and the KV blocks with scatter-gather I/O.
   std::vector<uint8_t> any_buffer;

@@ -84,6 +84,7 @@ struct LaunchParams {
   uint32_t unit_blocks, objs_per_layer, num_objs, vec16;
   uint32_t group;  // IOCTXs per staging slot: 2 when K and V of a unit-layer may move as one I/O
   uint32_t queue0; // the lane's first SQ/CQ pair: block b uses pair queue0 + b and its chunk share
+  uint32_t window; // staging slots of I/O (not mapped objects) a block keeps in use at most
   uint64_t block_bytes, obj_bytes, header_bytes, chunk_bytes;
   uint8_t* staging;       // device view of the staging region
   const DevQueue* queues; // device array, one per block of each lane
@@ -251,14 +252,14 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
   uint32_t* chunk_ent = smem + 2 * C; // [C] entry of the chunk's current IOCTX
   uint32_t* free_stack = smem + 3 * C;   // [C / group] free slots
   uint8_t* slot_state = reinterpret_cast<uint8_t*>(smem + 4 * C);  // [C / group]
-  __shared__ uint32_t ready_head, ready_claim, freed_claim, all_done;
+  __shared__ uint32_t ready_head, ready_claim, freed_claim, all_done, io_slots;
   __shared__ uint32_t errors[kMaxLaunchIocbs];
 
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned long long t_start = now_ns();
   for (uint32_t i = tid; i < C; i += blockDim.x) freed[i] = 0;
   if (tid < kMaxLaunchIocbs) errors[tid] = 0;
-  if (tid == 0) ready_head = ready_claim = freed_claim = all_done = 0;
+  if (tid == 0) ready_head = ready_claim = freed_claim = all_done = io_slots = 0;
   __syncthreads();
 
   const DevQueue q = p.queues[p.queue0 + blockIdx.x];
@@ -304,10 +305,13 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
         ++sq_head;
       };
       // slot_state[s]: bits 0-1 chunks of the slot still in use, bits 2-3 gathers a paired store
-      // still waits for, bit 4 paired. Only this lane touches it.
+      // still waits for, bit 4 paired, bit 5 its objects go through the agent (it counts towards
+      // the window; mapped objects do not). Only this lane touches it.
       auto release = [&](uint32_t s, uint32_t n) {
         slot_state[s] = static_cast<uint8_t>(slot_state[s] - n);
-        if ((slot_state[s] & 3u) == 0) free_stack[nfree++] = s;
+        if ((slot_state[s] & 3u) != 0) return;
+        free_stack[nfree++] = s;
+        if (slot_state[s] & 32u) --io_slots;
       };
       while (k < p.n && grp >= groups(k)) ++k;
       while (done < total) {
@@ -367,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
           store_release_sys(&q.cq_ctl->tail, cq_tail);
         }
         // (c) New groups of IOCTXs while slots are free.
-        while (nfree > 0 && k < p.n) {
+        while (nfree > 0 && io_slots < p.window && k < p.n) {
           const LaunchIocb& B = p.b[k];
           const uint32_t first = grp * G, ck = k;
           const uint32_t n = min(G, B.ctx_count - first);
@@ -387,9 +391,12 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
           const Ioctx* xs = B.ctx + B.ctx_first + first;
           const bool paired = need == 3u && xs[0].obj == 0 && xs[1].obj == 1 && xs[0].unit == xs[1].unit &&
                               !mapped_object(p, B, xs[0]);
+          bool io = false;
+          for (uint32_t i = 0; i < n; ++i) io = io || ((need >> i) & 1u && !mapped_object(p, B, xs[i]));
+          io_slots += io;
           const uint32_t s = free_stack[--nfree];
           const bool read = B.op == static_cast<uint32_t>(IoOp::kRead);
-          slot_state[s] = static_cast<uint8_t>(__popc(need) | (paired ? 16u | 8u : 0u));
+          slot_state[s] = static_cast<uint8_t>(__popc(need) | (paired ? 16u | 8u : 0u) | (io ? 32u : 0u));
           for (uint32_t i = 0; i < n; ++i) {
             if (!(need & (1u << i))) continue;
             const uint32_t c = s * G + i;
@@ -634,6 +641,7 @@ class CudaBackend final : public Backend {
   uint64_t* abort_ = nullptr;  // mapped host page
   unsigned long long* trace_ = nullptr;  // device counters, printed at stop() with cuda_trace
   bool pair_io_ = false;
+  uint32_t window_ = 0;
   bool print_trace_ = false;
   uint64_t launches_ = 0, launch_calls_ = 0;
   std::vector<RequestMem> req_;
@@ -763,6 +771,14 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   // it made retrieves slower (640K tokens through 64 MiB of staging: 19.4 against 26.1 GB/s) and
   // did not speed up stores (docs/PERF_GPU.md).
   group_ = pair_io_ && ctx->geom.objs_per_layer == 2 && ctx->chunk_bytes == ctx->geom.obj_bytes && per_worker_ >= 4 ? 2 : 1;
+  // The agent keeps at most queue_depth I/Os in flight, so the blocks of both lanes together keep
+  // at most twice that many slots in use: one half in storage, the other being gathered or
+  // scattered. More would only wait in the SQ. The free slots are a stack, so a block reuses the
+  // slots it freed last and the staging it touches stays small enough for the CPU's last-level
+  // cache (PCIe writes land there); on the H200 host this lifted the /dev/shm store at 128K tokens
+  // from 24-26 to 35-38 GB/s with a 2 GiB staging area (docs/PERF.md).
+  const uint32_t per_block = (2 * ctx->queue_depth + kLanes * grid_ - 1) / (kLanes * grid_);
+  window_ = std::clamp<uint32_t>(per_block, 1, per_worker_ / group_);
   const uint32_t nk = kLanes * workers;  // SQ/CQ pairs of the kernel; the last pair is the host's
   std::vector<DevQueue> qs(nk);
   for (uint32_t w = 0; w < nk; ++w) {
@@ -923,6 +939,7 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
     p.vec16 = vec16_;
     p.group = group_;
     p.queue0 = lane * workers_;
+    p.window = window_;
     p.block_bytes = g.block_bytes;
     p.obj_bytes = g.obj_bytes;
     p.header_bytes = g.header_bytes;
