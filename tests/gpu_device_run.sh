@@ -10,7 +10,7 @@
 # none (build only). The native module is built first (CUDA on, sm_90; CUDA off when the only step
 # is cluster), with liburing from the Debian packages in .deb/ and the wheels the image lacks in
 # .whl/. Logs and JSON go to $OUT (or ./gpu-out). Environment: STAGING_MB and QD for the /dev/shm
-# bench (default 2048 and 24: the figures of runs A and B in docs/PERF.md), SHM_SYSTEMS (default:
+# bench (default 2048 and 64), REPEAT (rounds per /dev/shm cell, default 3), SHM_SYSTEMS (default:
 # all), PREFIXES (default 16K,32K,64K,128K), DISK_PREFIXES (default 16K,128K), BUDGET_S (later
 # steps get what is left of it; default 570 s).
 set -u
@@ -55,9 +55,9 @@ for step in "$@"; do
     timeout "$(left)" python3 tests/limit_under_h2d.py --path /dev/shm/lim --json "$OUT/limit_h2d.json"
     rm -rf /dev/shm/lim ;;
   shm)
-    log "bench /dev/shm (stand-in for an NVMe array), staging ${STAGING_MB:-2048} MiB, queue depth ${QD:-24}"
+    log "bench /dev/shm (stand-in for an NVMe array), staging ${STAGING_MB:-2048} MiB, queue depth ${QD:-64}"
     mkdir -p $SHM
-    TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-24} bench --paths $SHM \
+    TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --paths $SHM --repeat ${REPEAT:-3} \
       --prefix-tokens $PREFIXES --limit-gb 4 ${SHM_SYSTEMS:+--systems $SHM_SYSTEMS} --json "$OUT/bench_shm.json" | tail -32
     rm -rf $SHM ;;
   disk)

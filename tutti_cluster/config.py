@@ -88,7 +88,8 @@ class TuttiConfig(BaseSettings):
         128,
         gt=0,
         description="Pinned staging area in MiB; fixed, whatever the context. Twice queue_depth x 1 MiB keeps "
-        "the agent's queue full while the I/O kernel gathers and scatters the other half.",
+        "the agent's queue full while the I/O kernel gathers and scatters the other half (the CUDA kernel "
+        "keeps at most 2 x queue_depth chunks in use, whatever the size).",
     )
     max_requests: int = Field(256, gt=0, description="Requests in flight per store instance.")
     io_sms: int = Field(8, gt=0, description="SMs given to the I/O kernel (multiples of 8 on CUDA).")
