@@ -65,7 +65,8 @@ class TuttiConfig(BaseSettings):
     prewrite_pool: bool = Field(
         True,
         description="Write zeros once over the pool space a block device's file system keeps unwritten "
-        "after fallocate, so that stores are overwrites (first start writes the capacity once).",
+        "after fallocate, so that stores are overwrites (first start writes the capacity once); on memory "
+        "file systems, touch the pages of new pool files once, so that the first store runs at full speed.",
     )
 
     map_memory_paths: bool = Field(

@@ -46,7 +46,8 @@ class FilePool {
   // capacity holds fewer GPU files), 1 elsewhere. Files are
   // ordered so that consecutive slots go to different paths. `read_only` opens the existing files
   // without lock, for readers such as the node daemon. `prewrite` writes zeros once over what
-  // fallocate left unwritten (O_DIRECT files on block devices), so that stores overwrite in place.
+  // fallocate left unwritten (O_DIRECT files on block devices), so that stores overwrite in place,
+  // and touches the pages of new files on memory file systems once.
   Status open(const std::vector<std::string>& dirs, const std::vector<uint64_t>& capacity,
               const std::string& instance, const Geometry& g, DirectMode mode, bool read_only,
               uint32_t files_per_path = 1, bool prewrite = false);
