@@ -12,10 +12,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <atomic>
 #include <memory>
 #include <thread>
 
@@ -149,7 +149,7 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
 // on the H200 host the first store into a new pool ran at 8-15 GB/s, later ones at 28-37 (PERF.md,
 // "The first pass over a new pool"). Best effort: without MADV_POPULATE_WRITE (Linux < 5.14) the
 // first store pays it.
-static void touch_memory_files(std::vector<PoolPath*> files, uint64_t slot_bytes) {
+static void touch_memory_files(const std::vector<PoolPath*>& files, uint64_t slot_bytes) {
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < files.size();) {
