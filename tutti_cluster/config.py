@@ -9,15 +9,50 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tutti_cluster.errors import ConfigError
 
 _LIST_FIELDS = ("paths", "capacity_gb", "etcd")
+
+# Instance names become pool file names (``tutti-<instance>-<n>.pool``) and keys of the daemon's
+# state: a short plain name, so that neither a file system nor a shell ever sees anything odd.
+INSTANCE_MAX_CHARS = 64
+INSTANCE_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
+_INSTANCE_RE = re.compile(INSTANCE_PATTERN)
+# Largest capacity of one path in GiB: the byte count must fit the native core's signed 64 bits.
+MAX_CAPACITY_GB = float(1 << 32)
+
+
+def check_instance_name(name: object) -> str:
+    """``name`` if it is a valid instance name, else ConfigError saying what one looks like."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"an instance name must be a non-empty string, not {name!r:.80}")
+    if len(name) > INSTANCE_MAX_CHARS:
+        raise ConfigError(f"instance name {name[:24]!r}... has {len(name)} characters, at most "
+                          f"{INSTANCE_MAX_CHARS} are allowed")
+    if not _INSTANCE_RE.fullmatch(name):
+        raise ConfigError(f"instance name {name!r} may hold only letters, digits, '_', '.' and '-', "
+                          "and must not start with '.' or '-'")
+    return name
+
+
+def validation_summary(exc: ValidationError, limit: int = 5) -> str:
+    """A pydantic ValidationError as one line: ``field: problem; ...`` (never the offending input)."""
+    errs = exc.errors(include_url=False, include_input=False)
+    parts = []
+    for e in errs[:limit]:
+        loc = ".".join(str(p) for p in e["loc"]) or "value"
+        msg = str(e["msg"])
+        parts.append(f"{loc}: {msg.removeprefix('Value error, ')}")
+    if len(errs) > limit:
+        parts.append(f"and {len(errs) - limit} more")
+    return "; ".join(parts)
 
 
 def default_data_dir() -> Path:
@@ -51,7 +86,7 @@ class TuttiConfig(BaseSettings):
 
     # Storage
     paths: list[Path] = Field(default_factory=list, description="Storage directories, one per SSD.")
-    capacity_gb: list[float] = Field(
+    capacity_gb: list[Annotated[float, Field(gt=0, le=MAX_CAPACITY_GB, allow_inf_nan=False)]] = Field(
         default_factory=lambda: [4.0], description="Byte cap per path in GiB (one value applies to all paths)."
     )
     data_dir: Path = Field(default_factory=default_data_dir, description="Node state (socket, default storage).")
@@ -104,6 +139,13 @@ class TuttiConfig(BaseSettings):
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake Transfer Engine protocol.")
     lease_ttl_s: int = Field(10, gt=0, description="TTL of this node's replica registrations.")
 
+    # Admin plane (`tutti up` serves the node's admin API; docs/ADMIN.md)
+    admin_host: str = Field("127.0.0.1", description="Address the node's admin API listens on.")
+    admin_port: int = Field(9480, ge=0, le=65535, description="Port of the node's admin API (0: any free port).")
+    admin_token: SecretStr | None = Field(None, description="Bearer token of the admin API's /v1 routes.")
+    admin_token_file: Path | None = Field(
+        None, description="File holding the admin token; default <data_dir>/admin.token, made on first start.")
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -115,6 +157,19 @@ class TuttiConfig(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, _CommaEnvSource(settings_cls), _JsonFileSource(settings_cls)
 
+    def __init__(self, **values: Any) -> None:
+        # Every invalid setting is a ConfigError (a TuttiError), whichever check finds it.
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise ConfigError(f"invalid Tutti configuration: {validation_summary(e)}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise ConfigError(f"invalid Tutti configuration: {validation_summary(e)}") from None
+
     @field_validator("paths", "capacity_gb", "etcd", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
@@ -124,17 +179,31 @@ class TuttiConfig(BaseSettings):
             return [v]
         return v
 
+    @field_validator("paths", mode="before")
+    @classmethod
+    def _paths(cls, v: Any) -> Any:
+        # Path("") is the working directory: an empty entry is a mistake, never a place for a pool.
+        if isinstance(v, (list, tuple)) and any(isinstance(p, (str, os.PathLike)) and not str(p).strip() for p in v):
+            raise ValueError("paths must not hold an empty entry")
+        return v
+
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _data_dir(cls, v: Any) -> Any:
+        if isinstance(v, (str, os.PathLike)) and not str(v).strip():
+            raise ValueError("data_dir must not be empty")
+        return v
+
     @field_validator("instance")
     @classmethod
     def _instance(cls, v: str) -> str:
-        if not v or "/" in v or v.startswith("."):
-            raise ValueError("instance must be a plain name")
-        return v
+        try:
+            return check_instance_name(v)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
 
     @model_validator(mode="after")
     def _check(self) -> "TuttiConfig":
-        if any(c <= 0 for c in self.capacity_gb):
-            raise ValueError("capacity_gb values must be positive")
         n = len(self.storage_paths())
         if len(self.capacity_gb) not in (1, n):
             raise ValueError(f"capacity_gb has {len(self.capacity_gb)} values for {n} paths")
@@ -173,10 +242,5 @@ class _CommaEnvSource(PydanticBaseSettingsSource):
 
 
 def load_config(**overrides: Any) -> TuttiConfig:
-    """Builds the config, turning validation failures into :class:`ConfigError`."""
-    try:
-        return TuttiConfig(**{k: v for k, v in overrides.items() if v is not None})
-    except ConfigError:
-        raise
-    except Exception as e:  # pydantic.ValidationError, with its field-by-field message
-        raise ConfigError(str(e)) from e
+    """Builds the config from the arguments that are not None (ConfigError when invalid)."""
+    return TuttiConfig(**{k: v for k, v in overrides.items() if v is not None})

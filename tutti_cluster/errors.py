@@ -23,12 +23,23 @@ class DeviceError(TuttiError):
     """The device backend failed or is not available."""
 
 
-class ConfigError(TuttiError):
-    """The configuration is invalid."""
+class ConfigError(TuttiError, ValueError):
+    """The configuration, or a request to the node daemon, is invalid.
+
+    Also a ValueError, so that code which treats bad settings as bad values keeps working."""
 
 
 class LayoutError(TuttiError):
     """A KV tensor, block id, shape, dtype or layout does not fit the store."""
+
+
+def error_class(name: str) -> type[TuttiError]:
+    """The TuttiError subclass called ``name`` (how an error crosses the daemon socket); TuttiError
+    itself for a name this version does not know."""
+    cls = globals().get(name)
+    if isinstance(cls, type) and issubclass(cls, TuttiError):
+        return cls
+    return TuttiError
 
 
 __all__ = [
