@@ -1,0 +1,280 @@
+"""The admin API: FastAPI routes over a :class:`~tutti_control.backend.NodeBackend` (one node) or a
+:class:`~tutti_control.cluster.ClusterBackend` (every node in the cluster directory).
+
+Health (``/livez``, ``/readyz``) and ``/metrics`` are open; every ``/v1`` route needs
+``Authorization: Bearer <token>``. Every error, validation errors included, is one JSON shape
+(:class:`~tutti_control.errors.ErrorBody`), and every status a route can answer is in the schema.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Annotated, Any, Callable, Protocol
+
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tutti_control import __version__
+from tutti_control.auth import CHALLENGE, token_matches
+from tutti_control.errors import ApiError, ErrorBody, error_body
+from tutti_control.metrics import TuttiCollector
+from tutti_control.models import (
+    MAX_KEYS, ConfigResponse, DrainRequest, DrainResponse, EvictResult, Health, HexKey, HexPrefix, KeysRequest,
+    NodeId, NodeInfo, NodeList, ObjectList, PinList, PinResult, Readiness, StatsResponse, UnpinResult,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 1 << 20  # the largest valid body (4096 keys) is ~90 KiB
+
+
+class Backend(Protocol):
+    cluster: bool
+
+    def readiness(self) -> Readiness: ...
+    def nodes(self) -> NodeList: ...
+    def node(self, node_id: str) -> NodeInfo: ...
+    def stats(self) -> StatsResponse: ...
+    def snapshot(self) -> tuple[NodeList, StatsResponse]: ...
+    def config_view(self) -> ConfigResponse: ...
+    def objects(self, keys: list[str] | None, prefix: str | None, limit: int) -> ObjectList: ...
+    def evict(self, prefix: str | None, node: str | None, everything: bool, keys: list[str] | None = None) -> EvictResult: ...
+    def pin(self, keys: list[str]) -> PinResult: ...
+    def unpin(self, keys: list[str]) -> UnpinResult: ...
+    def pins(self) -> PinList: ...
+    def drain(self, node_id: str, mode: str) -> tuple[str, Any]: ...
+    def undrain(self, node_id: str) -> tuple[str, Any]: ...
+    def close(self) -> None: ...
+
+
+def _err(description: str) -> dict[str, Any]:
+    return {"model": ErrorBody, "description": description}
+
+
+# Every route may answer these (body limits, validation, auth, a node daemon that is away).
+COMMON = {400: _err("Bad request (a request the node refuses)"), 413: _err("Body larger than 1 MiB"),
+          422: _err("Invalid request: malformed JSON, wrong types, unknown fields or parameters"),
+          502: _err("The node daemon sent a bad reply"), 503: _err("The node daemon (or a node) is unavailable")}
+AUTHED = {**COMMON, 401: _err("Missing or wrong bearer token")}
+NOT_FOUND = {404: _err("No such node")}
+
+
+class BodyLimit:
+    """Refuses request bodies over ``limit`` bytes with 413 before any route sees them (chunked
+    bodies included: the body is read up to the limit and replayed)."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.limit
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await self._refuse(scope, receive, send)
+                    return
+        body, more, messages = 0, True, []
+        while more:
+            msg = await receive()
+            messages.append(msg)
+            if msg["type"] != "http.request":
+                break
+            body += len(msg.get("body", b""))
+            more = msg.get("more_body", False)
+            if body > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+
+        async def replay() -> Message:
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = JSONResponse(error_body(413, f"request body larger than {self.limit} bytes"), status_code=413)
+        await resp(scope, receive, send)
+
+
+def only_params(*allowed: str) -> Callable[[Request], None]:
+    """A dependency refusing query parameters a route does not know (a typo in ``DELETE /v1/cache``
+    must never widen what it deletes)."""
+
+    def check(request: Request) -> None:
+        unknown = sorted(set(request.query_params) - set(allowed))
+        if unknown:
+            raise ApiError(422, "invalid_request", f"unknown query parameter(s): {', '.join(unknown)}",
+                           {"errors": [{"loc": ["query", u], "msg": "unknown parameter", "type": "extra_forbidden"}
+                                       for u in unknown]})
+
+    return check
+
+
+def _clean_errors(errors: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for e in errors[:20]:
+        out.append({"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))})
+    return out
+
+
+def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") -> FastAPI:
+    """The admin app over ``backend``; ``token`` guards the ``/v1`` routes."""
+    app = FastAPI(title=title, version=__version__, description=(
+        "Admin plane of Tutti-cluster, the SSD-backed KV-cache store: what each node holds, how full it is, "
+        "how well it hits; evict, pin and drain. Keys are 16 hex digits. Every error is "
+        "`{\"error\": {\"code\", \"message\", \"details\"}}`."), responses={})
+    app.state.backend = backend
+    registry = CollectorRegistry()
+    registry.register(TuttiCollector(backend))
+    requests = Counter("tutti_admin_requests", "Admin API requests answered", ["route", "method", "status"],
+                       registry=registry)
+    latency = Histogram("tutti_admin_request_seconds", "Admin API request latency", ["route"], registry=registry,
+                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+    app.state.registry = registry
+    bearer = HTTPBearer(auto_error=False, description="The node's admin token (TUTTI_ADMIN_TOKEN).")
+
+    def require_token(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        given = creds.credentials if creds is not None and creds.scheme.lower() == "bearer" else None
+        if not token_matches(given, token):
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token" if given else "bearer token required",
+                           headers={"WWW-Authenticate": CHALLENGE})
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Any) -> Response:
+        t0 = time.perf_counter()
+        resp = await call_next(request)
+        route = request.scope.get("route")
+        name = getattr(route, "path", "unmatched")
+        requests.labels(name, request.method, str(resp.status_code)).inc()
+        latency.labels(name).observe(time.perf_counter() - t0)
+        return resp
+
+    app.add_middleware(BodyLimit)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = _clean_errors(list(exc.errors()))
+        first = errs[0] if errs else {"loc": [], "msg": "invalid request"}
+        where = ".".join(first["loc"])
+        return JSONResponse(error_body(422, f"invalid request: {where}: {first['msg']}", {"errors": errs}),
+                            status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crashed(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("admin request failed")
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
+
+    # -- open routes ------------------------------------------------------------------------------
+    @app.get("/livez", response_model=Health, tags=["health"], summary="The process is up")
+    def livez() -> Health:
+        return Health()
+
+    @app.get("/readyz", response_model=Readiness, tags=["health"],
+             responses={503: {"model": Readiness, "description": "Not ready: the reasons are in the body"}},
+             summary="Ready when the node daemon (and, in cluster mode, etcd) answers")
+    def readyz() -> JSONResponse:
+        r = backend.readiness()
+        return JSONResponse(r.model_dump(), status_code=200 if r.ready else 503)
+
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics",
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition"}}, response_class=Response)
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- /v1 --------------------------------------------------------------------------------------
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=AUTHED)
+    Node = Annotated[NodeId, Path(description="A node id.")]
+
+    @v1.get("/nodes", response_model=NodeList, tags=["nodes"], dependencies=[Depends(only_params())])
+    def list_nodes() -> NodeList:
+        return backend.nodes()
+
+    @v1.get("/nodes/{node_id}", response_model=NodeInfo, tags=["nodes"], responses=NOT_FOUND,
+            dependencies=[Depends(only_params())])
+    def get_node(node_id: Node) -> NodeInfo:
+        return backend.node(node_id)
+
+    @v1.post("/nodes/{node_id}/drain", response_model=DrainResponse, tags=["nodes"], responses=NOT_FOUND,
+             dependencies=[Depends(only_params())],
+             summary="Stop taking new units; keep serving reads; evict as the mode says")
+    def drain(node_id: Node, body: DrainRequest | None = None) -> DrainResponse:
+        nid, status = backend.drain(node_id, (body or DrainRequest()).mode)
+        return DrainResponse(node_id=nid, drain=status)
+
+    @v1.delete("/nodes/{node_id}/drain", response_model=DrainResponse, tags=["nodes"], responses=NOT_FOUND,
+               dependencies=[Depends(only_params())], summary="End a drain: take new units again")
+    def undrain(node_id: Node) -> DrainResponse:
+        nid, status = backend.undrain(node_id)
+        return DrainResponse(node_id=nid, drain=status)
+
+    @v1.get("/stats", response_model=StatsResponse, tags=["cache"], dependencies=[Depends(only_params())])
+    def stats() -> StatsResponse:
+        return backend.stats()
+
+    @v1.get("/config", response_model=ConfigResponse, tags=["nodes"], dependencies=[Depends(only_params())],
+            summary="Each node's settings, secrets redacted")
+    def config() -> ConfigResponse:
+        return backend.config_view()
+
+    @v1.get("/objects", response_model=ObjectList, tags=["cache"],
+            dependencies=[Depends(only_params("key", "prefix", "limit"))],
+            summary="Units by key or key prefix, with the nodes that hold them")
+    def objects(key: Annotated[list[HexKey] | None, Query(max_length=MAX_KEYS, description="Keys to look up")] = None,
+                prefix: Annotated[HexPrefix | None, Query(description="Hex prefix of the keys")] = None,
+                limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> ObjectList:
+        if key and prefix is not None:
+            raise ApiError(400, "bad_request", "give either key or prefix, not both")
+        if not key and prefix is None:
+            raise ApiError(400, "bad_request", "give key (one or more) or prefix ('' lists every unit)")
+        return backend.objects(list(key) if key else None, prefix, limit)
+
+    @v1.delete("/cache", response_model=EvictResult, tags=["cache"], responses=NOT_FOUND,
+               dependencies=[Depends(only_params("all", "prefix", "node"))],
+               summary="Evict units: all of them, by key prefix, or a node's")
+    def evict(all: Annotated[bool, Query(description="Evict every unpinned unit")] = False,
+              prefix: Annotated[HexPrefix | None, Query(min_length=1, description="Evict the units whose key starts so")] = None,
+              node: Annotated[NodeId | None, Query(description="Only this node's units")] = None) -> EvictResult:
+        if all and prefix is not None:
+            raise ApiError(400, "bad_request", "all=true evicts everything: leave prefix out")
+        if not all and prefix is None and node is None:
+            raise ApiError(400, "bad_request", "say what to evict: all=true, prefix=<hex> or node=<id>")
+        return backend.evict(prefix, node, all)
+
+    @v1.get("/pins", response_model=PinList, tags=["pins"], dependencies=[Depends(only_params())])
+    def list_pins() -> PinList:
+        return backend.pins()
+
+    @v1.post("/pins", response_model=PinResult, tags=["pins"], dependencies=[Depends(only_params())],
+             summary="Pin units (protect them from eviction)")
+    def pin(body: KeysRequest) -> PinResult:
+        return backend.pin(list(body.keys))
+
+    @v1.delete("/pins", response_model=UnpinResult, tags=["pins"], dependencies=[Depends(only_params())],
+               summary="Unpin units")
+    def unpin(body: KeysRequest) -> UnpinResult:
+        return backend.unpin(list(body.keys))
+
+    app.include_router(v1)
+    return app

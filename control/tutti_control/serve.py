@@ -1,0 +1,104 @@
+"""Running the admin app under uvicorn: beside the node daemon in `tutti up`, or cluster-wide
+(`tutti admin serve`).
+
+``tutti_cluster.cli`` imports this module only when it serves the admin plane, so that the data
+plane never imports FastAPI.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tutti_cluster.config import TuttiConfig
+from tutti_cluster.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The admin API's listening socket, bound now (so the address is known before serving)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+    except OSError as exc:
+        s.close()
+        raise ConfigError(f"admin API cannot listen on {host}:{port}: {exc}") from exc
+    s.listen(2048)
+    s.setblocking(False)
+    return s
+
+
+def address_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class AdminServer:
+    """uvicorn serving one admin app on a bound socket, in a thread of this process."""
+
+    def __init__(self, app: Any, sock: socket.socket, backend: Any = None) -> None:
+        import uvicorn
+
+        self.sock = sock
+        self.backend = backend
+        self.address = address_of(sock)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                                    timeout_graceful_shutdown=5, backlog=2048))
+        self.thread: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 15.0) -> "AdminServer":
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="tutti-admin", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise ConfigError(f"admin API did not start on {self.address}")
+            time.sleep(0.01)
+        return self
+
+    def run(self) -> None:
+        """Serve in this thread until SIGINT/SIGTERM (uvicorn handles the signals)."""
+        self.server.run(sockets=[self.sock])
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(10)
+        self.sock.close()
+        if self.backend is not None:
+            self.backend.close()
+
+
+def node_admin(config: TuttiConfig, sock: socket.socket) -> tuple[AdminServer, str, Path | None, bool]:
+    """The node's admin API over its daemon's socket, not yet started: (server, token, token
+    file, whether the file was just made)."""
+    from tutti_control.app import create_app
+    from tutti_control.auth import ensure_token
+    from tutti_control.backend import NodeBackend
+
+    token, path, created = ensure_token(config)
+    backend = NodeBackend(config)
+    return AdminServer(create_app(backend, token), sock, backend), token, path, created
+
+
+def cluster_admin(config: TuttiConfig, sock: socket.socket) -> tuple[AdminServer, str]:
+    """The cluster-wide admin API: the nodes come from the cluster directory (etcd)."""
+    from tutti_control.app import create_app
+    from tutti_control.auth import configured_token
+    from tutti_control.cluster import ClusterBackend
+
+    if not config.etcd:
+        raise ConfigError("tutti admin serve needs the cluster directory: set --etcd or TUTTI_ETCD")
+    token = configured_token(config)
+    if token is None:
+        raise ConfigError("tutti admin serve needs the nodes' admin token: TUTTI_ADMIN_TOKEN or TUTTI_ADMIN_TOKEN_FILE")
+    backend = ClusterBackend(config, token)
+    return AdminServer(create_app(backend, token, title="Tutti cluster admin API"), sock, backend), token
