@@ -45,11 +45,18 @@ class LayerKV:
             raise LayoutError("a layer has one or two object pointers")
         if self.block_bytes <= 0 or self.num_blocks <= 0:
             raise LayoutError("block_bytes and num_blocks must be positive")
+        if self.block_stride < 0 or any(p <= 0 for p in self.ptrs):
+            raise LayoutError("KV blocks need positive pointers and a non-negative block stride")
 
 
 def _info(t: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int, str, str]:
     """(data pointer, shape, strides in elements, element size, dtype name, device) of a tensor."""
     if isinstance(t, np.ndarray):
+        # The store writes retrieved KV into these bytes and reads them as plain data.
+        if t.dtype.hasobject:
+            raise LayoutError(f"KV cache arrays must hold plain numbers, not {t.dtype}")
+        if not t.flags.writeable:
+            raise LayoutError("KV cache arrays must be writeable (a retrieve writes into them)")
         es = t.itemsize
         return (t.__array_interface__["data"][0], t.shape, tuple(s // es for s in t.strides), es, str(t.dtype), "cpu")
     if hasattr(t, "data_ptr") and hasattr(t, "stride"):

@@ -46,6 +46,9 @@ class RequestResult:
     failed_units: list[int] = field(default_factory=list)
     skipped_units: int = 0
     committed_units: list[int] = field(default_factory=list)
+    #: Layers never issued or whose I/O could not start: then every unit failed (nothing loaded,
+    #: nothing committed).
+    incomplete_layers: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -79,6 +82,7 @@ class TuttiStore:
         self.device = "cpu"
         self.on_commit: Callable[[int], None] | None = None
         self.on_evict: Callable[[int], None] | None = None
+        self._kv_refs: list[Any] = []
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(
@@ -141,6 +145,8 @@ class TuttiStore:
                 nat.close()
                 raise
         self._native = nat
+        # The native store holds raw pointers into these tensors: keep them alive as long as it lives.
+        self._kv_refs = list(kv_caches)
         self.block_tokens = block_tokens
         self.num_layers = len(layers)
         self.device = device
@@ -262,7 +268,7 @@ class TuttiStore:
         """Completes a request: commits stored units, unpins retrieved ones, reports failures."""
         if req not in self._ops:
             raise TuttiError(f"no request {req} in flight")
-        units, failed, skipped, committed = self._n.finish(req)
+        units, failed, skipped, committed, incomplete = self._n.finish(req)
         with self._lock:
             self._ops.pop(req, None)
             keys = self._keys.pop(req)
@@ -270,7 +276,7 @@ class TuttiStore:
             for u in committed:
                 self.on_commit(int(keys[u]))
         self._drain_evicted()
-        return RequestResult(int(units), list(failed), int(skipped), list(committed))
+        return RequestResult(int(units), list(failed), int(skipped), list(committed), list(incomplete))
 
     def retrieve(self, keys: Sequence[Key], block_ids: Any) -> RequestResult:
         """Retrieves every layer of a request and waits for it."""
@@ -379,6 +385,7 @@ class TuttiStore:
         if self._native is not None:
             self._native.close()
             self._native = None
+            self._kv_refs = []
 
     def __enter__(self) -> "TuttiStore":
         return self

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "tutti/crc32c.h"
 #include "tutti/store.h"
 
 namespace py = pybind11;
@@ -39,6 +40,22 @@ Status without_gil(F f) {
   return f();
 }
 
+// A Python integer (or anything with __index__) as a 32-bit unsigned value; anything else, or out of
+// range, is a TuttiError rather than pybind11's TypeError.
+uint32_t u32(const py::handle& v, const char* what) {
+  PyObject* i = PyNumber_Index(v.ptr());
+  if (!i) {
+    PyErr_Clear();
+    raise({Code::kInvalid, std::string(what) + " must be an integer"});
+  }
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(i, &overflow);
+  Py_DECREF(i);
+  if (overflow || x < 0 || x > static_cast<long long>(UINT32_MAX))
+    raise({Code::kInvalid, std::string(what) + " out of range [0, 2^32)"});
+  return static_cast<uint32_t>(x);
+}
+
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
@@ -64,10 +81,10 @@ PYBIND11_MODULE(_native, m) {
 #endif
   m.attr("MAX_IOCTX_PER_IOCB") = kMaxIoctxPerIocb;
 
-  m.def("checksum", [](py::buffer b) {
+  m.def("crc32c", [](py::buffer b, uint32_t crc) {
     py::buffer_info i = b.request();
-    return checksum(i.ptr, static_cast<size_t>(i.size * i.itemsize) & ~size_t(3));
-  });
+    return crc32c_extend(crc, i.ptr, static_cast<size_t>(i.size * i.itemsize));
+  }, py::arg("data"), py::arg("crc") = 0);
 
   py::class_<LayerKV>(m, "LayerKVDesc")
       .def(py::init([](std::vector<uint64_t> ptrs, uint64_t block_stride, uint64_t block_bytes, uint64_t num_blocks) {
@@ -139,48 +156,48 @@ PYBIND11_MODULE(_native, m) {
                    static_cast<uint64_t>(blocks.size()), &id); }));
         return id;
       })
-      .def("layer", [](PyStore& p, uint32_t layer, uint32_t req, uint64_t event, int64_t stream) {
+      .def("layer", [](PyStore& p, py::handle layer, py::handle req, uint64_t event, int64_t stream) {
         Store& s = p.get();
-        ok(without_gil([&] { return s.layer(layer, req, event, stream); }));
+        const uint32_t l = u32(layer, "layer"), r = u32(req, "request");
+        ok(without_gil([&] { return s.layer(l, r, event, stream); }));
       }, py::arg("layer"), py::arg("request"), py::arg("event") = 0, py::arg("stream") = -1)
-      .def("wait_layer", [](PyStore& p, uint32_t layer, uint32_t req, uint64_t stream) {
+      .def("wait_layer", [](PyStore& p, py::handle layer, py::handle req, uint64_t stream) {
         Store& s = p.get();
-        ok(without_gil([&] { return s.wait_layer(layer, req, stream); }));
+        const uint32_t l = u32(layer, "layer"), r = u32(req, "request");
+        ok(without_gil([&] { return s.wait_layer(l, r, stream); }));
       }, py::arg("layer"), py::arg("request"), py::arg("stream") = 0)
-      .def("finish", [](PyStore& p, uint32_t req) {
+      .def("finish", [](PyStore& p, py::handle req) {
         Store& s = p.get();
+        const uint32_t id = u32(req, "request");
         RequestResult r;
-        {
-          ok(without_gil([&] { return s.finish(req, &r); }));
-        }
-        return py::make_tuple(r.units, r.failed_units, r.skipped_units, r.committed_units);
+        ok(without_gil([&] { return s.finish(id, &r); }));
+        return py::make_tuple(r.units, r.failed_units, r.skipped_units, r.committed_units, r.incomplete_layers);
       })
-      .def("get_iocb", [](PyStore& p, uint32_t n) {
+      .def("get_iocb", [](PyStore& p, py::handle n) {
         std::vector<uint32_t> ids;
-        ok(p.get().get_iocb(n, &ids));
+        ok(p.get().get_iocb(u32(n, "n"), &ids));
         return ids;
       })
-      .def("fill_iocb", [](PyStore& p, uint32_t id, int op, uint32_t layer, uint32_t request, uint32_t first, uint32_t count) {
-        Store& s = p.get();
-        if (count == 0 || count > kMaxIoctxPerIocb) raise({Code::kInvalid, "an IOCB holds 1 to 2048 IOCTXs"});
-        Iocb* b = s.iocb(id);
-        if (!b->in_use) raise({Code::kInvalid, "IOCB was not taken with get_iocb"});
-        b->op = static_cast<uint32_t>(op);
-        b->layer = layer;
-        b->request = request;
-        b->ctx_first = first;
-        b->ctx_count = count;
+      .def("fill_iocb", [](PyStore& p, py::handle id, py::handle op, py::handle layer, py::handle request, py::handle first,
+                           py::handle count) {
+        ok(p.get().fill_iocb(u32(id, "iocb"), static_cast<IoOp>(u32(op, "op")), u32(layer, "layer"), u32(request, "request"),
+                             u32(first, "first"), u32(count, "count")));
       })
-      .def("issue_io", [](PyStore& p, std::vector<uint32_t> ids, uint32_t sms, uint64_t event) {
+      .def("issue_io", [](PyStore& p, py::iterable ids, py::handle sms, uint64_t event) {
         Store& s = p.get();
-        ok(without_gil([&] { return s.issue_io(ids.data(), static_cast<uint32_t>(ids.size()), sms, event); }));
+        std::vector<uint32_t> v;
+        for (py::handle h : ids) v.push_back(u32(h, "iocb"));
+        const uint32_t n_sms = u32(sms, "sms");
+        ok(without_gil([&] { return s.issue_io(v.data(), static_cast<uint32_t>(v.size()), n_sms, event); }));
       }, py::arg("ids"), py::arg("sms") = 0, py::arg("event") = 0)
-      .def("wait_cqe", [](PyStore& p, uint32_t id) {
+      .def("wait_cqe", [](PyStore& p, py::handle id) {
         Store& s = p.get();
-        ok(without_gil([&] { return s.wait_cqe(id); }));
-        return s.iocb(id)->errors;
+        const uint32_t b = u32(id, "iocb");
+        uint64_t errors = 0;
+        ok(without_gil([&] { return s.wait_cqe(b, &errors); }));
+        return errors;
       })
-      .def("put_iocb", [](PyStore& p, uint32_t id) { p.get().put_iocb(id); })
+      .def("put_iocb", [](PyStore& p, py::handle id) { ok(p.get().put_iocb(u32(id, "iocb"))); })
       .def("compute_stream", [](PyStore& p) { return p.get().compute_stream(); })
       .def("read_unit", [](PyStore& p, uint64_t key) {
         Store& s = p.get();
@@ -243,6 +260,7 @@ PYBIND11_MODULE(_native, m) {
         d["evictions"] = s.evictions;
         d["checksum_failures"] = s.checksum_failures;
         d["io_errors"] = s.io_errors;
+        d["bad_headers"] = s.bad_headers;
         d["bytes_read"] = s.bytes_read;
         d["bytes_written"] = s.bytes_written;
         d["agent_ops"] = s.agent_ops;

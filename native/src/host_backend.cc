@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "tutti/backend.h"
+#include "tutti/crc32c.h"
 
 namespace tutti {
 
@@ -210,29 +211,26 @@ void HostBackend::for_each_piece(uint32_t layer, const RequestView& r, const Ioc
 // sums the staging-side bytes; returns the object's checksum.
 uint64_t HostBackend::move_object(uint32_t layer, const RequestView& r, const Ioctx& x, uint8_t* obj, bool to_blocks) {
   const Geometry& g = k_->geom;
-  uint64_t sum = 0;
+  uint32_t crc = 0;
   for_each_piece(layer, r, x, [&](uint8_t* blocks, uint64_t at, uint64_t n) {
-    uint64_t cs = to_blocks ? checksum_copy(blocks, obj + at, n, at / 4) : checksum_copy(obj + at, blocks, n, at / 4);
-    sum = checksum_combine(sum, cs);
+    crc = to_blocks ? crc32c_copy(crc, blocks, obj + at, n) : crc32c_copy(crc, obj + at, blocks, n);
   });
   const uint64_t payload = g.payload_bytes();
   if (payload < g.obj_bytes) {  // alignment padding: zero on store, checked on retrieve
     if (!to_blocks) std::memset(obj + payload, 0, g.obj_bytes - payload);
-    sum = checksum_combine(sum, checksum(obj + payload, g.obj_bytes - payload, payload / 4));
+    crc = crc32c_extend(crc, obj + payload, g.obj_bytes - payload);
   }
-  return sum;
+  return crc;
 }
 
 // Checksum of an object whose blocks are in place and whose padding is at `pad`.
 uint64_t HostBackend::sum_in_place(uint32_t layer, const RequestView& r, const Ioctx& x, const uint8_t* pad) const {
   const Geometry& g = k_->geom;
-  uint64_t sum = 0;
-  for_each_piece(layer, r, x, [&](uint8_t* blocks, uint64_t at, uint64_t n) {
-    sum = checksum_combine(sum, checksum(blocks, n, at / 4));
-  });
+  uint32_t crc = 0;
+  for_each_piece(layer, r, x, [&](uint8_t* blocks, uint64_t, uint64_t n) { crc = crc32c_extend(crc, blocks, n); });
   const uint64_t payload = g.payload_bytes();
-  if (payload < g.obj_bytes) sum = checksum_combine(sum, checksum(pad, g.obj_bytes - payload, payload / 4));
-  return sum;
+  if (payload < g.obj_bytes) crc = crc32c_extend(crc, pad, g.obj_bytes - payload);
+  return crc;
 }
 
 // Scatter-gather list of `n` adjacent objects straight in the KV blocks, padding in `pad` (the

@@ -1,6 +1,9 @@
 #include "tutti/layout.h"
 
+#include <algorithm>
 #include <cstring>
+
+#include "tutti/crc32c.h"
 
 namespace tutti {
 
@@ -29,6 +32,9 @@ Status make_geometry(const std::vector<LayerKV>& layers, uint32_t unit_blocks, c
     if (l.nptr != 1 && l.nptr != 2) return {Code::kLayout, "each layer needs 1 or 2 object pointers"};
   }
   if (desc.size() >= kDescBytes) return {Code::kLayout, "layout description too long"};
+  if (align_up(static_cast<uint64_t>(unit_blocks) * l0.block_bytes) >= kMaxObjBytes)
+    return {Code::kLayout, "objects of " + std::to_string(static_cast<uint64_t>(unit_blocks) * l0.block_bytes) +
+                               " bytes: the checksum covers objects below 256 MiB (lower unit_tokens)"};
   Geometry g;
   g.num_layers = static_cast<uint32_t>(layers.size());
   g.objs_per_layer = l0.nptr;
@@ -46,8 +52,51 @@ Status make_geometry(const std::vector<LayerKV>& layers, uint32_t unit_blocks, c
   return Status::Ok();
 }
 
+std::string layout_text(const std::string& desc, uint32_t num_layers, uint32_t unit_blocks) {
+  return desc + ", " + std::to_string(num_layers) + " layers, " + std::to_string(unit_blocks) + " blocks per unit";
+}
+
+uint64_t object_tag(uint64_t key, uint64_t seq, uint32_t obj) {
+  auto splitmix = [](uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+  };
+  return splitmix(key ^ splitmix(seq ^ splitmix(0x6f626a0000000000ull | obj)));
+}
+
+namespace {
+
+uint64_t header_list_bytes(uint32_t num_objs) { return sizeof(HeaderFixed) + sizeof(uint64_t) * num_objs; }
+
+// CRC32C of the header's first `n` bytes with the checksum field read as zero.
+uint32_t header_crc(const uint8_t* buf, uint64_t n) {
+  constexpr size_t at = offsetof(HeaderFixed, header_checksum);
+  const uint64_t zero = 0;
+  uint32_t c = crc32c_extend(0, buf, at);
+  c = crc32c_extend(c, &zero, sizeof(zero));
+  return crc32c_extend(c, buf + at + sizeof(zero), n - at - sizeof(zero));
+}
+
+// Format 1's header checksum (two position-weighted sums), kept only to recognise its pools.
+bool legacy_header_ok(const uint8_t* buf, uint64_t n, uint64_t stored) {
+  uint32_t lo = 0, hi = 0;
+  constexpr size_t at = offsetof(HeaderFixed, header_checksum);
+  for (uint64_t i = 0; i < n / 4; ++i) {
+    uint32_t w;
+    std::memcpy(&w, buf + 4 * i, 4);
+    if (4 * i >= at && 4 * i < at + 8) w = 0;
+    lo += w;
+    hi += w * static_cast<uint32_t>(2 * i + 1);
+  }
+  return (((static_cast<uint64_t>(hi) << 32) | lo) ^ 0x5bd1e9955bd1e995ull) == stored;
+}
+
+}  // namespace
+
 void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq,
-                   const uint64_t* obj_checksums, uint8_t* buf) {
+                   const uint64_t* obj_crcs, uint8_t* buf) {
   std::memset(buf, 0, g.header_bytes);
   HeaderFixed h{};
   h.magic = kHeaderMagic;
@@ -60,31 +109,43 @@ void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uin
   h.block_bytes = g.block_bytes;
   h.unit_blocks = g.unit_blocks;
   h.num_layers = g.num_layers;
-  std::memcpy(h.desc, desc.data(), desc.size());
+  std::memcpy(h.desc, desc.data(), std::min(desc.size(), kDescBytes - 1));
   std::memcpy(buf, &h, sizeof(h));
-  std::memcpy(buf + sizeof(h), obj_checksums, sizeof(uint64_t) * g.num_objs());
-  const uint64_t n = sizeof(h) + sizeof(uint64_t) * g.num_objs();
-  uint64_t cs = checksum(buf, n) ^ 0x5bd1e9955bd1e995ull;
+  for (uint32_t o = 0; o < g.num_objs(); ++o) {
+    const uint64_t v = (obj_crcs[o] & 0xffffffffull) ^ object_tag(key, seq, o);
+    std::memcpy(buf + sizeof(h) + 8 * o, &v, 8);
+  }
+  const uint64_t cs = header_crc(buf, header_list_bytes(g.num_objs()));
   std::memcpy(buf + offsetof(HeaderFixed, header_checksum), &cs, sizeof(cs));
 }
 
-bool decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq,
-                   uint64_t* obj_checksums) {
+HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint64_t* obj_crcs,
+                          std::string* other) {
   HeaderFixed h;
   std::memcpy(&h, buf, sizeof(h));
-  if (h.magic != kHeaderMagic || h.version != kHeaderVersion || h.layout_id != g.layout_id ||
-      h.num_objs != g.num_objs() || h.obj_bytes != g.obj_bytes || h.unit_blocks != g.unit_blocks)
-    return false;
-  const uint64_t n = sizeof(h) + sizeof(uint64_t) * g.num_objs();
-  if (n > g.header_bytes) return false;
-  // Recompute with the checksum field zeroed.
-  std::vector<uint8_t> tmp(buf, buf + n);
-  std::memset(tmp.data() + offsetof(HeaderFixed, header_checksum), 0, sizeof(uint64_t));
-  if ((checksum(tmp.data(), n) ^ 0x5bd1e9955bd1e995ull) != h.header_checksum) return false;
+  if (std::all_of(buf, buf + sizeof(h), [](uint8_t b) { return b == 0; })) return HeaderState::kEmpty;
+  // The object list's length comes from the header itself: bound it by the slot's header space
+  // before it is read, and trust no other field until the checksum holds.
+  const uint64_t max_objs = (g.header_bytes - sizeof(h)) / sizeof(uint64_t);
+  if (h.magic != kHeaderMagic || h.num_objs > max_objs) return HeaderState::kCorrupt;
+  const uint64_t n = header_list_bytes(h.num_objs);
+  if (h.version == 1) return legacy_header_ok(buf, n, h.header_checksum) ? HeaderState::kOldFormat : HeaderState::kCorrupt;
+  if (h.version != kHeaderVersion || h.header_checksum != header_crc(buf, n)) return HeaderState::kCorrupt;
+  if (h.layout_id != g.layout_id || h.num_objs != g.num_objs() || h.obj_bytes != g.obj_bytes ||
+      h.unit_blocks != g.unit_blocks || h.block_bytes != g.block_bytes || h.num_layers != g.num_layers) {
+    if (other) *other = layout_text(std::string(h.desc, strnlen(h.desc, kDescBytes)), h.num_layers, h.unit_blocks);
+    return HeaderState::kOtherLayout;
+  }
+  for (uint32_t o = 0; o < g.num_objs(); ++o) {
+    uint64_t v;
+    std::memcpy(&v, buf + sizeof(h) + 8 * o, 8);
+    v ^= object_tag(h.key, h.commit_seq, o);
+    if (v >> 32) return HeaderState::kCorrupt;
+    obj_crcs[o] = v;
+  }
   *key = h.key;
   *seq = h.commit_seq;
-  std::memcpy(obj_checksums, buf + sizeof(h), sizeof(uint64_t) * g.num_objs());
-  return true;
+  return HeaderState::kValid;
 }
 
 Status ExtentMap::init(const std::vector<LayerKV>& layers) {

@@ -1,5 +1,7 @@
 #include "tutti/store.h"
 
+#include "tutti/crc32c.h"
+
 #include <sys/mman.h>
 #include <sys/vfs.h>
 
@@ -59,24 +61,34 @@ Status Store::recover() {
   };
   std::vector<Found> found;
   std::vector<uint64_t> sums(g.num_objs());
+  uint64_t bad = 0;
   for (uint32_t slot = 0; slot < pool_.num_slots(); ++slot) {
     Status st = pool_.pread_all(slot, 0, buf.data(), g.header_bytes);
     if (!st.ok()) return st;
     uint64_t key, seq;
-    if (!decode_header(g, buf.data(), &key, &seq, sums.data())) {
-      HeaderFixed h;
-      std::memcpy(&h, buf.data(), sizeof(h));
-      // A committed unit of another model or layout: refuse rather than overwrite it.
-      if (h.magic == kHeaderMagic && h.layout_id != g.layout_id) {
-        std::string other(h.desc, strnlen(h.desc, kDescBytes));
+    std::string other;
+    switch (decode_header(g, buf.data(), &key, &seq, sums.data(), &other)) {
+      case HeaderState::kValid:
+        break;
+      case HeaderState::kEmpty:
+        continue;
+      case HeaderState::kCorrupt:
+        bad++;  // torn or damaged: free space, never a hit
+        continue;
+      case HeaderState::kOtherLayout:
+        // A committed unit of another model or layout: refuse rather than overwrite it.
         return {Code::kLayout, "pool file " + pool_.path(pool_.path_of(slot)).file + " holds units of another layout (" +
-                                   other + ", this store is " + desc_ + "); use another instance name or path"};
-      }
-      continue;
+                                   other + "; this store is " + layout_text(desc_, g.num_layers, g.unit_blocks) + "); use another instance name or path"};
+      case HeaderState::kOldFormat:
+        return {Code::kStorage, "pool file " + pool_.path(pool_.path_of(slot)).file +
+                                    " was written in pool format 1, whose checksum this build no longer trusts; "
+                                    "remove the instance's pool files (tutti-" + opt_.instance +
+                                    "*.pool) or use another path or instance name"};
     }
     std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * g.num_objs()], sums.data(), sums.size() * 8);
     found.push_back({seq, key, slot});
   }
+  bad_headers_ = bad;
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.seq < b.seq; });
   std::vector<uint8_t> used(pool_.num_slots(), 0);
   for (const Found& f : found) {
@@ -150,6 +162,7 @@ Status Store::init_queue(uint32_t depth) {
   iocbs_ = static_cast<Iocb*>(iocb_mem);
   num_iocbs_ = depth;
   for (uint32_t i = depth; i-- > 0;) free_iocbs_.push_back(i);
+  iocb_owner_.assign(depth, kFree);
   requests_.assign(opt_.max_requests, Request{});
   views_.assign(opt_.max_requests, RequestView{});
 
@@ -327,6 +340,38 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
                     &slot_checksums_[static_cast<uint64_t>(r.unit_slot[u]) * g.num_objs()], g.num_objs() * sizeof(uint64_t));
   r.layer_iocbs.assign(g.num_layers, {});
   r.layer_issued.assign(g.num_layers, 0);
+  r.layer_failed.assign(g.num_layers, 0);
+  // Every IOCB the request will post, taken now: a layer call cannot fail half-way for want of one.
+  const uint32_t nctx = static_cast<uint32_t>(r.ctx.size());
+  const uint32_t per_layer = (nctx + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb;
+  const uint32_t commits = op == ReqOp::kStore ? (n_units + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb : 0;
+  const uint64_t need = static_cast<uint64_t>(per_layer) * g.num_layers + commits;
+  if (need > free_iocbs_.size()) {
+    release_request(id, r);
+    return {Code::kCapacityExceeded, "IOCB table exhausted: the request needs " + std::to_string(need) + " IOCBs, " +
+                                         std::to_string(free_iocbs_.size()) + " of " + std::to_string(num_iocbs_) +
+                                         " are free (raise iocb_depth, or finish requests in flight)"};
+  }
+  for (uint32_t l = 0; l < g.num_layers; ++l) {
+    take_iocbs(per_layer, id, &r.layer_iocbs[l]);
+    for (uint32_t i = 0; i < per_layer; ++i) {
+      Iocb& b = iocbs_[r.layer_iocbs[l][i]];
+      b.op = static_cast<uint32_t>(op == ReqOp::kRetrieve ? IoOp::kRead : IoOp::kWrite);
+      b.layer = l;
+      b.request = id;
+      b.ctx_first = i * kMaxIoctxPerIocb;
+      b.ctx_count = std::min(kMaxIoctxPerIocb, nctx - i * kMaxIoctxPerIocb);
+    }
+  }
+  take_iocbs(commits, id, &r.commit_iocbs);
+  for (uint32_t i = 0; i < commits; ++i) {
+    Iocb& b = iocbs_[r.commit_iocbs[i]];
+    b.op = static_cast<uint32_t>(IoOp::kCommit);
+    b.layer = 0;
+    b.request = id;
+    b.ctx_first = i * kMaxIoctxPerIocb;
+    b.ctx_count = std::min(kMaxIoctxPerIocb, n_units - i * kMaxIoctxPerIocb);
+  }
   RequestView& v = views_[id];
   v.ctx = r.ctx.data();
   v.extents = r.extents.data();
@@ -350,35 +395,119 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   return Status::Ok();
 }
 
-Status Store::get_iocb(uint32_t n, std::vector<uint32_t>* ids) {
-  if (free_iocbs_.size() < n) return {Code::kCapacityExceeded, "IOCB table exhausted (init_queue depth)"};
+Status Store::take_iocbs(uint32_t n, uint32_t owner, std::vector<uint32_t>* ids) {
+  if (free_iocbs_.size() < n)
+    return {Code::kCapacityExceeded, "IOCB table exhausted: " + std::to_string(n) + " wanted, " +
+                                         std::to_string(free_iocbs_.size()) + " free (init_queue depth " +
+                                         std::to_string(num_iocbs_) + ")"};
   for (uint32_t i = 0; i < n; ++i) {
-    uint32_t id = free_iocbs_.back();
+    const uint32_t id = free_iocbs_.back();
     free_iocbs_.pop_back();
-    iocbs_[id].in_use = 1;
+    Iocb& b = iocbs_[id];
+    b.in_use = 1;
+    b.ctx_count = 0;
+    iocb_owner_[id] = owner;
     ids->push_back(id);
   }
   return Status::Ok();
 }
 
-void Store::put_iocb(uint32_t id) {
+void Store::give_back_iocb(uint32_t id) {
   iocbs_[id].in_use = 0;
+  iocbs_[id].ctx_count = 0;
+  iocb_owner_[id] = kFree;
   free_iocbs_.push_back(id);
 }
 
+bool Store::in_flight(uint32_t id) const {
+  const Iocb& b = iocbs_[id];
+  return __atomic_load_n(&b.done_seq, __ATOMIC_ACQUIRE) != b.issue_seq;
+}
+
+Status Store::get_iocb(uint32_t n, std::vector<uint32_t>* ids) {
+  if (!started_) return {Code::kInvalid, "store is closed or read-only"};
+  std::lock_guard<std::mutex> lk(mu_);
+  return take_iocbs(n, kRawOwner, ids);
+}
+
+Status Store::fill_iocb(uint32_t id, IoOp op, uint32_t layer, uint32_t request, uint32_t first, uint32_t count) {
+  if (!started_) return {Code::kInvalid, "store is closed or read-only"};
+  std::lock_guard<std::mutex> lk(mu_);
+  if (id >= num_iocbs_ || iocb_owner_[id] != kRawOwner)
+    return {Code::kInvalid, "IOCB " + std::to_string(id) + " was not taken with get_iocb"};
+  if (in_flight(id)) return {Code::kInvalid, "IOCB " + std::to_string(id) + " is in flight: wait_cqe first"};
+  if (op != IoOp::kRead && op != IoOp::kWrite) return {Code::kInvalid, "an IOCB's op is read or write"};
+  if (layer >= geom_.num_layers)
+    return {Code::kLayout, "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(geom_.num_layers) + ")"};
+  if (request >= requests_.size() || !requests_[request].active)
+    return {Code::kInvalid, "no request " + std::to_string(request) + " in flight"};
+  Request& r = requests_[request];
+  if ((op == IoOp::kRead) != (r.op == ReqOp::kRetrieve))
+    return {Code::kInvalid, std::string("request ") + std::to_string(request) + " is a " +
+                                (r.op == ReqOp::kRetrieve ? "retrieve" : "store") + " request"};
+  if (count == 0 || count > kMaxIoctxPerIocb) return {Code::kInvalid, "an IOCB holds 1 to 2048 IOCTXs"};
+  if (static_cast<uint64_t>(first) + count > r.ctx.size())
+    return {Code::kInvalid, "IOCTXs [" + std::to_string(first) + ", " + std::to_string(uint64_t(first) + count) +
+                                ") exceed the request's " + std::to_string(r.ctx.size())};
+  Iocb& b = iocbs_[id];
+  b.op = static_cast<uint32_t>(op);
+  b.layer = layer;
+  b.request = request;
+  b.ctx_first = first;
+  b.ctx_count = count;
+  if (std::find(r.raw_iocbs.begin(), r.raw_iocbs.end(), id) == r.raw_iocbs.end()) r.raw_iocbs.push_back(id);
+  return Status::Ok();
+}
+
+Status Store::put_iocb(uint32_t id) {
+  if (!started_) return {Code::kInvalid, "store is closed or read-only"};
+  std::lock_guard<std::mutex> lk(mu_);
+  if (id >= num_iocbs_ || iocb_owner_[id] != kRawOwner)
+    return {Code::kInvalid, "IOCB " + std::to_string(id) + " was not taken with get_iocb (or was put back already)"};
+  if (in_flight(id)) return {Code::kInvalid, "IOCB " + std::to_string(id) + " is in flight: wait_cqe first"};
+  const Iocb& b = iocbs_[id];
+  if (b.ctx_count && b.request < requests_.size()) {
+    auto& raw = requests_[b.request].raw_iocbs;
+    raw.erase(std::remove(raw.begin(), raw.end(), id), raw.end());
+  }
+  give_back_iocb(id);
+  return Status::Ok();
+}
+
 Status Store::issue_io(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) {
+  if (!started_) return {Code::kInvalid, "store is closed or read-only"};
+  std::lock_guard<std::mutex> lk(mu_);
+  for (uint32_t i = 0; i < n; ++i) {
+    const uint32_t id = ids[i];
+    if (id >= num_iocbs_ || iocb_owner_[id] != kRawOwner)
+      return {Code::kInvalid, "IOCB " + std::to_string(id) + " was not taken with get_iocb"};
+    const Iocb& b = iocbs_[id];
+    if (b.ctx_count == 0 || b.request >= requests_.size() || !requests_[b.request].active)
+      return {Code::kInvalid, "IOCB " + std::to_string(id) + " is not filled (or its request finished)"};
+    if (in_flight(id)) return {Code::kInvalid, "IOCB " + std::to_string(id) + " is already in flight"};
+    if (std::find(ids, ids + i, id) != ids + i) return {Code::kInvalid, "IOCB " + std::to_string(id) + " given twice"};
+  }
+  return issue_locked(ids, n, sms, event);
+}
+
+// Issues IOCBs whose fields were checked (or set by the store itself); under mu_.
+Status Store::issue_locked(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) {
   for (uint32_t i = 0; i < n; ++i) {
     Iocb& b = iocbs_[ids[i]];
-    if (!b.in_use || b.ctx_count == 0 || b.ctx_count > kMaxIoctxPerIocb)
-      return {Code::kInvalid, "IOCB " + std::to_string(ids[i]) + " is not filled"};
     b.errors = 0;
     b.issue_seq++;
   }
-  return backend_->launch(ids, n, sms ? sms : opt_.io_sms, event);
+  Status st = backend_->launch(ids, n, sms ? sms : opt_.io_sms, event);
+  if (!st.ok())  // nothing runs them: mark them done so that nobody waits forever
+    for (uint32_t i = 0; i < n; ++i) {
+      Iocb& b = iocbs_[ids[i]];
+      b.errors = b.ctx_count;
+      __atomic_store_n(&b.done_seq, b.issue_seq, __ATOMIC_RELEASE);
+    }
+  return st;
 }
 
-Status Store::wait_cqe(uint32_t id) {
-  if (id >= num_iocbs_) return {Code::kInvalid, "no such IOCB"};
+void Store::wait_done(uint32_t id) {
   Iocb& b = iocbs_[id];
   auto done = [&] { return __atomic_load_n(&b.done_seq, __ATOMIC_ACQUIRE) == b.issue_seq; };
   for (int spin = 0; spin < 2000 && !done(); ++spin) __builtin_ia32_pause();
@@ -387,63 +516,63 @@ Status Store::wait_cqe(uint32_t id) {
   // 200 us late.
   const int longest = backend_->host_agent_polls() ? 200 : 10000;
   for (int us = 20; !done(); us = std::min(2 * us, longest)) done_bell_.wait(done, us);
-  return Status::Ok();
 }
 
-Status Store::post_layer(uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
-                         std::vector<uint32_t>* out, uint64_t event) {
-  const uint32_t n = (count + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb;
-  std::vector<uint32_t> ids;
-  Status st = get_iocb(n, &ids);
-  if (!st.ok()) return st;
-  for (uint32_t i = 0; i < n; ++i) {
-    Iocb& b = iocbs_[ids[i]];
-    b.op = op;
-    b.layer = layer;
-    b.request = id;
-    b.ctx_first = first + i * kMaxIoctxPerIocb;
-    b.ctx_count = std::min(kMaxIoctxPerIocb, count - i * kMaxIoctxPerIocb);
-  }
-  out->insert(out->end(), ids.begin(), ids.end());
-  return issue_io(ids.data(), n, 0, event);
+Status Store::wait_cqe(uint32_t id, uint64_t* errors) {
+  if (!started_) return {Code::kInvalid, "store is closed or read-only"};
+  if (id >= num_iocbs_) return {Code::kInvalid, "no IOCB " + std::to_string(id) + " (the table holds " + std::to_string(num_iocbs_) + ")"};
+  wait_done(id);
+  if (errors) *errors = iocbs_[id].errors;
+  return Status::Ok();
 }
 
 Status Store::layer(uint32_t layer, uint32_t id, uint64_t event, int64_t stream) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no such request"};
+  if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
   Request& r = requests_[id];
   if (layer >= geom_.num_layers)
     return {Code::kLayout, "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(geom_.num_layers) + ")"};
-  if (r.layer_issued[layer]) return {Code::kInvalid, "layer " + std::to_string(layer) + " already issued for this request"};
-  r.layer_issued[layer] = 1;
-  if (r.ctx.empty()) return Status::Ok();
-  if (!event && stream >= 0) {
+  if (r.layer_issued[layer] || r.layer_failed[layer])
+    return {Code::kInvalid, "layer " + std::to_string(layer) + " already issued for this request"};
+  const std::vector<uint32_t>& ids = r.layer_iocbs[layer];
+  if (!ids.empty() && !event && stream >= 0) {
     // Recorded and waited on under mu_, back to back: one reusable event serves every layer.
     Status st = backend_->record_on(static_cast<uint64_t>(stream), &event);
-    if (!st.ok()) return st;
+    if (!st.ok()) {
+      r.layer_failed[layer] = 1;
+      return st;
+    }
   }
-  const uint32_t op = static_cast<uint32_t>(r.op == ReqOp::kRetrieve ? IoOp::kRead : IoOp::kWrite);
-  return post_layer(id, op, layer, 0, static_cast<uint32_t>(r.ctx.size()), &r.layer_iocbs[layer], event);
+  Status st = ids.empty() ? Status::Ok() : issue_locked(ids.data(), static_cast<uint32_t>(ids.size()), 0, event);
+  if (!st.ok()) {
+    r.layer_failed[layer] = 1;  // finish reports the whole request failed
+    return st;
+  }
+  r.layer_issued[layer] = 1;
+  return Status::Ok();
 }
 
 Status Store::wait_layer(uint32_t layer, uint32_t id, uint64_t stream) {
   std::vector<uint32_t> ids;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no such request"};
+    if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
     Request& r = requests_[id];
     if (layer >= geom_.num_layers) return {Code::kLayout, "layer " + std::to_string(layer) + " out of range"};
     if (!r.layer_issued[layer]) return {Code::kInvalid, "layer " + std::to_string(layer) + " was not issued"};
     ids = r.layer_iocbs[layer];
   }
   if (stream != 0 && backend_->stream_wait(ids.data(), static_cast<uint32_t>(ids.size()), stream)) return Status::Ok();
-  for (uint32_t b : ids) wait_cqe(b);
+  for (uint32_t b : ids) wait_done(b);
   return Status::Ok();
 }
 
+// Under mu_, with none of the request's IOCBs in flight.
 void Store::release_request(uint32_t id, Request& r) {
-  for (uint32_t l = 0; l < r.layer_iocbs.size(); ++l)
-    for (uint32_t b : r.layer_iocbs[l]) put_iocb(b);
+  for (auto& ids : r.layer_iocbs)
+    for (uint32_t b : ids) give_back_iocb(b);
+  for (uint32_t b : r.commit_iocbs) give_back_iocb(b);
+  for (uint32_t b : r.raw_iocbs) iocbs_[b].ctx_count = 0;  // still the caller's, pointing nowhere
   if (r.op == ReqOp::kRetrieve) {
     for (uint32_t u = 0; u < r.keys.size(); ++u)
       if (r.unit_present[u]) index_.unpin(r.keys[u]);
@@ -456,14 +585,17 @@ void Store::release_request(uint32_t id, Request& r) {
 }
 
 Status Store::finish(uint32_t id, RequestResult* out) {
-  std::vector<std::vector<uint32_t>> layer_ids;
+  std::vector<uint32_t> wait_ids;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no such request"};
-    layer_ids = requests_[id].layer_iocbs;
+    if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
+    const Request& r = requests_[id];
+    for (uint32_t l = 0; l < r.layer_iocbs.size(); ++l)
+      if (r.layer_issued[l]) wait_ids.insert(wait_ids.end(), r.layer_iocbs[l].begin(), r.layer_iocbs[l].end());
+    // IOCBs of the gio_uring API that still read this request: it is released only after them.
+    wait_ids.insert(wait_ids.end(), r.raw_iocbs.begin(), r.raw_iocbs.end());
   }
-  for (auto& ids : layer_ids)
-    for (uint32_t b : ids) wait_cqe(b);
+  for (uint32_t b : wait_ids) wait_done(b);
   std::lock_guard<std::mutex> lk(mu_);
   Request& r = requests_[id];
   const Geometry& g = geom_;
@@ -472,39 +604,32 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   out->skipped_units = r.skipped;
   out->failed_units.clear();
   out->committed_units.clear();
+  out->incomplete_layers.clear();
+  for (uint32_t l = 0; l < g.num_layers; ++l)
+    if (!r.layer_issued[l] || r.layer_failed[l]) out->incomplete_layers.push_back(l);
+  // A unit the kernel could not vouch for (device failure, layers missing) failed, but is not damaged.
+  std::vector<uint8_t> not_moved(n, 0);
   Status est = backend_->end_request(id, &views_[id]);
-  if (!est.ok())
-    for (uint32_t u = 0; u < n; ++u) r.unit_failed[u] |= r.unit_present[u];
-  bool all_layers = std::all_of(r.layer_issued.begin(), r.layer_issued.end(), [](uint8_t v) { return v != 0; });
+  if (!est.ok() || !out->incomplete_layers.empty())
+    for (uint32_t u = 0; u < n; ++u) not_moved[u] = r.unit_present[u];
   for (uint32_t u = 0; u < n; ++u) {
     if (r.unit_failed[u] == 2) checksum_failures_++;
     else if (r.unit_failed[u] == 1 && r.unit_slot[u] != kNoSlot) io_errors_++;
   }
   if (r.op == ReqOp::kStore && n > 0) {
-    if (!all_layers)
-      for (uint32_t u = 0; u < n; ++u) r.unit_failed[u] |= r.unit_present[u];  // incomplete: never visible
-    // Commit after write: the headers go out only now that every object of the unit is on storage.
-    std::vector<uint32_t> commit_ids;
-    Status st = Status::Ok();
-    for (uint32_t first = 0; first < n && st.ok(); first += kMaxIoctxPerIocb) {
-      std::vector<uint32_t> ids;
-      st = get_iocb(1, &ids);
-      if (!st.ok()) break;
-      Iocb& b = iocbs_[ids[0]];
-      b.op = static_cast<uint32_t>(IoOp::kCommit);
-      b.layer = 0;
-      b.request = id;
-      b.ctx_first = first;
-      b.ctx_count = std::min(kMaxIoctxPerIocb, n - first);
-      commit_ids.push_back(ids[0]);
-      st = issue_io(ids.data(), 1, 0, 0);
+    // Commit after write: the headers go out only now that every object of the unit is on storage,
+    // and only for units whose every layer was written and checksummed.
+    bool any = false;
+    for (uint32_t u = 0; u < n; ++u) {
+      if (not_moved[u]) r.unit_failed[u] |= 1;
+      any |= r.unit_present[u] && !r.unit_failed[u];
     }
-    for (uint32_t b : commit_ids) {
-      wait_cqe(b);
-      put_iocb(b);
+    if (any) {
+      Status st = issue_locked(r.commit_iocbs.data(), static_cast<uint32_t>(r.commit_iocbs.size()), 0, 0);
+      for (uint32_t b : r.commit_iocbs) wait_done(b);
+      if (!st.ok())
+        for (uint32_t u = 0; u < n; ++u) r.unit_failed[u] |= r.unit_present[u];
     }
-    if (!st.ok())
-      for (uint32_t u = 0; u < n; ++u) r.unit_failed[u] |= r.unit_present[u];
     for (uint32_t u = 0; u < n; ++u) {
       if (!r.unit_present[u]) continue;
       const uint32_t slot = r.unit_slot[u];
@@ -532,6 +657,8 @@ Status Store::finish(uint32_t id, RequestResult* out) {
           free_slot(slot);
           evicted_.push_back(r.keys[u]);
         }
+      } else if (not_moved[u]) {
+        r.unit_failed[u] = 3;  // a miss; the unit stays (unpinned below)
       } else {
         bytes_read_ += g.payload_bytes() * g.num_objs();
       }
@@ -549,7 +676,11 @@ Status Store::decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::v
     return {Code::kLayout, "unit is " + std::to_string(n) + " bytes, this layout's GPU file is " + std::to_string(g.slot_bytes)};
   sums->assign(g.num_objs(), 0);
   uint64_t seq;
-  if (!decode_header(g, data, key, &seq, sums->data())) return {Code::kNotFound, "unit header invalid or of another layout"};
+  switch (decode_header(g, data, key, &seq, sums->data())) {
+    case HeaderState::kValid: break;
+    case HeaderState::kOtherLayout: return {Code::kNotFound, "unit is of another layout"};
+    default: return {Code::kNotFound, "unit header does not verify"};
+  }
   return Status::Ok();
 }
 
@@ -558,7 +689,7 @@ Status Store::verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::v
   Status st = decode_unit(data, n, key, sums);
   if (!st.ok()) return st;
   for (uint32_t o = 0; o < g.num_objs(); ++o)
-    if (checksum(data + g.header_bytes + static_cast<uint64_t>(o) * g.obj_bytes, g.obj_bytes) != (*sums)[o])
+    if (crc32c_extend(0, data + g.header_bytes + static_cast<uint64_t>(o) * g.obj_bytes, g.obj_bytes) != (*sums)[o])
       return {Code::kNotFound, "unit object " + std::to_string(o) + " fails its checksum"};
   return Status::Ok();
 }
@@ -661,12 +792,13 @@ Status Store::scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block
   for (uint32_t l = 0; l < g.num_layers; ++l)
     for (uint32_t o = 0; o < g.objs_per_layer; ++o) {
       const uint8_t* src = data + g.obj_offset(l, o);
-      uint64_t sum = checksum(src + payload, g.obj_bytes - payload, payload / 4);
+      uint32_t sum = 0;
       for (const Extent& e : ext)
         for (uint32_t j = 0; j < e.num_blocks; ++j) {
           const uint64_t at = (e.unit_offset_blocks + j) * g.block_bytes;
-          sum = checksum_combine(sum, checksum_copy(extents_.addr(l, o, e.first_block + j), src + at, g.block_bytes, at / 4));
+          sum = crc32c_copy(sum, extents_.addr(l, o, e.first_block + j), src + at, g.block_bytes);
         }
+      sum = crc32c_extend(sum, src + payload, g.obj_bytes - payload);
       if (sum != sums[l * g.objs_per_layer + o])
         return {Code::kNotFound, "unit object " + std::to_string(l * g.objs_per_layer + o) +
                                      " fails its checksum: its blocks hold no valid KV"};
@@ -708,6 +840,7 @@ StoreStats Store::stats() const {
   s.evictions = evictions_;
   s.checksum_failures = checksum_failures_;
   s.io_errors = io_errors_;
+  s.bad_headers = bad_headers_;
   s.bytes_read = bytes_read_;
   s.bytes_written = bytes_written_;
   s.agent_ops = agent_.ops();

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "tutti/crc32c.h"
 #include "tutti/index.h"
 #include "tutti/layout.h"
 #include "tutti/pool.h"
@@ -59,21 +60,90 @@ static void test_ring_spsc_threads() {
   CHECK(ctl.head == n && ctl.tail == n);
 }
 
-static void test_checksum_pieces_and_sensitivity() {
-  std::vector<uint32_t> w(4096);
+// Bitwise CRC32C: the reference every fast path is checked against.
+static uint32_t crc_ref(const uint8_t* p, size_t n) {
+  uint32_t c = 0xffffffffu;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= p[i];
+    for (int k = 0; k < 8; ++k) c = c & 1 ? (c >> 1) ^ kCrc32cPoly : c >> 1;
+  }
+  return ~c;
+}
+
+static void test_crc32c_values_and_pieces() {
+  const char* v = "123456789";
+  CHECK(crc32c_extend(0, v, 9) == 0xE3069283u);  // the published check value
   std::mt19937 rng(1);
-  for (auto& x : w) x = rng();
-  uint64_t whole = checksum(w.data(), w.size() * 4);
-  uint64_t a = checksum(w.data(), 1000 * 4, 0);
-  uint64_t b = checksum(w.data() + 1000, (w.size() - 1000) * 4, 1000);
-  CHECK(checksum_combine(a, b) == whole);
-  std::swap(w[10], w[11]);  // reordered words change the weighted sum
-  CHECK(checksum(w.data(), w.size() * 4) != whole);
-  std::swap(w[10], w[11]);
-  w[77] ^= 0x100;
-  CHECK(checksum(w.data(), w.size() * 4) != whole);
-  std::vector<uint32_t> zeros(4096, 0);
-  CHECK(checksum(zeros.data(), zeros.size() * 4) == 0);
+  std::vector<uint8_t> buf(3 * 1024 * 5 + 77);
+  for (auto& x : buf) x = static_cast<uint8_t>(rng());
+  const uint32_t whole = crc_ref(buf.data(), buf.size());
+  CHECK(crc32c_extend(0, buf.data(), buf.size()) == whole);
+  for (size_t cut : {size_t(0), size_t(1), size_t(4095), size_t(3072), size_t(9000)}) {
+    uint32_t c = crc32c_extend(0, buf.data(), cut);
+    CHECK(crc32c_extend(c, buf.data() + cut, buf.size() - cut) == whole);
+    std::vector<uint8_t> dst(buf.size());
+    c = crc32c_copy(0, dst.data(), buf.data(), cut);
+    c = crc32c_copy(c, dst.data() + cut, buf.data() + cut, buf.size() - cut);
+    CHECK(c == whole && dst == buf);
+  }
+  std::vector<uint8_t> zeros(65536, 0);
+  CHECK(crc32c_extend(0, zeros.data(), zeros.size()) != 0);  // an all-zero object has a nonzero CRC
+  // Every 1- and 2-bit error over a 4 KiB object changes it (exhaustive over a sample of positions).
+  std::vector<uint8_t> obj(4096);
+  for (auto& x : obj) x = static_cast<uint8_t>(rng());
+  const uint32_t good = crc32c_extend(0, obj.data(), obj.size());
+  for (int t = 0; t < 20000; ++t) {
+    const uint32_t i = rng() % (8 * 4096), j = rng() % (8 * 4096), k = rng() % (8 * 4096);
+    obj[i / 8] ^= 1 << (i % 8);
+    if (j != i) obj[j / 8] ^= 1 << (j % 8);
+    if (k != i && k != j && t % 2) obj[k / 8] ^= 1 << (k % 8);
+    CHECK(crc32c_extend(0, obj.data(), obj.size()) != good);
+    obj[i / 8] ^= 1 << (i % 8);
+    if (j != i) obj[j / 8] ^= 1 << (j % 8);
+    if (k != i && k != j && t % 2) obj[k / 8] ^= 1 << (k % 8);
+  }
+  // Bit 31 of two words flipped: the error the format-1 sums could not see.
+  obj[3] ^= 0x80;
+  obj[1003] ^= 0x80;
+  CHECK(crc32c_extend(0, obj.data(), obj.size()) != good);
+}
+
+// The I/O kernel's lane scheme, run on the host: 32 lanes over 16-byte vectors (or 4-byte words),
+// blocks of `block` bytes walked in object order with the lane phase the kernel uses.
+static uint32_t lane_crc(const CrcLaneTables& t, const std::vector<uint8_t>& obj, uint64_t block, bool vec16) {
+  const uint32_t W = vec16 ? 16 : 4;
+  uint32_t acc[32] = {};
+  for (uint64_t at = 0; at < obj.size(); at += block) {
+    const uint64_t nv = std::min<uint64_t>(block, obj.size() - at) / W;
+    const uint32_t phase = static_cast<uint32_t>((at / W) % 32);
+    for (uint32_t lane = 0; lane < 32; ++lane)
+      for (uint64_t i = (lane - phase) & 31; i < nv; i += 32) {
+        uint32_t w[4];
+        std::memcpy(w, obj.data() + at + i * W, W);
+        acc[lane] = vec16 ? crc_lane_step16(t.t, acc[lane], w[0], w[1], w[2], w[3]) : crc_lane_step4(t.t, acc[lane], w[0]);
+      }
+  }
+  uint32_t raw = 0;
+  for (uint32_t lane = 0; lane < 32; ++lane)
+    raw ^= crc32c_multmodp(vec16 ? t.lane_shift16[lane] : t.lane_shift4[lane], acc[lane]);
+  return raw ^ crc32c_zeros_xor(obj.size());
+}
+
+static void test_crc32c_lane_scheme() {
+  static CrcLaneTables t;
+  crc32c_lane_tables(&t);
+  std::mt19937 rng(2);
+  for (uint64_t size : {uint64_t(4096), uint64_t(12288), uint64_t(65536)})
+    for (uint64_t block : {uint64_t(2048), uint64_t(1040), uint64_t(4096), uint64_t(48)}) {
+      std::vector<uint8_t> obj(size);
+      for (auto& x : obj) x = static_cast<uint8_t>(rng());
+      const uint32_t want = crc32c_extend(0, obj.data(), obj.size());
+      CHECK(lane_crc(t, obj, block, true) == want);
+      CHECK(lane_crc(t, obj, block, false) == want);
+    }
+  // A zero vector only shifts the register.
+  CHECK(crc_lane_skip16(t.t, 0x12345678u) == crc_lane_step16(t.t, 0x12345678u, 0, 0, 0, 0));
+  CHECK(crc_lane_skip4(t.t, 0x12345678u) == crc_lane_step4(t.t, 0x12345678u, 0));
 }
 
 static void test_index_lru_and_pins() {
@@ -132,12 +202,33 @@ static void test_header_round_trip() {
   std::vector<uint8_t> buf(g.header_bytes);
   encode_header(g, "bf16[16,8,128]x2", 42, 9, sums.data(), buf.data());
   uint64_t key, seq;
-  CHECK(decode_header(g, buf.data(), &key, &seq, back.data()) && key == 42 && seq == 9 && back == sums);
-  buf[200] ^= 1;  // a damaged header is no header
-  CHECK(!decode_header(g, buf.data(), &key, &seq, back.data()));
+  CHECK(decode_header(g, buf.data(), &key, &seq, back.data()) == HeaderState::kValid && key == 42 && seq == 9 &&
+        back == sums);
+  // Every single-bit flip anywhere in the header's checked bytes is a damaged header, no header.
+  const size_t checked = sizeof(HeaderFixed) + 8 * 64;
+  for (size_t bit = 0; bit < 8 * checked; ++bit) {
+    buf[bit / 8] ^= 1 << (bit % 8);
+    CHECK(decode_header(g, buf.data(), &key, &seq, back.data()) != HeaderState::kValid);
+    buf[bit / 8] ^= 1 << (bit % 8);
+  }
+  // The key and the commit sequence, both flipped at bit 31: found by the header CRC.
+  buf[offsetof(HeaderFixed, key) + 3] ^= 0x80;
+  buf[offsetof(HeaderFixed, commit_seq) + 3] ^= 0x80;
+  CHECK(decode_header(g, buf.data(), &key, &seq, back.data()) == HeaderState::kCorrupt);
+  std::vector<uint8_t> zero(g.header_bytes, 0);
+  CHECK(decode_header(g, zero.data(), &key, &seq, back.data()) == HeaderState::kEmpty);
+  // The same checksums under another key or commit decode to other values: bound to the unit.
+  encode_header(g, "bf16[16,8,128]x2", 43, 9, sums.data(), buf.data());
+  std::vector<uint8_t> b43 = buf;
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, sums.data(), buf.data());
+  CHECK(std::memcmp(b43.data() + sizeof(HeaderFixed), buf.data() + sizeof(HeaderFixed), 8 * 64) != 0);
   Geometry other;
   CHECK(make_geometry(std::vector<LayerKV>(32, l), 16, "fp16[16,8,128]x2", &other).ok());
   CHECK(other.layout_id != g.layout_id);
+  std::string named;
+  encode_header(other, "fp16[16,8,128]x2", 42, 9, sums.data(), buf.data());
+  CHECK(decode_header(g, buf.data(), &key, &seq, back.data(), &named) == HeaderState::kOtherLayout);
+  CHECK(named.find("fp16") == 0);
 }
 
 static std::string temp_dir() {
@@ -219,7 +310,8 @@ static void test_store_round_trip_with_random_blocks() {
 
 int main() {
   run("ring_spsc_threads", test_ring_spsc_threads);
-  run("checksum_pieces_and_sensitivity", test_checksum_pieces_and_sensitivity);
+  run("crc32c_values_and_pieces", test_crc32c_values_and_pieces);
+  run("crc32c_lane_scheme", test_crc32c_lane_scheme);
   run("index_lru_and_pins", test_index_lru_and_pins);
   run("extents", test_extents);
   run("header_round_trip", test_header_round_trip);

@@ -1,4 +1,5 @@
-// Shared basics of the Tutti native core: status values, alignment helpers, the object checksum.
+// Shared basics of the Tutti native core: status values and alignment helpers (the checksum is in
+// crc32c.h).
 #pragma once
 
 #include <cstddef>
@@ -54,20 +55,5 @@ void unmap_host(void* ptr, uint64_t bytes);
 
 constexpr uint64_t kAlign = 4096;  // O_DIRECT granularity
 inline constexpr uint64_t align_up(uint64_t v, uint64_t a = kAlign) { return (v + a - 1) / a * a; }
-
-// Object checksum: two position-weighted sums over 32-bit words,
-//   lo = sum(w_i), hi = sum(w_i * (2i + 1))   (mod 2^32 each),
-// which detects torn writes, stale data and byte corruption, and is cheap on SIMD CPUs and
-// trivially parallel on a GPU (each thread sums its own words; the sums add).
-// `n` must be a multiple of 4; `first_word` lets a range be summed in pieces.
-uint64_t checksum(const void* data, size_t n, uint64_t first_word = 0);
-// Copies `n` bytes from `src` to `dst` and returns the checksum of those bytes, in one pass.
-uint64_t checksum_copy(void* dst, const void* src, size_t n, uint64_t first_word = 0);
-// Combines partial checksums of consecutive pieces (pieces were summed with their first_word).
-inline uint64_t checksum_combine(uint64_t a, uint64_t b) {
-  uint32_t lo = static_cast<uint32_t>(a) + static_cast<uint32_t>(b);
-  uint32_t hi = static_cast<uint32_t>(a >> 32) + static_cast<uint32_t>(b >> 32);
-  return (static_cast<uint64_t>(hi) << 32) | lo;
-}
 
 }  // namespace tutti

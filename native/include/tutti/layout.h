@@ -45,9 +45,18 @@ Status make_geometry(const std::vector<LayerKV>& layers, uint32_t unit_blocks, c
 
 // On-disk header at the start of each slot. Written after all of the unit's objects: a slot whose
 // header does not verify is free space, never a hit.
+//
+// Format 2: every checksum is CRC32C (crc32c.h). The header's own checksum covers the fixed part
+// (with that field zero) and the object checksum list. Each entry of the list is the object's CRC32C
+// xor a 64-bit tag of (key, commit_seq, object index), so an object's checksum is bound to the unit,
+// the commit and its place: a header's list, decoded, yields the plain CRC32C each object must have,
+// and an entry that decodes to more than 32 bits means the header is damaged.
+// Format 1 (an additive checksum that missed two-bit errors) is recognised only to refuse its pools.
 constexpr uint64_t kHeaderMagic = 0x31495454554e4b56ull;  // "VKNUTTI1"
-constexpr uint32_t kHeaderVersion = 1;
+constexpr uint32_t kHeaderVersion = 2;
 constexpr size_t kDescBytes = 96;
+// CRC32C detects every error of up to 3 bits only below 2^31 bits: objects stay under 256 MiB.
+constexpr uint64_t kMaxObjBytes = 1ull << 28;
 
 struct HeaderFixed {
   uint64_t magic;
@@ -61,17 +70,30 @@ struct HeaderFixed {
   uint32_t unit_blocks;
   uint32_t num_layers;
   char desc[kDescBytes];  // engine's shape/dtype text, e.g. "bfloat16[16,8,128]x2"
-  uint64_t header_checksum;  // over this struct with this field zero, plus the object checksums
-  // followed by uint64_t obj_checksum[num_objs]
+  uint64_t header_checksum;  // CRC32C over this struct with this field zero, plus the object list
+  // followed by uint64_t obj_checksum[num_objs]: CRC32C of the object xor object_tag()
 };
 
 uint64_t header_bytes_for(uint32_t num_objs);
-// Fills `buf` (header_bytes long) for a committed unit.
+// A layout in words, as errors name it: "bfloat16[16,8,128]x2, 32 layers, 16 blocks per unit".
+std::string layout_text(const std::string& desc, uint32_t num_layers, uint32_t unit_blocks);
+// The tag folded into the checksum of object `obj` (layer * objs_per_layer + K/V) of a commit.
+uint64_t object_tag(uint64_t key, uint64_t seq, uint32_t obj);
+// Fills `buf` (header_bytes long) for a committed unit; `obj_crcs` are the objects' plain CRC32C.
 void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq,
-                   const uint64_t* obj_checksums, uint8_t* buf);
-// True when `buf` holds a valid header of geometry `g`; fills key, seq and the object checksums.
-bool decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq,
-                   uint64_t* obj_checksums);
+                   const uint64_t* obj_crcs, uint8_t* buf);
+
+enum class HeaderState {
+  kValid,        // a committed unit of this layout
+  kEmpty,        // all zero: a free slot
+  kCorrupt,      // anything else that does not verify (torn, damaged, foreign bytes)
+  kOtherLayout,  // a header that verifies, of another layout (`other` names it)
+  kOldFormat,    // a header that verifies as format 1
+};
+// Verifies `buf` (header_bytes of geometry `g`) before trusting any field; when valid fills key,
+// seq and the objects' plain CRC32C values (`obj_crcs`, num_objs entries).
+HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint64_t* obj_crcs,
+                          std::string* other = nullptr);
 
 // Extent: a run of consecutive KV blocks of one cache unit (16 bytes, as in the paper).
 struct Extent {

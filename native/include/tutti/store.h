@@ -45,11 +45,15 @@ struct RequestResult {
   std::vector<uint32_t> failed_units;
   uint32_t skipped_units = 0;  // store: already present
   std::vector<uint32_t> committed_units;  // store: made visible by this request
+  // Layers never issued, or whose I/O could not be started: when any, every unit of the request
+  // failed (retrieve: nothing counts as loaded; store: nothing is committed).
+  std::vector<uint32_t> incomplete_layers;
 };
 
 struct StoreStats {
   uint64_t units = 0, pinned = 0, free_slots = 0, total_slots = 0;
   uint64_t hits = 0, lookups = 0, evictions = 0, checksum_failures = 0, io_errors = 0;
+  uint64_t bad_headers = 0;  // slots whose header did not verify when the index was (re)built
   uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
   double agent_cpu_s = 0, kernel_cpu_s = 0;
   // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
@@ -74,8 +78,10 @@ class Store {
   bool started() const { return started_; }
   uint32_t lookup(const uint64_t* keys, uint32_t n);
 
-  // Engine API. begin_* takes the request's keys and block ids once (O(blocks)); the per-layer calls
-  // are O(1) on the host: each posts the layer's prepared IOCBs.
+  // Engine API. begin_* takes the request's keys and block ids once (O(blocks)) and reserves every
+  // IOCB the request will use (CapacityExceeded, with nothing held, when the table cannot hold them),
+  // so a layer call never runs out; the per-layer calls are O(1) on the host: each posts the layer's
+  // prepared IOCBs.
   Status begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int64_t* block_ids, uint64_t n_blocks,
                uint32_t* request);
   // Posts one layer, ordered after `event` (a device event handle) when given, else after the work
@@ -85,12 +91,14 @@ class Store {
   Status wait_layer(uint32_t layer, uint32_t request, uint64_t stream = 0);
   Status finish(uint32_t request, RequestResult* out);
 
-  // gio_uring API.
+  // gio_uring API. IOCBs taken with get_iocb belong to the caller until put_iocb; fill_iocb points
+  // one at IOCTXs [first, first + count) of an active request. Every id, request, range and layer
+  // is checked; an IOCB in flight can be neither refilled, reissued nor put back.
   Status get_iocb(uint32_t n, std::vector<uint32_t>* ids);
+  Status fill_iocb(uint32_t id, IoOp op, uint32_t layer, uint32_t request, uint32_t first, uint32_t count);
   Status issue_io(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event);
-  Status wait_cqe(uint32_t iocb);
-  void put_iocb(uint32_t iocb);
-  Iocb* iocb(uint32_t id) { return &iocbs_[id]; }
+  Status wait_cqe(uint32_t iocb, uint64_t* errors = nullptr);
+  Status put_iocb(uint32_t iocb);
   // Stream on the SMs outside the I/O partition (CUDA backend), 0 otherwise.
   uint64_t compute_stream() const { return backend_ ? backend_->compute_stream() : 0; }
 
@@ -123,10 +131,14 @@ class Store {
     std::vector<Ioctx> ctx;
     std::vector<Extent> extents;
     std::vector<uint64_t> checksums;
-    std::vector<std::vector<uint32_t>> layer_iocbs;
+    std::vector<std::vector<uint32_t>> layer_iocbs;  // reserved at begin
+    std::vector<uint32_t> commit_iocbs;              // store: reserved at begin
+    std::vector<uint32_t> raw_iocbs;                 // gio_uring API IOCBs filled against it
     std::vector<uint8_t> layer_issued;
+    std::vector<uint8_t> layer_failed;               // its I/O could not be started
     uint32_t skipped = 0;
   };
+  static constexpr uint32_t kRawOwner = UINT32_MAX;  // iocb_owner_: taken with get_iocb
   Store() = default;
   Status recover();
   Status alloc_slot(uint32_t* slot);
@@ -135,8 +147,11 @@ class Store {
   // checks every object against its checksum.
   Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
   Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
-  Status post_layer(uint32_t id, uint32_t op, uint32_t layer, uint32_t first, uint32_t count,
-                    std::vector<uint32_t>* iocbs, uint64_t event);
+  Status take_iocbs(uint32_t n, uint32_t owner, std::vector<uint32_t>* ids);  // under mu_
+  void give_back_iocb(uint32_t id);                                             // under mu_
+  Status issue_locked(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event);
+  bool in_flight(uint32_t id) const;
+  void wait_done(uint32_t id);
   void release_request(uint32_t id, Request& r);
 
   StoreOptions opt_;
@@ -158,6 +173,8 @@ class Store {
   uint32_t num_iocbs_ = 0;
   uint64_t iocb_bytes_ = 0;
   std::vector<uint32_t> free_iocbs_;
+  std::vector<uint32_t> iocb_owner_;  // request id, kRawOwner, or kFree
+  static constexpr uint32_t kFree = UINT32_MAX - 1;
   std::vector<Request> requests_;
   std::vector<RequestView> views_;
   std::vector<uint64_t> slot_checksums_;
@@ -165,7 +182,7 @@ class Store {
   uint64_t commit_seq_ = 1;
   mutable std::mutex mu_;
   std::vector<uint64_t> evicted_;
-  uint64_t lookups_ = 0, hits_ = 0, evictions_ = 0, checksum_failures_ = 0, io_errors_ = 0;
+  uint64_t lookups_ = 0, hits_ = 0, evictions_ = 0, checksum_failures_ = 0, io_errors_ = 0, bad_headers_ = 0;
   uint64_t bytes_read_ = 0, bytes_written_ = 0, request_map_peak_ = 0;
   bool started_ = false;
 };
