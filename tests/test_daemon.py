@@ -274,3 +274,248 @@ def test_read_only_view_refreshes_and_reads_in_place_while_the_engine_commits(tm
     finally:
         view.close()
         store.close()
+
+
+# -- issue 13, finding 6: a daemon that bad input cannot poison, and that takes bursts ------------------
+
+GEO = {"num_layers": 1, "nptr": 2, "block_stride": 4096, "block_bytes": 4096, "num_blocks": 8,
+       "dtype": "uint8", "block_shape": [4096], "block_tokens": 16, "unit_tokens": 64}
+ERROR_CLASSES = {"TuttiError", "NotFound", "CapacityExceeded", "StorageError", "DeviceError", "ConfigError",
+                 "LayoutError"}
+
+
+def send_lines(cfg: TuttiConfig, lines: list[bytes], timeout: float = 10.0) -> list[dict]:
+    """Each line on one connection of the real socket; the reply line of each, decoded."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(str(socket_path(cfg)))
+        f = s.makefile("rwb")
+        out = []
+        for line in lines:
+            f.write(line + b"\n")
+            f.flush()
+            reply = f.readline()
+            assert reply.endswith(b"\n"), f"no reply to {line[:60]!r}"
+            out.append(json.loads(reply))
+        return out
+
+
+def assert_error(reply: dict, cls: str = "ConfigError") -> str:
+    """``reply`` has the one error shape, with class ``cls``; returns its message."""
+    assert set(reply) == {"ok", "error"} and reply["ok"] is False, reply
+    assert set(reply["error"]) == {"class", "message"}, reply
+    assert reply["error"]["class"] == cls, reply
+    assert isinstance(reply["error"]["message"], str) and reply["error"]["message"]
+    return reply["error"]["message"]
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[tuple[TuttiConfig, NodeDaemon]]:
+    cfg = TuttiConfig(**daemon_config(tmp_path))
+    d = NodeDaemon(cfg).start()
+    try:
+        yield cfg, d
+    finally:
+        d.stop()
+
+
+def test_an_attach_with_a_bad_geometry_is_refused_and_never_stored(tmp_path: Path):
+    cfg = daemon_config(tmp_path)
+    d = DaemonProcess(cfg, tmp_path / "daemon.log")
+    try:
+        assert ask(cfg, op="attach", instance="good", geometry=GEO)["ok"]
+        for geometry in ({"unit_tokens": 64}, {**GEO, "nptr": "2"}, {**GEO, "num_layers": 0},
+                         {**GEO, "block_tokens": 48}, {**GEO, "extra": 1}, [GEO], None):
+            with pytest.raises(ConfigError, match="geometry"):
+                ask(cfg, op="attach", instance="poison", geometry=geometry)
+        state = json.loads((Path(cfg["data_dir"]) / "instances.json").read_text())
+        assert set(state) == {"good"}
+        # Every later start serves, with the good instance.
+        d.stop(signal.SIGKILL)
+        d = DaemonProcess(cfg, tmp_path / "daemon.log")
+        assert set(ask(cfg, op="stats")["instances"]) == {"good"}
+    finally:
+        d.stop()
+
+
+def test_a_poisoned_state_file_is_skipped_entry_by_entry_and_kept(tmp_path: Path, caplog):
+    """What an older daemon could write: the bad entries are skipped (a warning names each), the
+    daemon serves the good one, and the file as it was stays beside the new one."""
+    cfg = daemon_config(tmp_path)
+    state = Path(cfg["data_dir"]) / "instances.json"
+    state.parent.mkdir(parents=True)
+    poisoned = {"poison": {"geometry": {"unit_tokens": 64}, "capacity": [1 << 20]},
+                "negative": {"geometry": GEO, "capacity": [-(1 << 40)]},
+                "x" * 300: {"geometry": GEO, "capacity": [1 << 20]},
+                "good": {"geometry": GEO, "capacity": [1 << 20]}}
+    state.write_text(json.dumps(poisoned))
+    d = DaemonProcess(cfg, tmp_path / "daemon.log")
+    try:
+        st = ask(cfg, op="stats")
+        assert set(st["instances"]) == {"good"} and st["instances"]["good"]["capacity"] == [1 << 20]
+        log = (tmp_path / "daemon.log").read_text()
+        for name in ("'poison' skipped", "'negative' skipped", "'xxxxxxxx"):
+            assert name in log, log
+        assert json.loads((state.parent / "instances.json.bad").read_text()) == poisoned
+        # The next change writes only validated state.
+        assert ask(cfg, op="attach", instance="second", geometry=GEO, capacity=[1 << 20])["ok"]
+        assert set(json.loads(state.read_text())) == {"good", "second"}
+    finally:
+        d.stop()
+    # Not JSON at all: the daemon starts empty and keeps the bytes.
+    state.write_bytes(b"{\"good\": \xff")
+    d = DaemonProcess(cfg, tmp_path / "daemon.log")
+    try:
+        assert ask(cfg, op="stats")["instances"] == {}
+        assert (state.parent / "instances.json.bad").read_bytes() == b"{\"good\": \xff"
+    finally:
+        d.stop()
+
+
+def test_instances_json_is_replaced_atomically_with_no_temp_file_left(node):
+    cfg, d = node
+    link = DaemonLink(cfg)
+    try:
+        for i in range(5):
+            link.request({"op": "attach", "instance": f"e{i}", "geometry": GEO, "capacity": [1 << 20]})
+    finally:
+        link.close()
+    data_dir = Path(cfg.data_dir)
+    assert set(json.loads((data_dir / "instances.json").read_text())) == {f"e{i}" for i in range(5)}
+    assert sorted(p.name for p in data_dir.iterdir() if "instances" in p.name) == ["instances.json"]
+
+
+@pytest.mark.parametrize("capacity", [[-(1 << 40)], [0], [1.5], [float("nan")], [float("inf")], ["1024"], [True],
+                                      [1 << 64], [], [1 << 20, 1 << 20], 1 << 20])
+def test_bad_capacity_requests_are_refused_and_the_accounting_holds(node, capacity):
+    cfg, d = node
+    total = cfg.capacity_bytes()
+    line = json.dumps({"op": "attach", "instance": "greedy", "geometry": GEO, "capacity": capacity})
+    (reply,) = send_lines(cfg, [line.encode()])
+    assert_error(reply, "ConfigError")
+    assert "greedy" not in d.stats()["instances"]
+    # The node's whole capacity is still there to grant.
+    assert DaemonLink(cfg).request({"op": "attach", "instance": "fair", "geometry": GEO})["capacity"] == total
+
+
+def test_the_error_class_crosses_the_socket(tmp_path: Path):
+    from conftest import BLOCK_TOKENS, make_kv
+    from tutti_cluster import TuttiStore
+    from tutti_cluster.daemon import ErrorReply, geometry_of
+    from tutti_cluster.errors import LayoutError, NotFound, TuttiError
+
+    cfg = TuttiConfig(**daemon_config(tmp_path))
+    ecfg = TuttiConfig(**{**daemon_config(tmp_path), "capacity_gb": 0.002, "instance": "e0", "staging_mb": 2})
+    store = TuttiStore(ecfg)
+    store.register_kv_caches(make_kv(layers=1), block_tokens=BLOCK_TOKENS)
+    d = NodeDaemon(cfg).start()
+    link = DaemonLink(ecfg)
+    try:
+        assert store.store([1, 2], list(range(2 * store.unit_blocks))).units == 2
+        assert link.attach(store) is not None
+        # A geometry that does not describe the pools that hold units: the daemon's LayoutError.
+        with pytest.raises(LayoutError, match="another layout"):
+            link.attach_geometry({**geometry_of(store), "dtype": "float32"})
+        assert d.stats()["units"] == 2  # the old view stays
+        with pytest.raises(NotFound, match="not attached"):
+            link.request({"op": "commit", "instance": "nobody", "keys": [1]})
+        assert link.request({"op": "attach", "instance": "hog", "geometry": GEO})["ok"]  # all that is left
+        with pytest.raises(CapacityExceeded):
+            link.request({"op": "attach", "instance": "e1", "geometry": GEO})
+        with pytest.raises(ConfigError):
+            link.request({"op": "lookup", "keys": ["1"]})
+    finally:
+        link.close()
+        d.stop()
+        store.close()
+    for name in ERROR_CLASSES:
+        err = ErrorReply.model_validate({"ok": False, "error": {"class": name, "message": "m"}}).exception()
+        assert type(err).__name__ == name and isinstance(err, TuttiError)
+    # A class this version does not know is still a TuttiError.
+    assert type(ErrorReply.model_validate({"error": {"class": "Future", "message": "m"}}).exception()) is TuttiError
+
+
+def test_malformed_lines_each_get_one_error_reply_and_the_connection_reads_on(node):
+    cfg, _ = node
+    ping = b'{"op": "ping"}'
+    bad = [b"[1e400]", b"1", b'"attach"', b"null", b"[]", b"[" * 100000 + b"]" * 100000,
+           b'{"a":' * 5000 + b"1" + b"}" * 5000, b"\xff\xfe\x00", b'{"op": "ping", "x": NaN}',
+           b'{"op": "lookup", "keys": [1e400]}', b'{"op": "lookup", "keys": [' + b"9" * 5000 + b"]}",
+           b'{"op": "lookup", "keys": [-1]}', b'{"op": 7}', b'{"op": "x" }', b"{" + b"" + b"}", b"not json",
+           b'{"op": "commit", "instance": "a/b", "keys": []}']
+    replies = send_lines(cfg, [x for b in bad for x in (b, ping)])
+    for b, r, p in zip(bad, replies[::2], replies[1::2]):
+        assert_error(r)
+        assert p == {"ok": True, "node_id": cfg.node_id or socket.gethostname()}, (b[:40], p)
+
+
+def test_a_line_past_the_limit_is_refused_and_the_connection_reads_on(node):
+    from tutti_cluster.daemon import MAX_LINE
+
+    cfg, _ = node
+    huge = b'{"op": "lookup", "keys": [' + b"1," * (MAX_LINE // 2) + b"1]}"
+    r, p = send_lines(cfg, [huge, b'{"op": "ping"}'], timeout=60)
+    assert "longer than" in assert_error(r)
+    assert p["ok"] is True
+
+
+def test_32_engines_attaching_at_once_all_attach(tmp_path: Path):
+    """Engines of a node start together: each real store announces itself at the same moment."""
+    import threading
+
+    from conftest import BLOCK_TOKENS, make_kv
+    from tutti_cluster import TuttiStore
+
+    n = 32
+    cfg = TuttiConfig(**daemon_config(tmp_path))
+    kv = make_kv(layers=1, blocks=8)
+    stores, links = [], []
+    for i in range(n):
+        ecfg = TuttiConfig(**{**daemon_config(tmp_path), "capacity_gb": 0.001, "instance": f"engine{i}",
+                              "staging_mb": 1, "min_io_bytes": 4096})
+        st = TuttiStore(ecfg)
+        st.register_kv_caches(kv, block_tokens=BLOCK_TOKENS)
+        stores.append(st)
+        links.append(DaemonLink(ecfg))
+    d = NodeDaemon(cfg).start()
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+    gate = threading.Barrier(n)
+
+    def attach(i: int) -> None:
+        gate.wait()
+        try:
+            results[i] = links[i].attach(stores[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=attach, args=(i,)) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        assert all(r is not None and r["ok"] for r in results), [i for i, r in enumerate(results) if r is None]
+        assert set(d.stats()["instances"]) == {f"engine{i}" for i in range(n)}
+    finally:
+        for link in links:
+            link.close()
+        d.stop()
+        for st in stores:
+            st.close()
+
+
+def test_the_daemon_listens_with_a_backlog_of_at_least_128(node):
+    """128 connections queue up while no thread accepts (the accept loop paused): none is refused."""
+    cfg, d = node
+    assert d._server is not None
+    with contextlib.ExitStack() as stack:
+        d._server.shutdown()  # stop accepting; the listening socket stays open
+        socks = []
+        for _ in range(128):
+            s = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+            s.setblocking(False)
+            s.connect(str(socket_path(cfg)))  # BlockingIOError once the backlog is full
+            socks.append(s)
+        assert len(socks) == 128
