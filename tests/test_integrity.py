@@ -376,6 +376,8 @@ def _never_twice(s: TuttiStore):
         assert len(set(ids)) == 8, f"get_iocb(8) handed out {sorted(ids)}"
         with pytest.raises(CapacityExceeded):
             s.get_iocb(1)
+        for i in ids:
+            s.put_iocb(i)
     return check
 
 
