@@ -30,11 +30,11 @@ mkdir -p /tmp/uring && for f in .deb/*.deb; do dpkg -x "$f" /tmp/uring; done
 CUDA=on
 [ "$*" = cluster ] && CUDA=off
 log "build (CUDA $CUDA)"
-cmake -S . -B /tmp/b -G Ninja -DTUTTI_CUDA=$CUDA -DPython_EXECUTABLE="$(which python3)" \
+cmake -S . -B ${BUILD_DIR:-/tmp/b} -G Ninja -DTUTTI_CUDA=$CUDA -DPython_EXECUTABLE="$(which python3)" \
   -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DLIBURING_INCLUDE=/tmp/uring/usr/include \
   -DLIBURING_LIB=/tmp/uring/usr/lib/x86_64-linux-gnu/liburing.a > "$OUT/build.log" 2>&1 &&
-  ninja -C /tmp/b >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-cp /tmp/b/_native*.so tutti_cluster/
+  ninja -C ${BUILD_DIR:-/tmp/b} >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+cp ${BUILD_DIR:-/tmp/b}/_native*.so tutti_cluster/
 export PYTHONPATH=$PWD:/tmp/site
 python3 -c "from tutti_cluster import _native; print('has_cuda', _native.has_cuda)"
 

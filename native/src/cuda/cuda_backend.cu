@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "tutti/backend.h"
+#include "tutti/crc32c.h"
 
 namespace tutti {
 
@@ -93,6 +94,8 @@ struct LaunchParams {
   const uint64_t* abort;  // mapped host word, set by stop()
   unsigned long long* trace;  // device, [4]: worker busy ns, manager idle ns, block ns, objects
   const uint64_t* mapped;     // device, per pool file: device address of its mapping or 0; null: none
+  const CrcLaneTables* crc;   // device: the lane scheme's tables (crc32c.h)
+  uint32_t crc_xor;           // raw register -> CRC32C of one object (crc32c_zeros_xor(obj_bytes))
   LaunchIocb b[kMaxLaunchIocbs];
 };
 
@@ -119,36 +122,39 @@ __device__ __forceinline__ void vstore(T* p, T v) {
   *const_cast<volatile T*>(p) = v;
 }
 
-// Checksum terms of four consecutive words starting at word index `w` (common.cc's definition).
-__device__ __forceinline__ void sum4(const uint4& v, uint32_t w, uint32_t& lo, uint32_t& hi) {
-  lo += v.x + v.y + v.z + v.w;
-  const uint32_t k = 2u * w + 1u;
-  hi += v.x * k + v.y * (k + 2u) + v.z * (k + 4u) + v.w * (k + 6u);
-}
+// The checksum is CRC32C by the lane scheme of crc32c.h: lane l of the warp owns the object's
+// vectors (16-byte path) or words (4-byte path) whose index is l mod 32, whatever block they sit in,
+// and keeps a raw register over them in `acc`. `obj_off` is the object offset of `src`/`dst`.
+using CrcRows = const uint32_t (*)[256];
+// Loaded from LaunchParams::crc when a block starts; every worker warp looks its bytes up here.
+__shared__ uint32_t crc_t[kCrcRows][256];  // 24 KiB
+__shared__ uint32_t crc_shift[64];         // lane_shift16, then lane_shift4
 
-// One warp moves `bytes` from `src` to `dst` (when kCopy) and sums the checksum of the bytes, whose
-// first word is word `word0` of the object. kFromHost: `src` is mapped host memory that the host
-// rewrites between uses, read with ld.global.cv so that no stale cached line is ever used.
+// One warp moves `bytes` from `src` to `dst` (when kCopy) and extends the lanes' CRC registers over
+// them. kFromHost: `src` is mapped host memory that the host rewrites between uses, read with
+// ld.global.cv so that no stale cached line is ever used.
 template <bool kCopy, bool kFromHost>
-__device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint32_t word0, uint32_t& lo,
-                                            uint32_t& hi, uint32_t lane) {
+__device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint64_t obj_off, CrcRows t,
+                                            uint32_t& acc, uint32_t lane) {
   constexpr uint32_t U = 4;  // 64 registers per thread: two blocks per SM (kLanes)
   const uint4* s = reinterpret_cast<const uint4*>(src);
   uint4* d = reinterpret_cast<uint4*>(dst);
   const uint32_t nv = static_cast<uint32_t>(bytes / 16);
+  // This lane's first vector here: the warp still covers 32 consecutive vectors per step.
+  const uint32_t first = (lane - static_cast<uint32_t>(obj_off / 16)) & 31u;
   for (uint32_t base = 0; base < nv; base += 32 * U) {
     uint4 v[U];
 #pragma unroll
     for (uint32_t u = 0; u < U; ++u) {
-      const uint32_t i = base + u * 32 + lane;
+      const uint32_t i = base + u * 32 + first;
       if (i < nv) v[u] = kFromHost ? __ldcv(s + i) : __ldcg(s + i);
     }
 #pragma unroll
     for (uint32_t u = 0; u < U; ++u) {
-      const uint32_t i = base + u * 32 + lane;
+      const uint32_t i = base + u * 32 + first;
       if (i < nv) {
         if (kCopy) d[i] = v[u];
-        sum4(v[u], word0 + 4 * i, lo, hi);
+        acc = crc_lane_step16(t, acc, v[u].x, v[u].y, v[u].z, v[u].w);
       }
     }
   }
@@ -156,39 +162,42 @@ __device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, ui
 
 // The same with 4-byte words, for objects or pointers that are not 16-byte aligned.
 template <bool kCopy, bool kFromHost>
-__device__ __forceinline__ void warp_move4(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint32_t word0, uint32_t& lo,
-                                           uint32_t& hi, uint32_t lane) {
+__device__ __forceinline__ void warp_move4(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint64_t obj_off, CrcRows t,
+                                           uint32_t& acc, uint32_t lane) {
   const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
   const uint32_t nw = static_cast<uint32_t>(bytes / 4);
-  for (uint32_t i = lane; i < nw; i += 32) {
+  for (uint32_t i = (lane - static_cast<uint32_t>(obj_off / 4)) & 31u; i < nw; i += 32) {
     const uint32_t v = kFromHost ? __ldcv(s + i) : __ldcg(s + i);
     if (kCopy) d[i] = v;
-    lo += v;
-    hi += v * (2u * (word0 + i) + 1u);
+    acc = crc_lane_step4(t, acc, v);
   }
 }
 
 template <bool kCopy, bool kFromHost>
-__device__ __forceinline__ void warp_move(bool vec16, const uint8_t* src, uint8_t* dst, uint64_t bytes, uint32_t word0,
-                                          uint32_t& lo, uint32_t& hi, uint32_t lane) {
-  if (vec16) warp_move16<kCopy, kFromHost>(src, dst, bytes, word0, lo, hi, lane);
-  else warp_move4<kCopy, kFromHost>(src, dst, bytes, word0, lo, hi, lane);
+__device__ __forceinline__ void warp_move(bool vec16, const uint8_t* src, uint8_t* dst, uint64_t bytes, uint64_t obj_off,
+                                          CrcRows t, uint32_t& acc, uint32_t lane) {
+  if (vec16) warp_move16<kCopy, kFromHost>(src, dst, bytes, obj_off, t, acc, lane);
+  else warp_move4<kCopy, kFromHost>(src, dst, bytes, obj_off, t, acc, lane);
 }
 
-__device__ __forceinline__ uint64_t warp_checksum(uint32_t lo, uint32_t hi) {
+// The object's CRC32C from the lanes' registers (every lane gets it).
+__device__ __forceinline__ uint32_t warp_crc(bool vec16, const uint32_t* lane_shift16, const uint32_t* lane_shift4,
+                                             uint32_t acc, uint32_t crc_xor, uint32_t lane) {
+  uint32_t y = crc32c_multmodp(vec16 ? lane_shift16[lane] : lane_shift4[lane], acc);
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    lo += __shfl_xor_sync(0xffffffffu, lo, o);
-    hi += __shfl_xor_sync(0xffffffffu, hi, o);
-  }
-  return (static_cast<uint64_t>(hi) << 32) | lo;
+  for (int o = 16; o > 0; o >>= 1) y ^= __shfl_xor_sync(0xffffffffu, y, o);
+  return y ^ crc_xor;
 }
 
-// Zeroes the padding of a staging object (store): one warp.
-__device__ __forceinline__ void warp_zero(uint8_t* dst, uint64_t bytes, uint32_t lane) {
+// Zeroes the padding of a staging object (store) and extends the lanes' registers over the zeros.
+__device__ __forceinline__ void warp_zero(bool vec16, uint8_t* dst, uint64_t bytes, uint64_t obj_off, CrcRows t,
+                                          uint32_t& acc, uint32_t lane) {
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
   for (uint64_t i = lane; i < bytes / 4; i += 32) d[i] = 0;
+  const uint32_t w = vec16 ? 16 : 4, n = static_cast<uint32_t>(bytes / w);
+  for (uint32_t i = (lane - static_cast<uint32_t>(obj_off / w)) & 31u; i < n; i += 32)
+    acc = vec16 ? crc_lane_skip16(t, acc) : crc_lane_skip4(t, acc);
 }
 
 // The object of IOCTX `x` in its mapped pool file (map_memory), or null when that file is not mapped.
@@ -204,28 +213,28 @@ __device__ __forceinline__ uint8_t* mapped_object(const LaunchParams& p, const L
 // object into staging (or its mapped file) and record its checksum. Runs on one warp.
 __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint32_t off, uint8_t* chunk, uint32_t lane,
                                uint32_t* errors) {
+  CrcRows t = crc_t;
   const Ioctx x = B.ctx[B.ctx_first + off];
   const bool read = B.op == static_cast<uint32_t>(IoOp::kRead);
   if (uint8_t* m = mapped_object(p, B, x)) chunk = m;
-  uint32_t lo = 0, hi = 0;
+  uint32_t acc = 0;
   for (uint32_t e = 0; e < x.extent_count; ++e) {
     const Extent ext = B.extents[x.extent_first + e];
     for (uint32_t j = 0; j < ext.num_blocks; ++j) {
       const uint64_t ub = ext.unit_offset_blocks + j;
       uint8_t* kv = reinterpret_cast<uint8_t*>(B.kv[x.obj] + (ext.first_block + j) * B.block_stride);
       uint8_t* st = chunk + ub * p.block_bytes;
-      const uint32_t w0 = static_cast<uint32_t>(ub * p.block_bytes / 4);
-      if (read) warp_move<true, true>(p.vec16, st, kv, p.block_bytes, w0, lo, hi, lane);
-      else warp_move<true, false>(p.vec16, kv, st, p.block_bytes, w0, lo, hi, lane);
+      const uint64_t o = ub * p.block_bytes;
+      if (read) warp_move<true, true>(p.vec16, st, kv, p.block_bytes, o, t, acc, lane);
+      else warp_move<true, false>(p.vec16, kv, st, p.block_bytes, o, t, acc, lane);
     }
   }
   const uint64_t payload = static_cast<uint64_t>(p.unit_blocks) * p.block_bytes;
   if (payload < p.obj_bytes) {
-    if (read) warp_move<false, true>(p.vec16, chunk + payload, nullptr, p.obj_bytes - payload,
-                                     static_cast<uint32_t>(payload / 4), lo, hi, lane);
-    else warp_zero(chunk + payload, p.obj_bytes - payload, lane);  // zeros add nothing to the sums
+    if (read) warp_move<false, true>(p.vec16, chunk + payload, nullptr, p.obj_bytes - payload, payload, t, acc, lane);
+    else warp_zero(p.vec16, chunk + payload, p.obj_bytes - payload, payload, t, acc, lane);
   }
-  const uint64_t sum = warp_checksum(lo, hi);
+  const uint64_t sum = warp_crc(p.vec16, crc_shift, crc_shift + 32, acc, p.crc_xor, lane);
   const uint64_t at = static_cast<uint64_t>(x.unit) * p.num_objs + static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj;
   if (lane == 0) {
     if (read) {
@@ -257,6 +266,11 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
 
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned long long t_start = now_ns();
+  for (uint32_t i = tid; i < kCrcRows * 256; i += blockDim.x) crc_t[i / 256][i % 256] = p.crc->t[i / 256][i % 256];
+  if (tid < 32) {
+    crc_shift[tid] = p.crc->lane_shift16[tid];
+    crc_shift[32 + tid] = p.crc->lane_shift4[tid];
+  }
   for (uint32_t i = tid; i < C; i += blockDim.x) freed[i] = 0;
   if (tid < kMaxLaunchIocbs) errors[tid] = 0;
   if (tid == 0) ready_head = ready_claim = freed_claim = all_done = io_slots = 0;
@@ -638,6 +652,8 @@ class CudaBackend final : public Backend {
   uint64_t* dev_mapped_ = nullptr;     // device, per pool file: its registered mapping (map_memory)
   std::vector<void*> registered_;      // mapped pool files registered with CUDA
   uint32_t* counters_ = nullptr;
+  CrcLaneTables* dev_crc_ = nullptr;
+  uint32_t crc_xor_ = 0;
   uint64_t* abort_ = nullptr;  // mapped host page
   unsigned long long* trace_ = nullptr;  // device counters, printed at stop() with cuda_trace
   bool pair_io_ = false;
@@ -813,6 +829,14 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   }
   if ((e = cudaMemcpy(dev_queues_, qs.data(), sizeof(DevQueue) * nk, cudaMemcpyHostToDevice)) != cudaSuccess)
     return {Code::kDevice, cuda_msg("cudaMemcpy", e)};
+  {
+    std::unique_ptr<CrcLaneTables> tables(new CrcLaneTables());
+    crc32c_lane_tables(tables.get());
+    crc_xor_ = crc32c_zeros_xor(ctx->geom.obj_bytes);
+    if ((e = cudaMalloc(&dev_crc_, sizeof(CrcLaneTables))) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
+    if ((e = cudaMemcpy(dev_crc_, tables.get(), sizeof(CrcLaneTables), cudaMemcpyHostToDevice)) != cudaSuccess)
+      return {Code::kDevice, cuda_msg("cudaMemcpy", e)};
+  }
   if ((e = cudaMalloc(&counters_, sizeof(uint32_t) * 2 * ctx->num_iocbs)) != cudaSuccess)
     return {Code::kDevice, cuda_msg("cudaMalloc", e)};
   cudaMemset(counters_, 0, sizeof(uint32_t) * 2 * ctx->num_iocbs);
@@ -832,8 +856,8 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
       pop();
       return {Code::kDevice, cuda_msg("cudaEventCreate", e)};
     }
-  const size_t smem = smem_bytes();
-  if (smem > 48 * 1024 &&
+  const size_t smem = smem_bytes();  // beside the kernel's static shared memory (the CRC tables)
+  if (smem + 26 * 1024 > 48 * 1024 &&
       (e = cudaFuncSetAttribute(io_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem))) != cudaSuccess) {
     pop();
     return {Code::kConfig, cuda_msg("staging too large for the I/O kernel's shared memory", e)};
@@ -951,6 +975,8 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
     p.abort = abort_;
     p.trace = trace_;
     p.mapped = dev_mapped_;
+    p.crc = dev_crc_;
+    p.crc_xor = crc_xor_;
     for (uint32_t i = 0; i < p.n; ++i) {
       const Iocb& b = k_->iocbs[ids[first + i]];
       const RequestMem& m = req_[b.request];
@@ -1097,6 +1123,8 @@ void CudaBackend::stop() {
   if (dev_queues_) cudaFree(dev_queues_);
   if (counters_) cudaFree(counters_);
   if (dev_mapped_) cudaFree(dev_mapped_);
+  if (dev_crc_) cudaFree(dev_crc_);
+  dev_crc_ = nullptr;
   dev_mapped_ = nullptr;
   for (void* m : registered_) cudaHostUnregister(m);
   registered_.clear();
