@@ -57,6 +57,12 @@ log = logging.getLogger(__name__)
 
 SOCKET_NAME = "tutti.sock"
 STATE_NAME = "instances.json"
+PINS_NAME = "pins.json"
+# The engines' command channel: how long one ``commands`` request waits for work, how long an
+# admin op waits for the engines' results, and how many keys one command carries.
+COMMAND_WAIT_MS = 2000
+ADMIN_TIMEOUT_S = 10.0
+COMMAND_KEYS = 16384
 # Longest request or reply line in bytes, newline included. A commit batch of 65536 keys (the
 # link's queue) is about 1.4 MB.
 MAX_LINE = 16 << 20
@@ -152,6 +158,104 @@ class PingRequest(Request):
     op: Literal["ping"] = "ping"
 
 
+# Admin ops (the admin plane, tutti_control): the daemon answers from its index and passes pin,
+# unpin and removal commands to the engines that own the units, which take them on their command
+# channel (the ``commands`` op) and report the results back.
+MAX_ADMIN_KEYS = 65536
+KeyPrefix = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{0,16}$")]
+AdminKeys = Annotated[list[UnitKey], Field(min_length=1, max_length=MAX_ADMIN_KEYS)]
+
+
+class ConfigRequest(Request):
+    op: Literal["config"] = "config"
+
+
+class HealthRequest(Request):
+    op: Literal["health"] = "health"
+
+
+class ObjectsRequest(Request):
+    """Units by key, or by hex prefix of their 16-digit key ('' matches all), at most ``limit``."""
+
+    op: Literal["objects"] = "objects"
+    keys: AdminKeys | None = None
+    prefix: KeyPrefix | None = None
+    limit: Annotated[int, Field(gt=0, le=1 << 20)] = 1000
+
+    @model_validator(mode="after")
+    def _one(self) -> "ObjectsRequest":
+        if (self.keys is None) == (self.prefix is None):
+            raise ValueError("give keys or prefix, exactly one")
+        return self
+
+
+class RemoveUnitsRequest(Request):
+    """Evict units (never pinned ones): by key, by hex prefix, or all."""
+
+    op: Literal["remove_units"] = "remove_units"
+    keys: AdminKeys | None = None
+    prefix: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{1,16}$")] | None = None
+    all: bool = False
+
+    @model_validator(mode="after")
+    def _one(self) -> "RemoveUnitsRequest":
+        if sum((self.keys is not None, self.prefix is not None, self.all)) != 1:
+            raise ValueError("give keys, prefix or all, exactly one")
+        return self
+
+
+class PinRequest(Request):
+    op: Literal["pin"] = "pin"
+    keys: AdminKeys
+
+
+class UnpinRequest(Request):
+    op: Literal["unpin"] = "unpin"
+    keys: AdminKeys
+
+
+class PinsRequest(Request):
+    op: Literal["pins"] = "pins"
+
+
+class DrainRequest(Request):
+    """Stop taking new units; ``mode`` says what to evict (see NodeDaemon._drain_op)."""
+
+    op: Literal["drain"] = "drain"
+    mode: Literal["replicated", "all", "none"] = "replicated"
+
+
+class UndrainRequest(Request):
+    op: Literal["undrain"] = "undrain"
+
+
+class CommandResult(_Model):
+    """What an engine did with one admin command: keys done, absent from its store, skipped (pinned
+    units a removal leaves, keys an unpin found unpinned)."""
+
+    id: Annotated[int, Field(gt=0)]
+    done: list[UnitKey] = []
+    absent: list[UnitKey] = []
+    skipped: list[UnitKey] = []
+    error: Annotated[str, StringConstraints(max_length=1000)] | None = None
+
+
+_StatValue = int | float | bool | str
+
+
+class CommandsRequest(Request):
+    """The engine's command channel: results of the commands it took last, its store's counters,
+    and a wait of up to ``wait_ms`` for new commands."""
+
+    op: Literal["commands"] = "commands"
+    instance: InstanceName
+    wait_ms: Annotated[int, Field(ge=0, le=30000)] = 2000
+    results: Annotated[list[CommandResult], Field(max_length=4096)] = []
+    stats: Annotated[dict[str, _StatValue], Field(max_length=256)] | None = None
+    cluster: Annotated[dict[str, _StatValue], Field(max_length=256)] | None = None
+    queued: Annotated[int, Field(ge=0)] = 0
+
+
 class Reply(BaseModel):
     """A successful reply; subclasses add fields."""
 
@@ -172,6 +276,53 @@ class LookupReply(Reply):
 
 class PingReply(Reply):
     node_id: str
+
+
+class ConfigReply(Reply):
+    node_id: str
+    config: dict[str, Any]
+
+
+class HealthReply(Reply):
+    node_id: str
+    cluster_mode: bool
+    etcd: bool | None
+
+
+class ObjectsReply(Reply):
+    node_id: str
+    objects: list[dict[str, Any]]
+    truncated: bool
+
+
+class RemoveUnitsReply(Reply):
+    evicted: int
+    pinned_kept: int
+    unreachable: int
+
+
+class PinReply(Reply):
+    pinned: list[int]
+    absent: list[int]
+    unreachable: list[int]
+
+
+class UnpinReply(Reply):
+    unpinned: list[int]
+    not_pinned: list[int]
+    unreachable: list[int]
+
+
+class PinsReply(Reply):
+    keys: list[int]
+
+
+class DrainReply(Reply):
+    drain: dict[str, Any]
+
+
+class CommandsReply(Reply):
+    commands: list[dict[str, Any]]
 
 
 class StatsReply(Reply):
@@ -380,6 +531,11 @@ class _InstanceView:
         with self._shared() as st:
             return int(st.geometry()["slot_bytes"]) if st is not None else 0
 
+    def stats(self) -> dict[str, Any]:
+        """The read-only store's counters (units and slots as the pool headers show them)."""
+        with self._shared() as st:
+            return dict(st.stats()) if st is not None else {}
+
     def close(self) -> None:
         with self._alone():
             st, self.store = self.store, None
@@ -391,7 +547,8 @@ class NodeDaemon:
     """The daemon of one node. :meth:`start` returns once it serves; :meth:`stop` ends it."""
 
     def __init__(self, config: TuttiConfig, *, host: str | None = None, stage_port: int = 0,
-                 arena_bytes: int = 256 << 20, directory_timeout_s: float = 2.0) -> None:
+                 arena_bytes: int = 256 << 20, directory_timeout_s: float = 2.0,
+                 advertise: dict[str, Any] | None = None) -> None:
         self.config = config
         self.data_dir = Path(config.data_dir)
         # The address the Transfer Engine and the stage endpoint listen on and advertise: by default
@@ -414,6 +571,20 @@ class NodeDaemon:
         self.stage: Any = None
         self.counters = {"commits": 0, "evictions": 0, "lookups": 0, "attaches": 0, "stage_reads": 0,
                          "unreadable_units": 0}
+        # Admin plane (docs/ADMIN.md). ``advertise`` goes into the node's cluster record (the admin
+        # API's address). Commands wait per instance until its engine takes them on its command
+        # channel; ``_waiting`` are the ids an admin op waits for, ``_results`` their answers.
+        self.advertise = dict(advertise or {})
+        self._cmd_cv = threading.Condition()  # never taken while holding _lock
+        self._commands: dict[str, list[dict[str, Any]]] = {}
+        self._waiting: set[int] = set()
+        self._results: dict[int, dict[str, Any]] = {}
+        self._next_command = 0
+        self._engines: dict[str, dict[str, Any]] = {}
+        self._pins: set[int] = set()
+        self._drain: dict[str, Any] | None = None
+        self._drain_thread: threading.Thread | None = None
+        self._stopping = False
 
     # -- state ------------------------------------------------------------------------------------
     def _state_file(self) -> Path:
@@ -490,6 +661,7 @@ class NodeDaemon:
             self.data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StorageError(f"cannot create the data directory {self.data_dir}: {exc.strerror or exc}") from None
+        self._pins = self._load_pins()
         for name, ent in self._load_state().items():
             view = _InstanceView(self.config, name, ent.geometry.model_dump(), list(ent.capacity))
             self._instances[name] = view
@@ -527,7 +699,7 @@ class NodeDaemon:
             keys = list(self._index)
         self.directory.register(keys)  # queued until start() has a lease
         self.directory.start(NodeRecord(self.node_id, self.transfer.segment, self.stage.address,
-                                        {"pid": os.getpid()}))
+                                        {"pid": os.getpid(), **self.advertise}))
 
     def _start_socket(self) -> None:
         path = socket_path(self.config)
@@ -562,6 +734,11 @@ class NodeDaemon:
         self._thread.start()
 
     def stop(self) -> None:
+        with self._cmd_cv:
+            self._stopping = True  # engines' command waits and admin waits end now
+            self._cmd_cv.notify_all()
+        if self._drain_thread is not None:
+            self._drain_thread.join(5)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -752,6 +929,8 @@ class NodeDaemon:
                     grant = [min(r, lft) for r, lft in zip(want, left)]
                     if sum(grant) == 0:
                         raise CapacityExceeded(f"no capacity left on this node for instance {name!r}")
+                    if self._drain is not None:
+                        raise CapacityExceeded(f"node {self.node_id} is draining: it takes no new instance ({name!r})")
                 else:
                     grant = old.capacity
             if old is not None and old.geometry == geometry:
@@ -767,6 +946,9 @@ class NodeDaemon:
             if old is not None and old is not view:
                 old.close()
             self._index_instance(view, keys)  # a returning engine may have committed while we were apart
+        with self._cmd_cv:
+            if name in self._engines:
+                self._engines[name]["synced"] = False  # a new store: its pins and drain state are sent again
         return AttachReply(paths=self.paths, capacity=view.capacity, node_id=self.node_id)
 
     def _commit(self, name: str, keys: list[int]) -> None:
@@ -777,7 +959,7 @@ class NodeDaemon:
         if self.directory is not None:
             self.directory.register(keys)
 
-    def _evict(self, name: str, keys: list[int]) -> None:
+    def _evict(self, name: str, keys: list[int], count: bool = True) -> None:
         gone = []
         with self._lock:
             for k in keys:
@@ -788,7 +970,8 @@ class NodeDaemon:
                 if not owners:
                     del self._index[k]
                     gone.append(k)
-            self.counters["evictions"] += len(keys)
+            if count:  # admin removals are counted when the engine's own notice arrives
+                self.counters["evictions"] += len(keys)
         if self.directory is not None and gone:
             self.directory.unregister(gone)  # other local instances may still hold the rest
 
@@ -806,14 +989,359 @@ class NodeDaemon:
             owners = self.directory.lookup(keys[n:], prefix=True)
         return LookupReply(local=n, remote=owners)
 
+    # -- admin plane ------------------------------------------------------------------------------
+    # Units belong to the engines' stores (the daemon only reads their pools), so pins and
+    # removals are commands the daemon queues per instance; each engine's DaemonLink takes them on
+    # its command channel (``commands``), applies them to its own store and reports the results on
+    # its next request. An engine that is not connected cannot act: its keys are "unreachable".
+
+    def _load_pins(self) -> set[int]:
+        path = self.data_dir / PINS_NAME
+        try:
+            data = from_json(path.read_bytes(), allow_inf_nan=False)
+            if not isinstance(data, list) or not all(isinstance(k, int) and 0 <= k <= _U64 for k in data):
+                raise ValueError("not a list of unit keys")
+            return set(data)
+        except FileNotFoundError:
+            return set()
+        except (OSError, ValueError) as exc:
+            log.warning("pins %s unreadable (%s): starting with no pins", path, exc)
+            return set()
+
+    def _save_pins(self) -> None:
+        path = self.data_dir / PINS_NAME
+        tmp = path.with_name(f".{PINS_NAME}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with self._lock:
+            keys = sorted(self._pins)
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(keys, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # atomic: the old or the new list, never a torn one
+        except OSError as exc:
+            log.warning("cannot save pins to %s: %s", path, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def _engine_live(self, name: str) -> bool:
+        """Whether ``name``'s engine polls its command channel (call with _cmd_cv held)."""
+        e = self._engines.get(name)
+        return e is not None and (e["polling"] > 0 or time.monotonic() - e["seen"] < 3 * COMMAND_WAIT_MS / 1000 + 1)
+
+    def _owners_of(self, keys: list[int]) -> dict[str, list[int]]:
+        """Local instances holding each key: instance -> its keys, in the order given."""
+        out: dict[str, list[int]] = {}
+        with self._lock:
+            for k in keys:
+                for name in sorted(self._index.get(k, ())):
+                    out.setdefault(name, []).append(k)
+        return out
+
+    def _queue_commands(self, name: str, cmds: list[dict[str, Any]]) -> list[int]:
+        """Queue commands for ``name``'s engine (call with _cmd_cv held); their ids."""
+        ids = []
+        q = self._commands.setdefault(name, [])
+        for c in cmds:
+            self._next_command += 1
+            q.append({"id": self._next_command, **c})
+            ids.append(self._next_command)
+        self._cmd_cv.notify_all()
+        return ids
+
+    def _run_commands(self, cmds: dict[str, list[dict[str, Any]]],
+                      timeout_s: float = ADMIN_TIMEOUT_S) -> dict[str, list[dict[str, Any] | None]]:
+        """Send commands to the engines and wait for their results: per instance, one result per
+        command, None where its engine is not connected or did not answer within ``timeout_s``
+        (a command no engine took by then is withdrawn)."""
+        ids: dict[str, list[int]] = {}
+        with self._cmd_cv:
+            for name, lst in cmds.items():
+                if lst and self._engine_live(name):
+                    ids[name] = self._queue_commands(name, lst)
+            want = {i for lst in ids.values() for i in lst}
+            self._waiting |= want
+            self._cmd_cv.wait_for(lambda: want <= self._results.keys() or self._stopping, timeout_s)
+            out: dict[str, list[dict[str, Any] | None]] = {}
+            for name, lst in cmds.items():
+                got = ids.get(name)
+                out[name] = [self._results.pop(i, None) for i in got] if got else [None] * len(lst)
+            self._waiting -= want
+            for name in ids:
+                if self._commands.get(name):
+                    self._commands[name] = [c for c in self._commands[name] if c["id"] not in want]
+        return out
+
+    @handles(CommandsRequest)
+    def _commands_op(self, req: CommandsRequest) -> Reply:
+        self._known(req.instance)
+        name, now = req.instance, time.monotonic()
+        sync: list[dict[str, Any]] | None = None
+        with self._cmd_cv:
+            e = self._engines.setdefault(name, {"seen": now, "polling": 0, "synced": False, "stats": None,
+                                                "base": None, "rates": {}, "cluster": None, "queued": 0})
+            synced = e["synced"]
+        if not synced:
+            sync = self._sync_commands(name)  # reads _lock: not under _cmd_cv
+        with self._cmd_cv:
+            if req.stats is not None:
+                self._rate(e, dict(req.stats), now)
+            if req.cluster is not None:
+                e["cluster"] = dict(req.cluster)
+            e["queued"], e["seen"] = req.queued, now
+            for r in req.results:
+                if r.id in self._waiting:
+                    self._results[r.id] = r.model_dump()
+            if req.results:
+                self._cmd_cv.notify_all()
+            if sync is not None and not e["synced"]:
+                e["synced"] = True
+                self._queue_commands(name, sync)  # nobody waits for these results
+            e["polling"] += 1
+            try:
+                self._cmd_cv.wait_for(lambda: bool(self._commands.get(name)) or self._stopping, req.wait_ms / 1000)
+            finally:
+                e["polling"] -= 1
+            cmds = self._commands.pop(name, [])
+            e["seen"] = time.monotonic()
+        return CommandsReply(commands=cmds)
+
+    def _sync_commands(self, name: str) -> list[dict[str, Any]]:
+        """What a newly connected engine must apply: the pins of its units, the drain state."""
+        with self._lock:
+            pinned = [k for k in sorted(self._pins) if name in self._index.get(k, ())]
+            draining = self._drain is not None
+        cmds = [{"cmd": "pin", "keys": pinned[i:i + COMMAND_KEYS]} for i in range(0, len(pinned), COMMAND_KEYS)]
+        return cmds + [{"cmd": "drain", "on": draining}]
+
+    @staticmethod
+    def _rate(e: dict[str, Any], stats: dict[str, Any], now: float) -> None:
+        """Read and write bandwidth over the last >= 1 s between two reports of an engine."""
+        e["stats"] = stats
+        base = e["base"]
+        if base is None:
+            e["base"] = (now, stats)
+            return
+        t0, s0 = base
+        if now - t0 >= 1.0:
+            dt = now - t0
+            e["rates"] = {f"{k}_bytes_per_s": max(0, int(stats.get(f, 0)) - int(s0.get(f, 0))) / dt
+                          for k, f in (("read", "bytes_read"), ("write", "bytes_written"))}
+            e["base"] = (now, stats)
+
+    @handles(ConfigRequest)
+    def _config_op(self, req: ConfigRequest) -> Reply:
+        return ConfigReply(node_id=self.node_id, config=self.config.model_dump(mode="json"))  # secrets come out masked
+
+    @handles(HealthRequest)
+    def _health_op(self, req: HealthRequest) -> Reply:
+        etcd = None
+        if self.directory is not None:
+            try:
+                self.directory.client.count_prefix(b"tutti/n/")
+                etcd = True
+            except Exception as exc:  # any etcd or channel failure: not ready
+                log.debug("etcd health check failed: %s", exc)
+                etcd = False
+        return HealthReply(node_id=self.node_id, cluster_mode=self.config.cluster_mode, etcd=etcd)
+
+    @staticmethod
+    def _prefix_range(prefix: str) -> tuple[int, int]:
+        shift = 4 * (16 - len(prefix))
+        lo = int(prefix, 16) << shift if prefix else 0
+        return lo, lo + (1 << shift)
+
+    @handles(ObjectsRequest)
+    def _objects_op(self, req: ObjectsRequest) -> Reply:
+        with self._lock:
+            if req.keys is not None:
+                keys = list(dict.fromkeys(req.keys))
+            else:
+                lo, hi = self._prefix_range(req.prefix or "")
+                keys = sorted(k for k in self._index if lo <= k < hi)
+            truncated = len(keys) > req.limit
+            keys = keys[:req.limit]
+            objs = [{"key": k, "instances": sorted(self._index.get(k, ())), "pinned": k in self._pins, "remote": []}
+                    for k in keys]
+        if self.directory is not None and keys:
+            for o, owners in zip(objs, self.directory.lookup(keys, prefix=False)):
+                o["remote"] = owners
+        return ObjectsReply(node_id=self.node_id, objects=objs, truncated=truncated)
+
+    @handles(RemoveUnitsRequest)
+    def _remove_units_op(self, req: RemoveUnitsRequest) -> Reply:
+        with self._lock:
+            if req.keys is not None:
+                keys = [k for k in dict.fromkeys(req.keys) if k in self._index]
+            elif req.prefix is not None:
+                lo, hi = self._prefix_range(req.prefix)
+                keys = [k for k in self._index if lo <= k < hi]
+            else:
+                keys = list(self._index)
+        evicted, kept, unreachable = self._remove(keys)
+        return RemoveUnitsReply(evicted=evicted, pinned_kept=kept, unreachable=unreachable)
+
+    def _remove(self, keys: list[int]) -> tuple[int, int, int]:
+        """Evict ``keys`` from every local store holding them, pinned ones excepted: (evicted, kept
+        because pinned, left because their engine did not answer)."""
+        with self._lock:
+            kept = {k for k in keys if k in self._pins}
+        todo = [k for k in keys if k not in kept]
+        by_inst = self._owners_of(todo)
+        cmds = {n: [{"cmd": "remove", "keys": ks[i:i + COMMAND_KEYS]} for i in range(0, len(ks), COMMAND_KEYS)]
+                for n, ks in by_inst.items()}
+        unreachable: set[int] = set()
+        for name, results in self._run_commands(cmds).items():
+            for cmd, r in zip(cmds[name], results):
+                if r is None or r.get("error"):
+                    unreachable.update(cmd["keys"])
+                    continue
+                kept.update(r["skipped"])
+                # Gone from the store (or already absent: our index was behind): gone from the index
+                # now, before the engine's own eviction notice arrives.
+                self._evict(name, list(r["done"]) + list(r["absent"]), count=False)
+        return len([k for k in todo if k not in unreachable and k not in kept]), len(kept), len(unreachable - kept)
+
+    @handles(PinRequest)
+    def _pin_op(self, req: PinRequest) -> Reply:
+        keys = list(dict.fromkeys(req.keys))
+        by_inst = self._owners_of(keys)
+        results = self._run_commands({n: [{"cmd": "pin", "keys": ks}] for n, ks in by_inst.items()})
+        pinned: set[int] = set()
+        unreachable: set[int] = set()
+        for name, ks in by_inst.items():
+            r = results[name][0]
+            if r is None or r.get("error"):
+                unreachable.update(ks)
+            else:
+                pinned.update(r["done"])
+        unreachable -= pinned  # pinned where its engine answered; the others follow when they connect
+        if pinned:
+            with self._lock:
+                self._pins |= pinned
+            self._save_pins()
+        return PinReply(pinned=[k for k in keys if k in pinned], unreachable=[k for k in keys if k in unreachable],
+                        absent=[k for k in keys if k not in pinned and k not in unreachable])
+
+    @handles(UnpinRequest)
+    def _unpin_op(self, req: UnpinRequest) -> Reply:
+        keys = list(dict.fromkeys(req.keys))
+        by_inst = self._owners_of(keys)
+        results = self._run_commands({n: [{"cmd": "unpin", "keys": ks}] for n, ks in by_inst.items()})
+        done: set[int] = set()
+        unreachable: set[int] = set()
+        for name, ks in by_inst.items():
+            r = results[name][0]
+            if r is None or r.get("error"):
+                unreachable.update(ks)
+            else:
+                done.update(r["done"])
+        with self._lock:
+            was = self._pins & set(keys)
+            self._pins -= set(keys) - unreachable  # a pin whose engine is away stays recorded
+        if was:
+            self._save_pins()
+        unpinned = (was | done) - unreachable
+        return UnpinReply(unpinned=[k for k in keys if k in unpinned], unreachable=[k for k in keys if k in unreachable],
+                          not_pinned=[k for k in keys if k not in unpinned and k not in unreachable])
+
+    @handles(PinsRequest)
+    def _pins_op(self, req: PinsRequest) -> Reply:
+        with self._lock:
+            return PinsReply(keys=sorted(self._pins))
+
+    @handles(DrainRequest)
+    def _drain_op(self, req: DrainRequest) -> Reply:
+        """Drain: no new instances, every engine removes the units it commits from now on (so the
+        node takes no new units) and keeps serving reads. ``replicated`` evicts each unit once
+        another node holds it (checked now and every 2 s), ``all`` evicts every unpinned unit, ``none``
+        evicts nothing. Drained when no unit is left."""
+        with self._lock:
+            if self._drain is None:
+                self._drain = {"mode": req.mode, "started_at": time.time(), "replicated_elsewhere": None}
+            else:
+                self._drain["mode"] = req.mode
+            names = list(self._instances)
+        with self._cmd_cv:
+            live = [n for n in names if self._engine_live(n)]
+        self._run_commands({n: [{"cmd": "drain", "on": True}] for n in live})
+        self._drain_step()
+        if self._drain_thread is None or not self._drain_thread.is_alive():
+            self._drain_thread = threading.Thread(target=self._drain_loop, name="tutti-drain", daemon=True)
+            self._drain_thread.start()
+        return DrainReply(drain=self.drain_status())
+
+    @handles(UndrainRequest)
+    def _undrain_op(self, req: UndrainRequest) -> Reply:
+        with self._lock:
+            self._drain = None
+            names = list(self._instances)
+        with self._cmd_cv:
+            live = [n for n in names if self._engine_live(n)]
+        self._run_commands({n: [{"cmd": "drain", "on": False}] for n in live})
+        return DrainReply(drain=self.drain_status())
+
+    def _drain_step(self) -> None:
+        with self._lock:
+            d = self._drain
+            keys = [k for k in self._index if k not in self._pins]
+        if d is None:
+            return
+        if d["mode"] == "all":
+            self._remove(keys)
+        elif self.directory is not None:
+            owners = self.directory.lookup(keys, prefix=False) if keys else []
+            elsewhere = [k for k, o in zip(keys, owners) if o]
+            if d["mode"] == "replicated":
+                self._remove(elsewhere)
+            with self._lock:
+                if self._drain is d:
+                    d["replicated_elsewhere"] = len(elsewhere)
+
+    def _drain_loop(self) -> None:
+        while True:
+            with self._cmd_cv:
+                self._cmd_cv.wait_for(lambda: self._stopping, 2.0)
+                if self._stopping:
+                    return
+            with self._lock:
+                if self._drain is None:
+                    return
+            try:
+                self._drain_step()
+            except Exception:  # keep draining; the next step tries again
+                log.exception("drain step failed")
+
+    def drain_status(self) -> dict[str, Any]:
+        with self._lock:
+            d = self._drain
+            units = len(self._index)
+            pinned = len(self._pins & self._index.keys())
+        if d is None:
+            return {"state": "serving", "mode": None, "units_left": units, "replicated_elsewhere": None,
+                    "pinned_left": pinned, "started_at": None}
+        return {"state": "drained" if units == 0 else "draining", "mode": d["mode"], "units_left": units,
+                "replicated_elsewhere": d["replicated_elsewhere"], "pinned_left": pinned,
+                "started_at": d["started_at"]}
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = {
                 "node_id": self.node_id, "units": len(self._index), "paths": self.paths,
-                "capacity": self.capacity,
+                "capacity": self.capacity, "cluster_mode": self.config.cluster_mode, "pins": len(self._pins),
                 "instances": {n: {"capacity": v.capacity} for n, v in self._instances.items()},
                 **self.counters,
             }
+            views = dict(self._instances)
+        for name, ent in out["instances"].items():
+            ent["view"] = views[name].stats()
+        with self._cmd_cv:
+            for name, ent in out["instances"].items():
+                e = self._engines.get(name) or {}
+                ent.update(engine=e.get("stats"), engine_connected=self._engine_live(name), rates=e.get("rates", {}),
+                           cluster=e.get("cluster"), notification_queue=e.get("queued", 0),
+                           command_queue=len(self._commands.get(name, ())))
+        out["drain"] = self.drain_status()
         if self.directory is not None:
             out["directory"] = self.directory.stats.as_dict()
         if self.stage is not None:
@@ -823,9 +1351,11 @@ class NodeDaemon:
         return out
 
 
-def run_daemon(config: TuttiConfig, ready: Callable[[NodeDaemon], None] | None = None) -> None:
-    """Run the node daemon until SIGINT or SIGTERM (``tutti up``). ``ready`` is called once it serves."""
-    daemon = NodeDaemon(config).start()
+def run_daemon(config: TuttiConfig, ready: Callable[[NodeDaemon], None] | None = None,
+               advertise: dict[str, Any] | None = None) -> None:
+    """Run the node daemon until SIGINT or SIGTERM (``tutti up``). ``ready`` is called once it
+    serves; ``advertise`` joins the node's cluster record (e.g. ``{"admin": "host:port"}``)."""
+    daemon = NodeDaemon(config, advertise=advertise).start()
     done = threading.Event()
 
     def _stop(signum: int, _frame: Any) -> None:
@@ -875,6 +1405,16 @@ class DaemonLink:
         self._inflight = 0
         self._overflow = False
         self.dropped = 0
+        # Admin commands (pin, unpin, remove, drain) for the attached store, taken on a second
+        # connection that waits in the daemon (``commands``) and carries the store's counters.
+        self._store: Any = None
+        self._pinned: set[int] = set()
+        self.draining = False
+        self.cluster_stats: Callable[[], dict[str, Any]] | None = None  # e.g. a ClusterClient's stats
+        self.commands_applied = 0
+        self._closed = threading.Event()
+        self._cmd_sock: socket.socket | None = None
+        self._cmd_thread: threading.Thread | None = None
         self._thread = threading.Thread(target=self._sender, name="tutti-daemon-link", daemon=True)
         self._thread.start()
 
@@ -943,7 +1483,12 @@ class DaemonLink:
         geometry = geometry_of(store)
         store.on_commit = lambda k: self._enqueue("commit", k)
         store.on_evict = lambda k: self._enqueue("evict", k)
-        return self.attach_geometry(geometry)
+        reply = self.attach_geometry(geometry)
+        self._store = store
+        if reply is not None and self._cmd_thread is None:
+            self._cmd_thread = threading.Thread(target=self._command_loop, name="tutti-daemon-commands", daemon=True)
+            self._cmd_thread.start()
+        return reply
 
     def attach_geometry(self, geometry: dict[str, Any]) -> dict[str, Any] | None:
         """Announce this instance's pools by their geometry (see :func:`geometry_of`); what
@@ -977,6 +1522,9 @@ class DaemonLink:
                     return
                 batch, self._queue = self._queue, []
                 self._inflight = len(batch)
+                # A draining node takes no new units: what the store commits now is removed again
+                # (after the daemon heard of it, so its index stays in step).
+                drained = [k for op, k in batch if op == "commit" and k not in self._pinned] if self.draining else []
                 if self._overflow:
                     self._overflow = False
                     need_attach = True
@@ -1000,8 +1548,103 @@ class DaemonLink:
                 self.dropped += len(batch)
                 need_attach = True  # the daemon rescans our headers on re-attach
                 log.debug("daemon notification dropped: %s", exc)
+            for k in drained:
+                with contextlib.suppress(TuttiError):
+                    self._store.remove(k)
             with self._cv:
                 self._inflight = 0
+
+    # -- admin commands ---------------------------------------------------------------------------
+    def _command_loop(self) -> None:
+        """Take the daemon's admin commands for this instance, apply them to the store and report
+        the results (with the store's counters) on the next request; reconnect when the daemon
+        comes back."""
+        results: list[dict[str, Any]] = []
+        rfile: Any = None
+        while not self._closed.is_set():
+            try:
+                if self._cmd_sock is None:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.settimeout(COMMAND_WAIT_MS / 1000 + self.timeout_s + ADMIN_TIMEOUT_S)
+                    try:
+                        s.connect(self.path)
+                    except OSError:
+                        s.close()
+                        raise
+                    self._cmd_sock, rfile = s, s.makefile("rb")
+                msg: dict[str, Any] = {"op": "commands", "instance": self.config.instance, "wait_ms": COMMAND_WAIT_MS,
+                                       "results": results, "queued": len(self._queue), "stats": self._store_stats()}
+                if self.cluster_stats is not None:
+                    msg["cluster"] = {k: v for k, v in self.cluster_stats().items() if isinstance(v, (int, float))}
+                self._cmd_sock.sendall(json.dumps(msg).encode() + b"\n")
+                line = rfile.readline(MAX_LINE)
+                if not line:
+                    raise ConnectionResetError("daemon closed the command channel")
+                results = []
+                reply = dict(json.loads(line))
+                if reply.get("ok") is not True:
+                    exc = ErrorReply.model_validate(reply).exception()
+                    if isinstance(exc, NotFound):  # a daemon that does not know us: attach again
+                        self._attach()
+                    raise exc
+                for cmd in reply["commands"]:
+                    results.append(self._apply(cmd))
+            except (OSError, ValueError, TuttiError, ValidationError) as exc:
+                results = []  # lost with the connection; the admin op reports them unreachable
+                if self._cmd_sock is not None:
+                    with contextlib.suppress(OSError):
+                        self._cmd_sock.close()
+                self._cmd_sock = rfile = None
+                log.debug("daemon command channel: %s", exc)
+                self._closed.wait(0.5)
+
+    def _store_stats(self) -> dict[str, Any]:
+        try:
+            st = self._store.stats()
+        except (TuttiError, AttributeError):
+            return {}
+        return {k: v for k, v in st.items() if isinstance(v, (int, float, bool, str))}
+
+    def _apply(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """One admin command on the store: pins are the link's own (one store pin per key, however
+        often it is pinned), removals leave pinned units in place."""
+        cid, kind = int(cmd["id"]), cmd.get("cmd")
+        keys = [int(k) for k in cmd.get("keys", ())]
+        done: list[int] = []
+        absent: list[int] = []
+        skipped: list[int] = []
+        st = self._store
+        try:
+            if kind == "pin":
+                present = [k for k in keys if st.contains(k)]
+                self._pinned.difference_update(set(keys) - set(present))  # gone since: pin afresh
+                new = [k for k in present if k not in self._pinned]
+                if new:
+                    st.pin(new)
+                    self._pinned.update(new)
+                done, absent = present, [k for k in keys if k not in self._pinned]
+            elif kind == "unpin":
+                done = [k for k in keys if k in self._pinned]
+                if done:
+                    st.unpin(done)
+                    self._pinned.difference_update(done)
+                skipped = [k for k in keys if k not in set(done)]
+            elif kind == "remove":
+                for k in keys:
+                    if k in self._pinned:
+                        skipped.append(k)
+                    elif st.remove(k):
+                        done.append(k)
+                    else:
+                        absent.append(k)
+            elif kind == "drain":
+                self.draining = bool(cmd.get("on"))
+            else:
+                return {"id": cid, "error": f"unknown admin command {kind!r}"}
+        except TuttiError as exc:
+            return {"id": cid, "done": done, "absent": absent, "skipped": skipped, "error": str(exc)[:1000]}
+        self.commands_applied += 1
+        return {"id": cid, "done": done, "absent": absent, "skipped": skipped}
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until queued notifications were handed to the daemon (tests, clean shutdown)."""
@@ -1019,3 +1662,10 @@ class DaemonLink:
             self._cv.notify()
         self._thread.join(self.timeout_s + 1)
         self._drop()
+        self._closed.set()
+        sock = self._cmd_sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # ends a wait in the daemon's command channel
+        if self._cmd_thread is not None:
+            self._cmd_thread.join(self.timeout_s + 1)

@@ -6,8 +6,6 @@ Health (``/livez``, ``/readyz``) and ``/metrics`` are open; every ``/v1`` route 
 (:class:`~tutti_control.errors.ErrorBody`), and every status a route can answer is in the schema.
 """
 
-from __future__ import annotations
-
 import logging
 import time
 from typing import Annotated, Any, Callable, Protocol
@@ -31,7 +29,8 @@ from tutti_control.models import (
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 1 << 20  # the largest valid body (4096 keys) is ~90 KiB
+MAX_BODY_BYTES = 1 << 20
+Node = Annotated[NodeId, Path(description="A node id.")]  # the largest valid body (4096 keys) is ~90 KiB
 
 
 class Backend(Protocol):
@@ -205,7 +204,6 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
 
     # -- /v1 --------------------------------------------------------------------------------------
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=AUTHED)
-    Node = Annotated[NodeId, Path(description="A node id.")]
 
     @v1.get("/nodes", response_model=NodeList, tags=["nodes"], dependencies=[Depends(only_params())])
     def list_nodes() -> NodeList:

@@ -22,15 +22,17 @@ from tutti_control.models import (
     ObjectInfo, ObjectList, PinList, PinResult, Readiness, StatsResponse, UnpinResult, key_int, key_text,
 )
 
-SECRET_WORDS = ("token", "secret", "password", "credential")
+SECRET_WORDS = {"token", "secret", "password", "credential", "credentials", "key"}
 REDACTED = "<redacted>"
 
 
 def redact(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a config dict with every secret-looking value replaced (the token, not its file's path)."""
+    """A copy of a config dict with every secret's value replaced: a setting whose name has a word
+    such as ``token`` or ``secret`` (``admin_token``; not ``unit_tokens``, not the token's file)."""
     out = {}
     for k, v in cfg.items():
-        secret = any(w in k.lower() for w in SECRET_WORDS) and not k.lower().endswith("_file")
+        words = k.lower().split("_")
+        secret = bool(SECRET_WORDS.intersection(words)) and words[-1] != "file"
         out[k] = REDACTED if secret and v not in (None, "") else v
     return out
 
@@ -86,13 +88,16 @@ def instance_counters(ent: dict[str, Any]) -> Counters:
     the daemon's read-only view of its pools otherwise."""
     view = ent.get("view") or {}
     eng = ent.get("engine") or {}
-    slot = _num(view, "slot_bytes") or _num(eng, "slot_bytes")
-    used_slots = _num(view, "total_slots") - _num(view, "free_slots")
+    # Units and slots: the engine's own store when it reports (current), else the daemon's
+    # read-only view of its pool headers (as of the last rescan).
+    occ = eng if ent.get("engine_connected") and eng else view
+    slot = _num(occ, "slot_bytes") or _num(view, "slot_bytes")
+    used_slots = _num(occ, "total_slots") - _num(occ, "free_slots")
     lookups, hits = _num(eng, "lookups"), _num(eng, "hits")
     rates = ent.get("rates") or {}
     remote = ent.get("cluster") or {}
     return Counters(
-        units=_num(view, "units"), capacity_bytes=sum(int(c) for c in ent.get("capacity", [])),
+        units=_num(occ, "units"), capacity_bytes=sum(int(c) for c in ent.get("capacity", [])),
         used_bytes=max(0, used_slots) * slot, pinned=_num(eng, "pinned"), lookups=lookups, hits=hits,
         misses=max(0, lookups - hits), hit_rate=(hits / lookups) if lookups else None,
         bytes_read=_num(eng, "bytes_read"), bytes_written=_num(eng, "bytes_written"),
@@ -140,14 +145,14 @@ def drain_from(raw: dict[str, Any] | None) -> DrainStatus:
 def node_info_from(raw: dict[str, Any], admin: str | None = None) -> NodeInfo:
     instances = []
     for name, ent in sorted((raw.get("instances") or {}).items()):
-        view = ent.get("view") or {}
-        eng = ent.get("engine")
+        connected = bool(ent.get("engine_connected", False))
+        eng = ent.get("engine") or {}
+        occ = eng if connected and eng else (ent.get("view") or {})
         c = instance_counters(ent)
         instances.append(InstanceInfo(
             name=name, capacity_bytes=[int(x) for x in ent.get("capacity", [])], units=c.units,
-            used_bytes=c.used_bytes, total_slots=_num(view, "total_slots"), free_slots=_num(view, "free_slots"),
-            engine_connected=bool(ent.get("engine_connected", False)),
-            pinned=None if eng is None else _num(eng, "pinned")))
+            used_bytes=c.used_bytes, total_slots=_num(occ, "total_slots"), free_slots=_num(occ, "free_slots"),
+            engine_connected=connected, pinned=_num(eng, "pinned") if connected else None))
     d = drain_from(raw.get("drain"))
     if d.state == "serving":
         d.units_left = int(raw.get("units", 0))
