@@ -1,0 +1,499 @@
+"""The Helm chart (helm/tutti): lint, render, schema and Kubernetes 1.30 validation, offline.
+
+Runs the official helm binary (helm/install-helm.sh puts it in the virtualenv's bin directory) and
+kubernetes-validate (the `helm` extra). Where either is missing the module is skipped with the
+reason, except under CI=true, where a missing tool is an error.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "tutti"
+EXAMPLE = CHART / "examples" / "vllm-values.yaml"
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str | None:
+    cand = BIN / name
+    return str(cand) if cand.exists() else shutil.which(name)
+
+
+def _missing(what: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} (CI installs it: .ci/run)", pytrace=False)
+    pytest.skip(what, allow_module_level=True)
+
+
+HELM = _tool("helm")
+if HELM is None:
+    _missing("no helm binary: run `bash helm/install-helm.sh .venv/bin`")
+KUBE_VALIDATE = _tool("kubernetes-validate")
+if KUBE_VALIDATE is None:
+    _missing("no kubernetes-validate: pip install -e '.[helm]'")
+try:
+    import yaml
+except ImportError:
+    _missing("no PyYAML: pip install -e '.[helm]'")
+    raise
+
+NS = "tutti"
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    p = subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60)
+    if check and p.returncode != 0:
+        raise AssertionError(f"helm {' '.join(args)} failed:\n{p.stderr}")
+    return p
+
+
+def render_text(*args: str) -> str:
+    return helm("template", "t", str(CHART), "--namespace", NS, *args).stdout
+
+
+def render(*args: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(render_text(*args)) if d]
+
+
+def render_fails(*args: str) -> str:
+    p = helm("template", "t", str(CHART), "--namespace", NS, *args, check=False)
+    assert p.returncode != 0, f"rendered although it should not: {args}"
+    return p.stderr
+
+
+def one(docs: list[dict[str, Any]], kind: str, component: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind
+             and d["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+    assert len(found) == 1, f"{len(found)} {kind} objects of component {component}"
+    return found[0]
+
+
+def kinds(docs: list[dict[str, Any]]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"]
+
+
+def container(obj: dict[str, Any]) -> dict[str, Any]:
+    cs = pod_spec(obj)["containers"]
+    assert len(cs) == 1
+    return cs[0]
+
+
+def env_of(c: dict[str, Any]) -> dict[str, Any]:
+    env = {}
+    for e in c["env"]:
+        assert e["name"] not in env, f"{e['name']} set twice"
+        env[e["name"]] = e.get("value", e.get("valueFrom"))
+    return env
+
+
+def write_values(tmp_path: Path, values: dict[str, Any], name: str = "values.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(values))
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def default_docs() -> list[dict[str, Any]]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def example_docs() -> list[dict[str, Any]]:
+    return render("-f", str(EXAMPLE))
+
+
+# -- lint and Kubernetes validation ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [[], ["-f", str(EXAMPLE)]], ids=["default", "example"])
+def test_lint_strict(values: list[str]) -> None:
+    p = helm("lint", "--strict", str(CHART), "--namespace", NS, *values)
+    assert "0 chart(s) failed" in p.stdout
+
+
+def _kube_validate(text: str, tmp_path: Path, name: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    p = subprocess.run([KUBE_VALIDATE, "--strict", "-k", "1.30.0", str(path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("args", [
+    [],
+    ["-f", str(EXAMPLE)],
+    ["--set", "node.rdma.enabled=true", "--set", "mooncake.enabled=true", "--set", "etcd.replicas=3",
+     "--set", "admin.ingress.enabled=true", "--set", "admin.ingress.className=nginx",
+     "--set", "node.rdma.resources.rdma/rdma_shared_device_a=1"],
+    ["--set", "etcd.enabled=false", "--set", "admin.enabled=false", "--set", "config.paths={/mnt/nvme0}"],
+], ids=["default", "example", "rdma-mooncake-ingress", "single-node"])
+def test_rendered_manifests_validate_for_kubernetes_1_30(args: list[str], tmp_path: Path) -> None:
+    text = render_text(*args)
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    out = _kube_validate(text, tmp_path, "rendered.yaml")
+    assert out.count("passed for resource") == len(docs), out
+
+
+def test_service_monitor_only_with_its_crd(default_docs: list[dict[str, Any]], tmp_path: Path) -> None:
+    assert "ServiceMonitor" not in kinds(default_docs)
+    text = render_text("--api-versions", "monitoring.coreos.com/v1")
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    sm = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert len(sm) == 1 and sm[0]["apiVersion"] == "monitoring.coreos.com/v1"
+    # kubernetes-validate has no schema for a CRD: everything else still validates.
+    out = _kube_validate(text, tmp_path, "with-sm.yaml")
+    assert out.count("passed for resource") == len(docs) - 1
+
+    # It scrapes exactly the admin plane's Service (which answers for every node), on its admin port.
+    sel = sm[0]["spec"]["selector"]["matchLabels"]
+    scraped = [d for d in docs if d["kind"] == "Service"
+               and all(d["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+    assert [s["metadata"]["labels"]["app.kubernetes.io/component"] for s in scraped] == ["admin"]
+    ep = sm[0]["spec"]["endpoints"][0]
+    assert ep["path"] == "/metrics"
+    assert ep["port"] in [p["name"] for p in scraped[0]["spec"]["ports"]]
+
+    # Without the admin plane, the nodes' Service is scraped instead.
+    docs = render("--api-versions", "monitoring.coreos.com/v1", "--set", "admin.enabled=false")
+    sm = [d for d in docs if d["kind"] == "ServiceMonitor"][0]
+    sel = sm["spec"]["selector"]["matchLabels"]
+    scraped = [d for d in docs if d["kind"] == "Service"
+               and all(d["metadata"]["labels"].get(k) == v for k, v in sel.items())]
+    assert [s["metadata"]["labels"]["app.kubernetes.io/component"] for s in scraped] == ["node"]
+
+
+# -- the store DaemonSet --------------------------------------------------------------------------
+
+
+def test_store_nodes_on_gpu_nodes_without_a_gpu(default_docs: list[dict[str, Any]]) -> None:
+    ds = one(default_docs, "DaemonSet", "node")
+    spec = pod_spec(ds)
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    res = container(ds)["resources"]
+    for part in ("requests", "limits"):
+        assert not any("nvidia.com" in k for k in res.get(part, {})), res
+    assert "IPC_LOCK" in container(ds)["securityContext"]["capabilities"]["add"]
+    assert container(ds)["command"] == ["tutti", "up"]
+    assert "hostNetwork" not in spec
+
+
+def test_store_volumes_are_host_paths_at_the_same_path(tmp_path: Path) -> None:
+    docs = render("--set", "config.paths={/mnt/nvme0/tutti,/mnt/nvme1/tutti}", "--set", "config.capacity_gb={100,200}",
+                  "--set", "node.pathType=Directory")
+    ds = one(docs, "DaemonSet", "node")
+    vols = {v["name"]: v for v in pod_spec(ds)["volumes"]}
+    assert all(set(v) == {"name", "hostPath"} for v in vols.values()), vols  # never emptyDir, never a claim
+    mounts = {m["name"]: m["mountPath"] for m in container(ds)["volumeMounts"]}
+    assert {n: v["hostPath"]["path"] for n, v in vols.items()} == mounts
+    assert sorted(mounts.values()) == ["/mnt/nvme0/tutti", "/mnt/nvme1/tutti", "/var/lib/tutti"]
+    types = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in vols.values()}
+    assert types == {"/mnt/nvme0/tutti": "Directory", "/mnt/nvme1/tutti": "Directory",
+                     "/var/lib/tutti": "DirectoryOrCreate"}
+    env = env_of(container(ds))
+    assert env["TUTTI_PATHS"] == "/mnt/nvme0/tutti,/mnt/nvme1/tutti"
+    assert env["TUTTI_CAPACITY_GB"] == "100,200"
+    assert env["TUTTI_DATA_DIR"] == "/var/lib/tutti"
+
+
+def test_no_empty_dir_anywhere(example_docs: list[dict[str, Any]]) -> None:
+    for d in example_docs:
+        if d["kind"] in ("DaemonSet", "Deployment", "StatefulSet"):
+            assert not any("emptyDir" in v for v in pod_spec(d).get("volumes", [])), d["metadata"]["name"]
+
+
+def test_probes_on_the_admin_port(default_docs: list[dict[str, Any]]) -> None:
+    for kind, comp in (("DaemonSet", "node"), ("Deployment", "admin")):
+        c = container(one(default_docs, kind, comp))
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert int(env_of(c)["TUTTI_ADMIN_PORT"]) == ports["admin"]
+        assert env_of(c)["TUTTI_ADMIN_HOST"] == "0.0.0.0"
+        assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "admin"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "admin"}
+    node = container(one(default_docs, "DaemonSet", "node"))
+    assert node["startupProbe"]["httpGet"] == {"path": "/livez", "port": "admin"}
+    assert container(one(default_docs, "Deployment", "admin"))["command"] == ["tutti", "admin", "serve"]
+
+
+def test_rdma_uses_the_host_network_and_infiniband_devices() -> None:
+    ds = one(render("--set", "node.rdma.enabled=true", "--set", "node.rdma.resources.rdma/hca=1"), "DaemonSet", "node")
+    spec = pod_spec(ds)
+    assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    ib = [v for v in spec["volumes"] if v["name"] == "infiniband"]
+    assert ib == [{"name": "infiniband", "hostPath": {"path": "/dev/infiniband", "type": "Directory"}}]
+    assert {"name": "infiniband", "mountPath": "/dev/infiniband"} in container(ds)["volumeMounts"]
+    res = container(ds)["resources"]
+    assert res["requests"]["rdma/hca"] == 1 and res["limits"]["rdma/hca"] == 1
+    assert res["requests"]["cpu"] == "500m"  # the node's own resources are kept
+    assert "rdma_shared" not in json.dumps(one(render(), "DaemonSet", "node"))
+    assert "config.protocol" in render_fails("--set", "node.rdma.enabled=true", "--set", "config.protocol=tcp")
+
+
+# -- settings: values map one to one onto TuttiConfig ---------------------------------------------
+
+
+def _chart_values() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "values.yaml").read_text())
+
+
+def test_config_keys_are_the_fields_of_tutti_config() -> None:
+    from tutti_cluster.config import TuttiConfig
+
+    # admin_* settings (if the config grows them) come from the chart's node.admin/admin sections.
+    fields = {f for f in TuttiConfig.model_fields if not f.startswith("admin_")}
+    assert set(_chart_values()["config"]) == fields
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(schema["properties"]["config"]["properties"]) == fields
+    readme = (CHART / "README.md").read_text()
+    for f in fields:
+        assert f"`TUTTI_{f.upper()}`" in readme, f"README.md does not document config.{f}"
+
+
+# Every setting away from its default; 1048576 and 1.5 check how numbers are written.
+SETTINGS: dict[str, Any] = {
+    "paths": ["/mnt/a", "/mnt/b"], "capacity_gb": [1.5, 2], "data_dir": "/srv/tutti", "instance": "inst-1",
+    "direct_io": "off", "pool_files": 3, "prewrite_pool": False, "map_memory_paths": False, "unit_tokens": 512,
+    "min_io_bytes": 1048576, "backend": "cpu", "device": 1, "queue_depth": 32, "iocb_depth": 2048,
+    "staging_mb": 256, "max_requests": 64, "io_sms": 16, "cuda_pair": True, "cuda_trace": True,
+    "etcd": ["etcd-a:2379", "etcd-b:2379"], "mooncake_master": "mc.example:50051", "node_id": "n1",
+    "protocol": "rdma", "lease_ttl_s": 30,
+}
+
+
+def test_rendered_environment_is_the_same_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tutti_cluster.config import TuttiConfig
+
+    assert set(SETTINGS) == set(_chart_values()["config"])
+    f = write_values(tmp_path, {"config": SETTINGS, "etcd": {"enabled": False}})
+    docs = render("-f", f)
+    node_env = env_of(container(one(docs, "DaemonSet", "node")))
+    admin_env = env_of(container(one(docs, "Deployment", "admin")))
+    tutti = {k: v for k, v in node_env.items() if k.startswith("TUTTI_") and not k.startswith("TUTTI_ADMIN_")}
+    assert {k: v for k, v in admin_env.items() if k in tutti} == tutti
+    assert set(tutti) == {f"TUTTI_{k.upper()}" for k in SETTINGS}
+    assert tutti["TUTTI_MIN_IO_BYTES"] == "1048576" and tutti["TUTTI_CAPACITY_GB"] == "1.5,2"
+
+    for k in list(os.environ):
+        if k.startswith("TUTTI_"):
+            monkeypatch.delenv(k)
+    for k, v in tutti.items():
+        monkeypatch.setenv(k, v)
+    assert TuttiConfig().model_dump() == TuttiConfig(**SETTINGS).model_dump()
+
+
+def test_unset_settings_are_left_to_their_defaults(default_docs: list[dict[str, Any]]) -> None:
+    env = env_of(container(one(default_docs, "DaemonSet", "node")))
+    assert sorted(k for k in env if k.startswith("TUTTI_")) == [
+        "TUTTI_ADMIN_HOST", "TUTTI_ADMIN_PORT", "TUTTI_ADMIN_TOKEN", "TUTTI_CAPACITY_GB", "TUTTI_DATA_DIR",
+        "TUTTI_ETCD", "TUTTI_NODE_ID"]
+    assert env["TUTTI_NODE_ID"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert env["TUTTI_ETCD"] == f"t-tutti-etcd.{NS}.svc:2379"
+
+
+# -- the admin token ------------------------------------------------------------------------------
+
+
+def _token_refs(docs: list[dict[str, Any]]) -> list[dict[str, str]]:
+    refs = []
+    for kind, comp in (("DaemonSet", "node"), ("Deployment", "admin")):
+        refs.append(env_of(container(one(docs, kind, comp)))["TUTTI_ADMIN_TOKEN"]["secretKeyRef"])
+    return refs
+
+
+def test_admin_token_secret_generated_and_referenced(default_docs: list[dict[str, Any]]) -> None:
+    secrets = [d for d in default_docs if d["kind"] == "Secret"]
+    assert len(secrets) == 1
+    for ref in _token_refs(default_docs):
+        assert ref == {"name": secrets[0]["metadata"]["name"], "key": "token"}
+    token = base64.b64decode(secrets[0]["data"]["token"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{48}", token)
+
+
+def test_admin_token_given_or_from_an_existing_secret() -> None:
+    docs = render("--set", "admin.token=s3cret-token")
+    secret = [d for d in docs if d["kind"] == "Secret"][0]
+    assert base64.b64decode(secret["data"]["token"]).decode() == "s3cret-token"
+
+    docs = render("--set", "admin.existingSecret=ops-token", "--set", "admin.existingSecretKey=admin")
+    assert "Secret" not in kinds(docs)
+    assert _token_refs(docs) == [{"name": "ops-token", "key": "admin"}] * 2
+
+
+# -- cluster parts --------------------------------------------------------------------------------
+
+
+def test_etcd_statefulset_or_an_external_etcd() -> None:
+    docs = render("--set", "etcd.replicas=3")
+    sts = one(docs, "StatefulSet", "etcd")
+    assert sts["spec"]["replicas"] == 3
+    cmd = container(sts)["command"]
+    cluster = [a for a in cmd if a.startswith("--initial-cluster=")][0]
+    assert cluster.count("=http://") == 3
+    assert "--max-txn-ops=1024" in cmd
+    assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "8Gi"
+    svc = one([d for d in docs if d["metadata"]["name"] == "t-tutti-etcd"], "Service", "etcd")
+    assert env_of(container(one(docs, "DaemonSet", "node")))["TUTTI_ETCD"] == \
+        f"{svc['metadata']['name']}.{NS}.svc:{svc['spec']['ports'][0]['port']}"
+
+    docs = render("--set", "etcd.enabled=false", "--set", "config.etcd={10.0.0.5:2379,10.0.0.6:2379}")
+    assert "StatefulSet" not in kinds(docs)
+    assert env_of(container(one(docs, "DaemonSet", "node")))["TUTTI_ETCD"] == "10.0.0.5:2379,10.0.0.6:2379"
+
+    assert "etcd.enabled=false" in render_fails("--set", "config.etcd={10.0.0.5:2379}")
+    assert "cluster directory" in render_fails("--set", "etcd.enabled=false")
+    docs = render("--set", "etcd.enabled=false", "--set", "admin.enabled=false")
+    assert "TUTTI_ETCD" not in env_of(container(one(docs, "DaemonSet", "node")))
+    assert "Deployment" not in kinds(docs)
+
+
+def test_mooncake_master_optional() -> None:
+    docs = render("--set", "mooncake.enabled=true")
+    dep = one(docs, "Deployment", "mooncake-master")
+    assert container(dep)["command"][0] == "mooncake_master"
+    svc = one(docs, "Service", "mooncake-master")
+    addr = env_of(container(one(docs, "DaemonSet", "node")))["TUTTI_MOONCAKE_MASTER"]
+    assert addr == f"{svc['metadata']['name']}.{NS}.svc:50051"
+    assert "mooncake-master" not in json.dumps(render())
+
+
+def test_ingress_optional() -> None:
+    assert "Ingress" not in kinds(render())
+    docs = render("--set", "admin.ingress.enabled=true", "--set", "admin.ingress.host=tutti.internal")
+    ing = [d for d in docs if d["kind"] == "Ingress"][0]
+    backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    svc = one(docs, "Service", "admin")
+    assert backend == {"name": svc["metadata"]["name"], "port": {"name": "admin"}}
+    assert ing["spec"]["rules"][0]["host"] == "tutti.internal"
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_network_policy_and_disruption_budgets(example_docs: list[dict[str, Any]]) -> None:
+    pods = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in example_docs if d["kind"] in ("DaemonSet", "Deployment", "StatefulSet")}
+    assert set(pods) == {"node", "admin", "etcd", "vllm"}
+    pols = {d["metadata"]["labels"]["app.kubernetes.io/component"]: d
+            for d in example_docs if d["kind"] == "NetworkPolicy"}
+    assert set(pols) == {"node", "admin", "etcd"}
+    for comp, pol in pols.items():
+        assert _selects(pol["spec"]["podSelector"]["matchLabels"], pods[comp])
+    # The engines reach the store nodes and etcd; the nodes reach each other.
+    for comp in ("node", "etcd"):
+        peers = pols[comp]["spec"]["ingress"][0]["from"]
+        for src in ("vllm", "node"):
+            assert any(_selects(p["podSelector"]["matchLabels"], pods[src]) for p in peers), (comp, src)
+    admin_rule = pols["admin"]["spec"]["ingress"][0]
+    assert admin_rule["ports"] == [{"port": "admin", "protocol": "TCP"}]
+
+    pdbs = [d for d in example_docs if d["kind"] == "PodDisruptionBudget"]
+    assert sorted(p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pdbs) == ["admin", "etcd"]
+    for p in pdbs:
+        comp = p["metadata"]["labels"]["app.kubernetes.io/component"]
+        assert _selects(p["spec"]["selector"]["matchLabels"], pods[comp])
+
+
+def test_grafana_dashboard_reads_tutti_metrics(default_docs: list[dict[str, Any]]) -> None:
+    cm = [d for d in default_docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")][0]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dash = json.loads(cm["data"]["tutti.json"])
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert len(exprs) >= 10
+    for e in exprs:
+        assert re.search(r"\btutti_[a-z_]+", e), e
+    names = {m for e in exprs for m in re.findall(r"\btutti_[a-z_]+", e)}
+    assert {"tutti_hits_total", "tutti_misses_total", "tutti_path_used_bytes", "tutti_checksum_failures_total",
+            "tutti_remote_fetch_bytes_total", "tutti_directory_errors_total"} <= names
+
+
+# -- the example: vLLM on the node-local store ----------------------------------------------------
+
+
+def test_example_wires_vllm_to_the_node_local_store(example_docs: list[dict[str, Any]]) -> None:
+    ds = one(example_docs, "DaemonSet", "node")
+    eng = one(example_docs, "Deployment", "vllm")
+    c = container(eng)
+    i = c["args"].index("--kv-transfer-config")
+    kv = json.loads(c["args"][i + 1])
+    assert kv["kv_connector"] == "TuttiConnector"
+    assert kv["kv_connector_module_path"] == "tutti_cluster.vllm"
+    assert kv["kv_role"] == "kv_both" and kv["kv_load_failure_policy"] == "recompute"
+    assert "--enable-prefix-caching" in c["args"]
+
+    # The same host directories, mounted at the same paths, as the store nodes'.
+    def host_dirs(obj: dict[str, Any]) -> dict[str, str]:
+        vols = {v["name"]: v["hostPath"]["path"] for v in pod_spec(obj)["volumes"]}
+        return {m["mountPath"]: vols[m["name"]] for m in container(obj)["volumeMounts"] if m["name"] in vols}
+
+    store_dirs = {k: v for k, v in host_dirs(ds).items() if k != "/dev/infiniband"}
+    assert host_dirs(eng) == store_dirs
+    assert all(k == v for k, v in store_dirs.items())
+    node_env, eng_env = env_of(container(ds)), env_of(c)
+    for k in ("TUTTI_DATA_DIR", "TUTTI_PATHS", "TUTTI_CAPACITY_GB", "TUTTI_UNIT_TOKENS", "TUTTI_ETCD", "TUTTI_NODE_ID"):
+        assert eng_env[k] == node_env[k], k
+    # The daemon's socket, <data_dir>/tutti.sock, is on the shared host directory.
+    assert node_env["TUTTI_DATA_DIR"] in store_dirs
+    assert eng_env["TUTTI_INSTANCE"] == "vllm" and "TUTTI_INSTANCE" not in node_env
+    assert node_env["TUTTI_PATHS"] == "/mnt/nvme0/tutti,/mnt/nvme1/tutti"
+
+    # The engines take the GPU; the store nodes do not, and run on the same nodes.
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert not any("nvidia.com" in k for part in container(ds)["resources"].values() for k in part)
+    assert pod_spec(eng)["nodeSelector"] == pod_spec(ds)["nodeSelector"]
+    assert pod_spec(eng)["tolerations"] == pod_spec(ds)["tolerations"]
+    anti = pod_spec(eng)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["topologyKey"] == "kubernetes.io/hostname"
+
+
+# -- the schema rejects bad values ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, where", [
+    (["--set", "config.capacity_gb={-1}"], "/config/capacity_gb/0"),
+    (["--set", "config.capacity_gb={0}"], "/config/capacity_gb/0"),
+    (["--set", "config.capacity_gb={4,-2}", "--set", "config.paths={/a,/b}"], "/config/capacity_gb/1"),
+    (["--set-string", "config.capacity_gb={four}"], "/config/capacity_gb/0"),
+    (["--set", "config.queue_depth=abc"], "/config/queue_depth"),
+    (["--set", "config.prewrite_pool=maybe"], "/config/prewrite_pool"),
+    (["--set", "config.pool_files=65"], "/config/pool_files"),
+    (["--set", "config.paths=/mnt/nvme0"], "/config/paths"),
+    (["--set", "config.data_dir=null"], "data_dir"),
+    (["--set", "config.paths=null"], "paths"),
+    (["--set", "config.paths={relative/dir}"], "/config/paths/0"),
+    (["--set", "config.data_dir=var/lib/tutti"], "/config/data_dir"),
+    (["--set", "config.direct_io=sometimes"], "/config/direct_io"),
+    (["--set", "config.instance=../up"], "/config/instance"),
+    (["--set", "config.etcd={http://etcd}", "--set", "etcd.enabled=false"], "/config/etcd/0"),
+    (["--set", "config.capacityGb={4}"], "capacityGb"),
+    (["--set", "node.resources.limits.nvidia\\.com/gpu=1"], "/node/resources/limits"),
+    (["--set", "node.resources.requests.nvidia\\.com/gpu=1"], "/node/resources/requests"),
+    (["--set", "node.admin.port=70000"], "/node/admin/port"),
+    (["--set", "etcd.replicas=2"], "/etcd/replicas"),
+    (["--set", "vllm.enabled=yes"], "/vllm/enabled"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_schema_rejects_bad_values(args: list[str], where: str) -> None:
+    err = render_fails(*args)
+    assert "schema" in err and where in err, err
+
+
+def test_template_checks_what_the_schema_cannot() -> None:
+    err = render_fails("--set", "config.paths={/a,/b}", "--set", "config.capacity_gb={1,2,3}")
+    assert "3 values for 2 paths" in err
+    assert "vllm.model is required" in render_fails("--set", "vllm.enabled=true")
