@@ -70,6 +70,12 @@ def test_instance_names_have_a_limit_and_a_charset():
         assert TuttiConfig(instance=good).instance == good
 
 
+def test_a_store_with_a_long_instance_name_is_a_config_error_not_an_os_error(tmp_path: Path):
+    with pytest.raises(ConfigError, match="300 characters"):
+        TuttiStore(paths=[str(tmp_path)], capacity_gb=0.01, instance="x" * 300)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_empty_path_is_refused_not_the_working_directory(tmp_path: Path):
     for paths in ([""], ["   "], [str(tmp_path), ""]):
         with pytest.raises(ConfigError, match="empty"):

@@ -442,7 +442,8 @@ def test_malformed_lines_each_get_one_error_reply_and_the_connection_reads_on(no
            b'{"a":' * 5000 + b"1" + b"}" * 5000, b"\xff\xfe\x00", b'{"op": "ping", "x": NaN}',
            b'{"op": "lookup", "keys": [1e400]}', b'{"op": "lookup", "keys": [' + b"9" * 5000 + b"]}",
            b'{"op": "lookup", "keys": [-1]}', b'{"op": 7}', b'{"op": "x" }', b"{" + b"" + b"}", b"not json",
-           b'{"op": "commit", "instance": "a/b", "keys": []}']
+           b'{"op": "commit", "instance": "a/b", "keys": []}',
+           json.dumps({"op": "attach", "instance": "x" * 300, "geometry": GEO}).encode()]
     replies = send_lines(cfg, [x for b in bad for x in (b, ping)])
     for b, r, p in zip(bad, replies[::2], replies[1::2]):
         assert_error(r)
