@@ -520,3 +520,38 @@ def test_the_daemon_listens_with_a_backlog_of_at_least_128(node):
             s.connect(str(socket_path(cfg)))  # BlockingIOError once the backlog is full
             socks.append(s)
         assert len(socks) == 128
+
+
+def test_an_engine_retries_a_connect_refused_by_a_full_backlog(node):
+    """The accept loop paused and the listen queue filled until the kernel refuses (EAGAIN): an
+    attach backs off and retries, and gets through once the daemon accepts again."""
+    import threading
+
+    cfg, d = node
+    assert d._server is not None
+    d._server.shutdown()
+    fillers = []
+    try:
+        while len(fillers) < 4096:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(str(socket_path(cfg)))
+            except BlockingIOError:
+                s.close()
+                break
+            fillers.append(s)
+        assert 128 <= len(fillers) < 4096
+        link = DaemonLink(cfg, connect_retry_s=10.0)
+        result: list[Any] = []
+        t = threading.Thread(target=lambda: result.append(link.attach_geometry(GEO)))
+        t.start()
+        time.sleep(0.5)
+        assert not result and link.connect_retries > 0  # refused so far, still trying
+        threading.Thread(target=d._server.serve_forever, daemon=True).start()
+        t.join(20)
+        assert result and result[0] is not None and result[0]["ok"], result
+        link.close()
+    finally:
+        for s in fillers:
+            s.close()
