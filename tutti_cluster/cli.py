@@ -30,7 +30,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(a: argparse.Namespace, **extra: Any) -> TuttiConfig:
     keys = ["paths", "capacity_gb", "data_dir", "unit_tokens", "instance", "etcd", "mooncake_master", "node_id",
-            "protocol", "lease_ttl_s"]
+            "protocol", "lease_ttl_s", "admin_host", "admin_port"]
     args = {k: getattr(a, k, None) for k in keys}
     args.update({k: v for k, v in extra.items() if v is not None})
     return load_config(**args)
@@ -53,14 +53,33 @@ def cmd_up(a: argparse.Namespace) -> int:
     from tutti_cluster.daemon import run_daemon
 
     cfg = config_from_args(a)
+    admin = _admin_plane(cfg)
 
     def ready(_: Any) -> None:
         mode = "cluster" if cfg.cluster_mode else "single node (embedded default)"
         print(f"tutti node daemon serving: {mode}; data {cfg.data_dir}; paths "
               f"{', '.join(map(str, cfg.storage_paths()))}. Ctrl-C stops it.", flush=True)
+        if admin is not None:
+            admin.start()
+            print(f"tutti admin API on http://{admin.address}; token: {admin.token_note}", flush=True)
 
-    run_daemon(cfg, ready=ready)
+    try:
+        run_daemon(cfg, ready=ready, advertise={"admin": admin.advertised} if admin is not None else None)
+    finally:
+        if admin is not None:
+            admin.stop()
     return 0
+
+
+def _admin_plane(cfg: TuttiConfig) -> Any:
+    """The node's admin API (tutti_control, imported only here), bound but not started; None, with
+    a warning, where the admin extra is not installed."""
+    try:
+        from tutti_control.serve import NodeAdmin
+    except ImportError as e:
+        log.warning("admin API not served (%s): pip install 'tutti-cluster[admin]'", e)
+        return None
+    return NodeAdmin(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +99,13 @@ def _dispatch(argv: list[str]) -> int:
         from tutti_cluster.cluster.bench import main as cluster_bench_main
 
         return int(cluster_bench_main(argv[2:]) or 0)
+    if argv[:1] == ["admin"]:  # the admin client owns its flags; FastAPI is never imported for it
+        try:
+            from tutti_control.cli import main as admin_main
+        except ImportError as e:
+            print(f"tutti admin needs the admin extra ({e}): pip install 'tutti-cluster[admin]'", file=sys.stderr)
+            return 2
+        return int(admin_main(argv[1:]) or 0)
     if argv[:1] == ["bench"]:
         try:
             from tutti_cluster.bench import main as bench_main
@@ -94,6 +120,11 @@ def _dispatch(argv: list[str]) -> int:
     _config_args(up)
     up.add_argument("--demo", action="store_true", help="push a synthetic Llama-3-8B prefix through the store and exit")
     up.add_argument("--tokens", type=int, default=8192, help="demo prefix length in tokens")
+    adm = up.add_argument_group("admin API (docs/ADMIN.md)")
+    adm.add_argument("--admin-host", help="address of the node's admin API (TUTTI_ADMIN_HOST, default 127.0.0.1)")
+    adm.add_argument("--admin-port", type=int, help="port of the node's admin API (TUTTI_ADMIN_PORT, default 9480)")
+    sub.add_parser("admin", help="admin plane client: status, stats, objects, evict, pin, unpin, drain; and "
+                   "serve, the cluster-wide admin API (tutti admin --help)")
     sub.add_parser("bench", help="benchmark against baselines and same-run limits (tutti bench --help); "
                    "`tutti bench cluster` measures remote fetch and lookups (tutti bench cluster --help)")
     a = p.parse_args(argv)

@@ -102,3 +102,47 @@ def cluster_admin(config: TuttiConfig, sock: socket.socket) -> tuple[AdminServer
         raise ConfigError("tutti admin serve needs the nodes' admin token: TUTTI_ADMIN_TOKEN or TUTTI_ADMIN_TOKEN_FILE")
     backend = ClusterBackend(config, token)
     return AdminServer(create_app(backend, token, title="Tutti cluster admin API"), sock, backend), token
+
+
+class NodeAdmin:
+    """The node's admin API inside `tutti up`: bound at once (the address goes into the node's
+    cluster record), started once the daemon serves, stopped after it."""
+
+    def __init__(self, config: TuttiConfig) -> None:
+        from tutti_control.auth import ensure_token
+
+        self.config = config
+        self.token, path, created = ensure_token(config)
+        if config.admin_token is not None:
+            self.token_note = "from TUTTI_ADMIN_TOKEN"
+        elif created:
+            self.token_note = f"created in {path} (mode 0600)"
+        else:
+            self.token_note = f"in {path}"
+        self.sock = bind(config.admin_host, config.admin_port)
+        self.address = address_of(self.sock)
+        self.advertised = self._advertised()
+        self.server: AdminServer | None = None
+
+    def _advertised(self) -> str:
+        """What other nodes and the cluster-wide admin dial: a wildcard listen address is replaced
+        by this host's address on the route to etcd."""
+        host, port = self.sock.getsockname()[:2]
+        if host in ("0.0.0.0", "::") and self.config.etcd:
+            from tutti_cluster.cluster.directory import local_address_towards
+
+            host = local_address_towards(",".join(self.config.etcd))
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def start(self) -> None:
+        from tutti_control.app import create_app
+        from tutti_control.backend import NodeBackend
+
+        backend = NodeBackend(self.config)
+        self.server = AdminServer(create_app(backend, self.token), self.sock, backend).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        else:
+            self.sock.close()
