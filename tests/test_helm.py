@@ -58,8 +58,11 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return p
 
 
+KUBE = "1.30.0"  # the version the manifests are validated for
+
+
 def render_text(*args: str) -> str:
-    return helm("template", "t", str(CHART), "--namespace", NS, *args).stdout
+    return helm("template", "t", str(CHART), "--namespace", NS, "--kube-version", KUBE, *args).stdout
 
 
 def render(*args: str) -> list[dict[str, Any]]:
@@ -67,7 +70,7 @@ def render(*args: str) -> list[dict[str, Any]]:
 
 
 def render_fails(*args: str) -> str:
-    p = helm("template", "t", str(CHART), "--namespace", NS, *args, check=False)
+    p = helm("template", "t", str(CHART), "--namespace", NS, "--kube-version", KUBE, *args, check=False)
     assert p.returncode != 0, f"rendered although it should not: {args}"
     return p.stderr
 
@@ -122,14 +125,14 @@ def example_docs() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("values", [[], ["-f", str(EXAMPLE)]], ids=["default", "example"])
 def test_lint_strict(values: list[str]) -> None:
-    p = helm("lint", "--strict", str(CHART), "--namespace", NS, *values)
+    p = helm("lint", "--strict", str(CHART), "--namespace", NS, "--kube-version", KUBE, *values)
     assert "0 chart(s) failed" in p.stdout
 
 
 def _kube_validate(text: str, tmp_path: Path, name: str) -> str:
     path = tmp_path / name
     path.write_text(text)
-    p = subprocess.run([KUBE_VALIDATE, "--strict", "-k", "1.30.0", str(path)],
+    p = subprocess.run([KUBE_VALIDATE, "--strict", "-k", KUBE, str(path)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     return p.stdout + p.stderr
@@ -138,7 +141,7 @@ def _kube_validate(text: str, tmp_path: Path, name: str) -> str:
 @pytest.mark.parametrize("args", [
     [],
     ["-f", str(EXAMPLE)],
-    ["--set", "node.rdma.enabled=true", "--set", "mooncake.enabled=true", "--set", "etcd.replicas=3",
+    ["-f", str(EXAMPLE), "--set", "node.rdma.enabled=true", "--set", "mooncake.enabled=true", "--set", "etcd.replicas=3",
      "--set", "admin.ingress.enabled=true", "--set", "admin.ingress.className=nginx",
      "--set", "node.rdma.resources.rdma/rdma_shared_device_a=1"],
     ["--set", "etcd.enabled=false", "--set", "admin.enabled=false", "--set", "config.paths={/mnt/nvme0}"],
@@ -242,6 +245,12 @@ def test_rdma_uses_the_host_network_and_infiniband_devices() -> None:
     assert res["requests"]["rdma/hca"] == 1 and res["limits"]["rdma/hca"] == 1
     assert res["requests"]["cpu"] == "500m"  # the node's own resources are kept
     assert "rdma_shared" not in json.dumps(one(render(), "DaemonSet", "node"))
+    # The engines fetch remote units over the same devices.
+    eng = one(render("-f", str(EXAMPLE), "--set", "node.rdma.enabled=true", "--set", "node.rdma.resources.rdma/hca=1"),
+              "Deployment", "vllm")
+    assert pod_spec(eng)["hostNetwork"] is True
+    assert {"name": "infiniband", "mountPath": "/dev/infiniband"} in container(eng)["volumeMounts"]
+    assert container(eng)["resources"]["limits"] == {"nvidia.com/gpu": 1, "rdma/hca": 1}
     assert "config.protocol" in render_fails("--set", "node.rdma.enabled=true", "--set", "config.protocol=tcp")
 
 
