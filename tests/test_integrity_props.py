@@ -60,7 +60,11 @@ def error_pattern(span_bits: int) -> st.SearchStrategy[list[int]]:
 
 # ---- objects ---------------------------------------------------------------------------------
 def prop_object_errors_are_misses() -> None:
-    tmp = Path(tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory() as tmp:
+        _object_errors_are_misses(Path(tmp))
+
+
+def _object_errors_are_misses(tmp: Path) -> None:
     dirs = [tmp / "a", tmp / "b"]
     for d in dirs:
         d.mkdir()
@@ -104,7 +108,11 @@ def prop_object_errors_are_misses() -> None:
 
 # ---- headers ---------------------------------------------------------------------------------
 def prop_header_errors_are_absent_units() -> None:
-    tmp = Path(tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory() as tmp:
+        _header_errors_are_absent_units(Path(tmp))
+
+
+def _header_errors_are_absent_units(tmp: Path) -> None:
     dirs = [tmp / "a", tmp / "b"]
     for d in dirs:
         d.mkdir()
@@ -165,7 +173,8 @@ class NativeApiMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        tmp = Path(tempfile.mkdtemp())
+        self._tmp = tempfile.TemporaryDirectory()
+        tmp = Path(self._tmp.name)
         self.dirs = [tmp / "a", tmp / "b"]
         for d in self.dirs:
             d.mkdir()
@@ -395,6 +404,7 @@ class NativeApiMachine(RuleBasedStateMachine):
                     assert all(np.array_equal(a, b) for a, b in zip(v["content"], got)), f"unit {k} read back wrong"
         finally:
             self.s.close()
+            self._tmp.cleanup()
 
 
 def prop_native_api_state_machine() -> None:
