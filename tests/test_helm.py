@@ -430,6 +430,12 @@ def test_grafana_dashboard_reads_tutti_metrics(default_docs: list[dict[str, Any]
     names = {m for e in exprs for m in re.findall(r"\btutti_[a-z_]+", e)}
     assert {"tutti_hits_total", "tutti_misses_total", "tutti_path_used_bytes", "tutti_checksum_failures_total",
             "tutti_remote_fetch_bytes_total", "tutti_directory_errors_total"} <= names
+    # Each series is one the admin plane exports (counters gain _total, histograms _bucket).
+    control = ROOT / "control" / "tutti_control"
+    exported = set(re.findall(r'"(tutti_[a-z_]+)"', "".join(p.read_text() for p in control.rglob("*.py"))))
+    for n in names:
+        base = re.sub(r"_(total|bucket|sum|count)$", "", n)
+        assert base in exported, f"the dashboard reads {n}, which control/tutti_control does not export"
 
 
 # -- the example: vLLM on the node-local store ----------------------------------------------------
