@@ -129,6 +129,16 @@ def test_lint_strict(values: list[str]) -> None:
     assert "0 chart(s) failed" in p.stdout
 
 
+@pytest.mark.parametrize("values", [[], ["-f", str(EXAMPLE)]], ids=["default", "example"])
+def test_notes(values: list[str]) -> None:
+    p = helm("install", "t", str(CHART), "--dry-run=client", "--namespace", NS, *values)
+    notes = p.stdout[p.stdout.index("NOTES:"):]
+    assert f"secret t-tutti-admin-token -o jsonpath='{{.data.token}}'" in notes
+    assert f"directory at t-tutti-etcd.{NS}.svc:2379" in notes
+    assert "No ServiceMonitor was rendered" in notes
+    assert ("Deployment t-tutti-vllm" in notes) == bool(values)
+
+
 def _kube_validate(text: str, tmp_path: Path, name: str) -> str:
     path = tmp_path / name
     path.write_text(text)
