@@ -211,3 +211,152 @@ def test_worker_metadata_aggregates_ranks() -> None:
     m = TuttiWorkerMetadata([1], [2], {"a": 3}).aggregate(TuttiWorkerMetadata([3], [], {"a": 1, "b": 5}))
     assert isinstance(m, TuttiWorkerMetadata) and m.committed == [1, 3] and m.evicted == [2]
     assert m.failed == {"a": 1, "b": 5}  # the earliest failed unit of each request, over all ranks
+
+
+# ---- the worker's bookkeeping under errors (issue 13) -------------------------------------------
+# A real worker-role connector on real vLLM config objects and a real store (CPU backend, files
+# under a temporary directory); only the engine is absent: the test makes the calls vLLM's model
+# runner makes in a step (bind metadata, start_load_kv, per-layer waits and saves, wait_for_save).
+LAYER_NAMES = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+BLOCK = 32  # tokens per vLLM block; a unit is 2 blocks
+
+
+def _vllm_config(tmp_path, policy: str | None = None, **extra):
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+
+    cfg = {"paths": [str(tmp_path / "store")], "data_dir": str(tmp_path / "node"), "unit_tokens": 2 * BLOCK,
+           "capacity_gb": 0.01, "min_io_bytes": 4096, "staging_mb": 2, "namespace": "test", **extra}
+    kt = dict(kv_connector="TuttiConnector", kv_connector_module_path="tutti_cluster.vllm", kv_role="kv_both",
+              kv_connector_extra_config=cfg)
+    if policy is not None:
+        kt["kv_load_failure_policy"] = policy
+    return VllmConfig(kv_transfer_config=KVTransferConfig(**kt), cache_config=CacheConfig(block_size=BLOCK))
+
+
+def _worker(tmp_path, **extra):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    (tmp_path / "store").mkdir(exist_ok=True)
+    c = TuttiConnector(_vllm_config(tmp_path, "recompute", **extra), KVConnectorRole.WORKER,
+                       KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[]))
+    kv = {name: torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD) for name in LAYER_NAMES}
+    c.register_kv_caches(kv)
+    return c, kv
+
+
+def _step(c, loads=(), saves=()) -> None:
+    """One model step as vLLM's model runner drives the worker connector."""
+    from tutti_cluster.vllm import TuttiConnectorMetadata
+
+    c.bind_connector_metadata(TuttiConnectorMetadata(loads=list(loads), saves=list(saves)))
+    c.start_load_kv(None)
+    for name in LAYER_NAMES:
+        c.wait_for_layer_load(name)
+        c.save_kv_layer(name, None, None)
+    c.wait_for_save()
+    c.clear_connector_metadata()
+
+
+def _unit(c, name: bytes, blocks: list[int]):
+    from tutti_cluster.vllm import _Transfer
+
+    return _Transfer(name.decode(), [name.ljust(32, b".")], blocks)
+
+
+def _no_request_left(c) -> None:
+    """Everything begun was finished: no request in the store, every IOCB free."""
+    s = c.store
+    assert not s._ops, f"requests left in flight: {s._ops}"
+    ids = s.get_iocb(s.config.iocb_depth)
+    for i in ids:
+        s.put_iocb(i)
+
+
+def test_a_load_that_cannot_begin_is_reported_failed(tmp_path) -> None:
+    """IOCBs for one load only (2 layers, iocb_depth 3): the second of two loads in a step raises
+    CapacityExceeded at begin and is reported as load errors; the first loads byte-exact."""
+    c, kv = _worker(tmp_path, iocb_depth=3)
+    try:
+        _step(c, saves=[_unit(c, b"a", [0, 1])])
+        _step(c, saves=[_unit(c, b"b", [2, 3])])
+        assert c.store.lookup([_key(c._prefix, b"a".ljust(32, b".")), _key(c._prefix, b"b".ljust(32, b"."))]) == 2
+        want = {n: t.clone() for n, t in kv.items()}
+        for t in kv.values():
+            t[8:12] = 0
+        _step(c, loads=[_unit(c, b"a", [8, 9]), _unit(c, b"b", [10, 11])])
+        assert c.get_block_ids_with_load_errors() == {10, 11}
+        for n, t in kv.items():
+            assert torch.equal(t[8:10], want[n][0:2])
+        meta = c.build_connector_worker_meta()
+        assert meta is not None and meta.failed == {"b": 0}
+        _no_request_left(c)
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["retrieve_layer", "wait_layer"])
+def test_a_load_with_a_failed_layer_call_is_never_reported_loaded(tmp_path, monkeypatch, fault) -> None:
+    """A layer call of a load raises (an injected fault: a real store does not fail these calls on
+    the CPU backend): every block of the load is reported failed, and the request is finished."""
+    c, kv = _worker(tmp_path)
+    try:
+        _step(c, saves=[_unit(c, b"a", [0, 1])])
+        real = getattr(c.store, fault)
+
+        def failing(layer, req, *a, **kw):
+            if layer == 1:
+                from tutti_cluster.errors import DeviceError
+                raise DeviceError(f"injected {fault} fault")
+            return real(layer, req, *a, **kw)
+
+        monkeypatch.setattr(c.store, fault, failing)
+        _step(c, loads=[_unit(c, b"a", [8, 9])])
+        assert c.get_block_ids_with_load_errors() == {8, 9}
+        _no_request_left(c)
+    finally:
+        c.shutdown()
+
+
+def test_a_save_with_a_failed_store_layer_is_finished_and_commits_nothing(tmp_path, monkeypatch) -> None:
+    """store_layer raises (an injected fault): the engine sees no exception, the save is finished
+    (its slots and IOCBs return), nothing is committed, and the next save works."""
+    c, kv = _worker(tmp_path, iocb_depth=3)
+    try:
+        real = c.store.store_layer
+        calls = []
+
+        def failing(layer, req, *a, **kw):
+            calls.append(layer)
+            if layer == 1:
+                from tutti_cluster.errors import StorageError
+                raise StorageError("injected store_layer fault")
+            return real(layer, req, *a, **kw)
+
+        monkeypatch.setattr(c.store, "store_layer", failing)
+        _step(c, saves=[_unit(c, b"a", [0, 1])])
+        assert 1 in calls
+        assert c.store.lookup([_key(c._prefix, b"a".ljust(32, b"."))]) == 0
+        assert c.get_kv_connector_stats().reduce()["store_units"] == 0
+        _no_request_left(c)
+        monkeypatch.setattr(c.store, "store_layer", real)
+        _step(c, saves=[_unit(c, b"b", [2, 3])])  # the table is whole again
+        assert c.store.lookup([_key(c._prefix, b"b".ljust(32, b"."))]) == 1
+    finally:
+        c.shutdown()
+
+
+@pytest.mark.parametrize("policy", [None, "fail", "recompute"])
+def test_the_fail_policy_is_warned_about_once_at_start(tmp_path, caplog, policy) -> None:
+    import logging
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    caplog.set_level(logging.WARNING, logger="tutti_cluster.vllm")
+    TuttiConnector(_vllm_config(tmp_path, policy), KVConnectorRole.SCHEDULER, None)
+    warned = [r for r in caplog.records if r.name == "tutti_cluster.vllm" and "kv_load_failure_policy" in r.getMessage()]
+    if policy == "recompute":
+        assert not warned
+    else:  # vLLM's default is "fail"
+        assert len(warned) == 1 and warned[0].levelno == logging.WARNING
+        assert "recompute" in warned[0].getMessage() and "fails the request" in warned[0].getMessage()

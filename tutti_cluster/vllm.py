@@ -391,6 +391,7 @@ class _InFlight:
     transfer: _Transfer
     handle: int
     keys: list[int]
+    error: bool = False  # a layer call or wait failed: nothing of it counts as loaded (or saved)
 
 
 class TuttiConnector(KVConnectorBase_V1):
@@ -431,6 +432,12 @@ class TuttiConnector(KVConnectorBase_V1):
 
     # ================================ scheduler role ================================
     def _init_scheduler(self) -> None:
+        if self.options.load and getattr(self._kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+            log.warning(
+                "Tutti connector: kv_load_failure_policy is 'fail' (vLLM's default), so a unit that fails to "
+                "load (evicted since the lookup, a missing file, a checksum mismatch) fails the request that "
+                "needed it instead of being recomputed; set \"kv_load_failure_policy\": \"recompute\" in "
+                "--kv-transfer-config (docs/VLLM.md)")
         self._present: set[int] = set()
         self._reqs: dict[str, _ReqState] = {}
         self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (local, all) hit units of the latest lookup
@@ -813,7 +820,8 @@ class TuttiConnector(KVConnectorBase_V1):
                         self.store.retrieve_layer(layer, f.handle)
                 except TuttiError as e:
                     log.warning("Tutti load of request %s failed to start: %s", t.req_id, e)
-                sink.append(f)
+                    f.error = True
+                sink.append(f)  # finished in any case: the store holds its pins and IOCBs until then
 
     def _fetch_remote(self, t: _Transfer) -> _Transfer:
         """Places the transfer's remote units (other nodes' SSDs, over the Transfer Engine) into their
@@ -844,6 +852,7 @@ class TuttiConnector(KVConnectorBase_V1):
                 self.store.wait_layer(idx, f.handle)
             except TuttiError as e:
                 log.warning("Tutti load of request %s, layer %d: %s", f.transfer.req_id, idx, e)
+                f.error = True
 
     def _finish_loads(self, flights: list[_InFlight]) -> None:
         for f in flights:
@@ -852,6 +861,8 @@ class TuttiConnector(KVConnectorBase_V1):
                 failed = sorted(res.failed_units)
             except TuttiError as e:
                 log.warning("Tutti load of request %s failed: %s", f.transfer.req_id, e)
+                failed = [0]
+            if f.error:  # a layer of it did not move (or was not waited for): no block is loaded
                 failed = [0]
             if failed:
                 # vLLM keeps the prefix before the first invalid block and recomputes the rest.
@@ -877,7 +888,13 @@ class TuttiConnector(KVConnectorBase_V1):
             return
         self._saved_layers.add(idx)
         for f in self._saves:
-            self.store.store_layer(idx, f.handle)
+            if f.error:
+                continue
+            try:
+                self.store.store_layer(idx, f.handle)
+            except TuttiError as e:  # never into the engine: the save is dropped, finished in wait_for_save
+                log.warning("Tutti store of request %s, layer %d: %s", f.transfer.req_id, idx, e)
+                f.error = True
 
     def _start_saves(self) -> None:
         self._saves_started = True
@@ -907,8 +924,14 @@ class TuttiConnector(KVConnectorBase_V1):
             try:
                 # Layers that had no save_kv_layer call this step (no forward) are complete now.
                 for layer in range(self.store.num_layers):
-                    if layer not in self._saved_layers:
+                    if layer not in self._saved_layers and not f.error:
                         self.store.store_layer(layer, f.handle)
+            except TuttiError as e:
+                log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
+                f.error = True
+            try:
+                # Always finished, so that its slots and IOCBs go back; a request with a layer that
+                # did not move commits nothing.
                 res = self.store.finish(f.handle)
             except TuttiError as e:
                 log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
