@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tutti_control import __version__
@@ -23,13 +24,16 @@ from tutti_control.auth import CHALLENGE, token_matches
 from tutti_control.errors import ApiError, ErrorBody, error_body
 from tutti_control.metrics import TuttiCollector
 from tutti_control.models import (
-    MAX_KEYS, ConfigResponse, DrainRequest, DrainResponse, EvictResult, Health, HexKey, HexPrefix, KeysRequest,
+    ConfigResponse, DrainRequest, DrainResponse, EvictResult, Health, HexKey, HexPrefix, KeysRequest,
     NodeId, NodeInfo, NodeList, ObjectList, PinList, PinResult, Readiness, StatsResponse, UnpinResult,
 )
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 1 << 20
+# Keys in one query string: 256 keys are ~5.4 KB of URL, well inside what HTTP servers take
+# (uvicorn's h11 refuses request heads above 16 KiB).
+MAX_QUERY_KEYS = 256
 Node = Annotated[NodeId, Path(description="A node id.")]  # the largest valid body (4096 keys) is ~90 KiB
 
 
@@ -61,6 +65,7 @@ COMMON = {400: _err("Bad request (a request the node refuses)"), 413: _err("Body
           422: _err("Invalid request: malformed JSON, wrong types, unknown fields or parameters"),
           502: _err("The node daemon sent a bad reply"), 503: _err("The node daemon (or a node) is unavailable")}
 AUTHED = {**COMMON, 401: _err("Missing or wrong bearer token")}
+OPEN = {413: _err("Body larger than 1 MiB")}
 NOT_FOUND = {404: _err("No such node")}
 
 
@@ -175,9 +180,18 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
                             status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            # One route per method: Allow lists every method of every route on this path.
+            probe = {"type": "http", "path": request.url.path, "method": "", "root_path": ""}
+            allowed: set[str] = set()
+            for route in app.router.routes:
+                if isinstance(route, Route) and route.matches(probe)[0] != Match.NONE:
+                    allowed |= set(route.methods or ())
+            headers["Allow"] = ", ".join(sorted(allowed))
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+                            headers=headers or None)
 
     @app.exception_handler(Exception)
     async def crashed(_: Request, exc: Exception) -> JSONResponse:
@@ -185,20 +199,20 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
 
     # -- open routes ------------------------------------------------------------------------------
-    @app.get("/livez", response_model=Health, tags=["health"], summary="The process is up")
+    @app.get("/livez", response_model=Health, tags=["health"], responses=OPEN, summary="The process is up")
     def livez() -> Health:
         return Health()
 
     @app.get("/readyz", response_model=Readiness, tags=["health"],
-             responses={503: {"model": Readiness, "description": "Not ready: the reasons are in the body"}},
+             responses={**OPEN, 503: {"model": Readiness, "description": "Not ready: the reasons are in the body"}},
              summary="Ready when the node daemon (and, in cluster mode, etcd) answers")
     def readyz() -> JSONResponse:
         r = backend.readiness()
         return JSONResponse(r.model_dump(), status_code=200 if r.ready else 503)
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics",
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                              "description": "Prometheus text exposition"}}, response_class=Response)
+             responses={**OPEN, 200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                      "description": "Prometheus text exposition"}}, response_class=Response)
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -239,26 +253,33 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
     @v1.get("/objects", response_model=ObjectList, tags=["cache"],
             dependencies=[Depends(only_params("key", "prefix", "limit"))],
             summary="Units by key or key prefix, with the nodes that hold them")
-    def objects(key: Annotated[list[HexKey] | None, Query(max_length=MAX_KEYS, description="Keys to look up")] = None,
-                prefix: Annotated[HexPrefix | None, Query(description="Hex prefix of the keys")] = None,
+    def objects(key: Annotated[list[HexKey] | None, Query(max_length=MAX_QUERY_KEYS,
+                                                           description="Keys to look up (repeat the parameter)")] = None,
+                prefix: Annotated[HexPrefix | None, Query(description="Only keys starting with this hex prefix")] = None,
                 limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> ObjectList:
-        if key and prefix is not None:
-            raise ApiError(400, "bad_request", "give either key or prefix, not both")
-        if not key and prefix is None:
-            raise ApiError(400, "bad_request", "give key (one or more) or prefix ('' lists every unit)")
-        return backend.objects(list(key) if key else None, prefix, limit)
+        """With ``key``: those units (also the ones no node holds); with ``prefix``: the units whose key
+        starts so; with both, the given keys that match the prefix; with neither, every unit."""
+        if key:
+            keys = [k.lower().rjust(16, "0") for k in key]
+            if prefix is not None:
+                keys = [k for k in keys if k.startswith(prefix.lower())]
+            if not keys:
+                return ObjectList(objects=[], truncated=False)
+            return backend.objects(keys, None, limit)
+        return backend.objects(None, (prefix or "").lower(), limit)
 
     @v1.delete("/cache", response_model=EvictResult, tags=["cache"], responses=NOT_FOUND,
                dependencies=[Depends(only_params("all", "prefix", "node"))],
                summary="Evict units: all of them, by key prefix, or a node's")
-    def evict(all: Annotated[bool, Query(description="Evict every unpinned unit")] = False,
-              prefix: Annotated[HexPrefix | None, Query(min_length=1, description="Evict the units whose key starts so")] = None,
+    def evict(all: Annotated[bool, Query(description="Every unpinned unit (of `node`, when given)")] = False,
+              prefix: Annotated[HexPrefix | None, Query(min_length=1, description="Only units whose key starts so")] = None,
               node: Annotated[NodeId | None, Query(description="Only this node's units")] = None) -> EvictResult:
-        if all and prefix is not None:
-            raise ApiError(400, "bad_request", "all=true evicts everything: leave prefix out")
+        """Evicts unpinned units: ``all=true`` every one, ``prefix`` those whose key starts so,
+        ``node`` those of one node; given together, the units that match all of them. A request
+        that selects nothing is refused (400): an eviction never happens by default."""
         if not all and prefix is None and node is None:
             raise ApiError(400, "bad_request", "say what to evict: all=true, prefix=<hex> or node=<id>")
-        return backend.evict(prefix, node, all)
+        return backend.evict(prefix.lower() if prefix is not None else None, node, all)
 
     @v1.get("/pins", response_model=PinList, tags=["pins"], dependencies=[Depends(only_params())])
     def list_pins() -> PinList:

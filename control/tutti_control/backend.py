@@ -14,7 +14,7 @@ import time
 from typing import Any, Iterator, Sequence
 
 from tutti_cluster.config import TuttiConfig
-from tutti_cluster.errors import CapacityExceeded, ConfigError, NotFound, TuttiError
+from tutti_cluster.errors import ConfigError, TuttiError
 
 from tutti_control.errors import ApiError
 from tutti_control.models import (
@@ -69,11 +69,8 @@ class DaemonPool:
 
 
 def daemon_error(exc: TuttiError) -> ApiError:
-    """A daemon refusal, as an API error (its message is the daemon's)."""
-    if isinstance(exc, NotFound):
-        return ApiError(404, "not_found", str(exc))
-    if isinstance(exc, CapacityExceeded):
-        return ApiError(409, "conflict", str(exc))
+    """A daemon refusal, as an API error (its message is the daemon's): a request the daemon finds
+    invalid is the client's (400), anything else the daemon's (502)."""
     if isinstance(exc, ConfigError):
         return ApiError(400, "bad_request", str(exc))
     return ApiError(502, "daemon_error", str(exc), {"class": type(exc).__name__})

@@ -1,0 +1,83 @@
+"""A node for the admin plane's tests: a real node daemon (`run_daemon`, its own process) and an
+engine process with a real TuttiStore attached through the daemon socket (`cluster_fixtures`),
+and the admin app over them, in process (ASGI) or served by uvicorn on loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from cluster_fixtures import DaemonProcess, NodeProcess, free_port
+from tutti_cluster import TuttiConfig
+
+TOKEN = "test-admin-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 10.0, step: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v or time.monotonic() > deadline:
+            return v
+        time.sleep(step)
+
+
+class AdminNode:
+    """One node: daemon process + engine process (instance ``engine0``) on ``workdir``."""
+
+    def __init__(self, workdir: Path, node_id: str = "node-a", **extra: Any) -> None:
+        ssd = workdir / "ssd"
+        ssd.mkdir(parents=True, exist_ok=True)
+        self.workdir = workdir
+        self.cfg = {"paths": [str(ssd)], "capacity_gb": 0.05, "unit_tokens": 64, "data_dir": str(workdir / "node"),
+                    "node_id": node_id, **extra}
+        self.node_id = node_id
+        self.daemon = DaemonProcess(self.cfg, workdir / "daemon.log")
+        self.engine: NodeProcess | None = None
+        self.start_engine()
+
+    @property
+    def config(self) -> TuttiConfig:
+        return TuttiConfig(**self.cfg)
+
+    def start_engine(self, name: str = "engine0") -> NodeProcess:
+        self.engine = NodeProcess(name, "", self.workdir, paths=self.cfg["paths"], capacity_gb=0.02,
+                                  with_daemon=False, instance=name, data_dir=Path(self.cfg["data_dir"]))
+        return self.engine
+
+    def engine_stats(self) -> dict[str, Any]:
+        assert self.engine is not None
+        return dict(self.engine.call(op="stats")["store"])
+
+    def store(self, keys: list[int]) -> None:
+        assert self.engine is not None
+        r = self.engine.call(op="store", keys=keys)
+        assert r["ok"] and r["units"] == len(keys), r
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.daemon.stop()
+
+
+@contextlib.contextmanager
+def served_admin(node: AdminNode, token: str = TOKEN) -> Iterator[str]:
+    """The node's admin app under uvicorn on a free loopback port; yields its base URL."""
+    from tutti_control.app import create_app
+    from tutti_control.backend import NodeBackend
+    from tutti_control.serve import AdminServer, bind
+
+    sock = bind("127.0.0.1", free_port())
+    backend = NodeBackend(node.config)
+    server = AdminServer(create_app(backend, token), sock, backend).start()
+    try:
+        yield f"http://{server.address}"
+    finally:
+        server.stop()
+
+
+def hexkey(k: int) -> str:
+    return f"{k:016x}"
