@@ -32,7 +32,7 @@ CUDA=on
 log "build (CUDA $CUDA)"
 cmake -S . -B ${BUILD_DIR:-/tmp/b} -G Ninja -DTUTTI_CUDA=$CUDA -DPython_EXECUTABLE="$(which python3)" \
   -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DLIBURING_INCLUDE=/tmp/uring/usr/include \
-  -DLIBURING_LIB=/tmp/uring/usr/lib/x86_64-linux-gnu/liburing.a > "$OUT/build.log" 2>&1 &&
+  -DLIBURING_LIB=/tmp/uring/usr/lib/x86_64-linux-gnu/liburing.a ${CMAKE_EXTRA:-} > "$OUT/build.log" 2>&1 &&
   ninja -C ${BUILD_DIR:-/tmp/b} >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
 cp ${BUILD_DIR:-/tmp/b}/_native*.so tutti_cluster/
 export PYTHONPATH=$PWD:/tmp/site

@@ -40,6 +40,9 @@ namespace tutti {
 
 namespace {
 
+#ifndef TUTTI_IO_UNROLL
+#define TUTTI_IO_UNROLL 4
+#endif
 constexpr uint32_t kMaxLaunchIocbs = 8;
 // Launches alternate between two I/O streams ("lanes"), each with its own SQ/CQ pairs and half of
 // the staging chunks, so that the kernel of the next layer gathers (store) or posts its reads while
@@ -136,7 +139,7 @@ __shared__ uint32_t crc_shift[64];         // lane_shift16, then lane_shift4
 template <bool kCopy, bool kFromHost>
 __device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint64_t obj_off, CrcRows t,
                                             uint32_t& acc, uint32_t lane) {
-  constexpr uint32_t U = 4;  // 64 registers per thread: two blocks per SM (kLanes)
+  constexpr uint32_t U = TUTTI_IO_UNROLL;  // vectors in flight per lane; 64 registers: two blocks per SM
   const uint4* s = reinterpret_cast<const uint4*>(src);
   uint4* d = reinterpret_cast<uint4*>(dst);
   const uint32_t nv = static_cast<uint32_t>(bytes / 16);
