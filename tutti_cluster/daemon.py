@@ -1027,7 +1027,8 @@ class NodeDaemon:
     def _engine_live(self, name: str) -> bool:
         """Whether ``name``'s engine polls its command channel (call with _cmd_cv held)."""
         e = self._engines.get(name)
-        return e is not None and (e["polling"] > 0 or time.monotonic() - e["seen"] < 3 * COMMAND_WAIT_MS / 1000 + 1)
+        # A live link polls again as soon as a poll returns: a gap of 3 s means the engine is gone.
+        return e is not None and (e["polling"] > 0 or time.monotonic() - e["seen"] < 3.0)
 
     def _owners_of(self, keys: list[int]) -> dict[str, list[int]]:
         """Local instances holding each key: instance -> its keys, in the order given."""

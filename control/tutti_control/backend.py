@@ -53,7 +53,12 @@ class DaemonPool:
         """One daemon request. OSError (no daemon) becomes 503; daemon errors keep their class."""
         link = self._free.get()
         try:
-            return link.request(msg)
+            try:
+                return link.request(msg)
+            except OSError:
+                # A connection of a daemon that restarted since: once more on a fresh one (every
+                # daemon op is idempotent, so a request that did arrive is not applied twice).
+                return link.request(msg)
         except TuttiError:
             raise  # the daemon's refusal, with its class (ConfigError is also a ValueError)
         except OSError as exc:

@@ -1,0 +1,432 @@
+"""The node's admin API (tutti_control) in process over ASGI, against a real node daemon process and
+a real engine process (TuttiStore attached through the daemon socket): every route, every error.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi", reason="the admin extra is not installed (pip install '.[admin]')")
+from fastapi.testclient import TestClient  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from admin_fixtures import AUTH, TOKEN, AdminNode, hexkey, wait_for  # noqa: E402
+from tutti_cluster import TuttiConfig  # noqa: E402
+from tutti_cluster.daemon import DaemonLink  # noqa: E402
+from tutti_cluster.errors import CapacityExceeded  # noqa: E402
+from tutti_control.app import create_app  # noqa: E402
+from tutti_control.backend import NodeBackend  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+V1_ROUTES = [("GET", "/v1/nodes"), ("GET", "/v1/nodes/node-a"), ("GET", "/v1/stats"), ("GET", "/v1/config"),
+             ("GET", "/v1/objects?prefix="), ("DELETE", "/v1/cache?all=true"), ("GET", "/v1/pins"),
+             ("POST", "/v1/pins"), ("DELETE", "/v1/pins"), ("POST", "/v1/nodes/node-a/drain"),
+             ("DELETE", "/v1/nodes/node-a/drain")]
+DAEMON_SECRET = "daemon-config-secret-xyz"
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AdminNode]:
+    n = AdminNode(tmp_path_factory.mktemp("admin"), admin_token=DAEMON_SECRET)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+@pytest.fixture(scope="module")
+def client(node: AdminNode) -> Iterator[TestClient]:
+    backend = NodeBackend(node.config)
+    with TestClient(create_app(backend, TOKEN), raise_server_exceptions=False) as c:
+        # The engine's command channel is up once the daemon lists it as connected.
+        assert wait_for(lambda: c.get("/v1/nodes/node-a", headers=AUTH).json()["instances"][0]["engine_connected"])
+        yield c
+    backend.close()
+
+
+def is_error(r: Any, status: int, code: str | None = None) -> dict:
+    """``r`` is an error of ``status`` in the one stable shape; returns its ``error`` object."""
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "details"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def state(c: TestClient, node: AdminNode, keys: list[int]) -> tuple:
+    """Everything a bad request could change: pins, units, the engine's hits and pinned count."""
+    pins = c.get("/v1/pins", headers=AUTH).json()
+    objs = c.get("/v1/objects", params={"prefix": ""}, headers=AUTH).json()
+    st = node.engine_stats()
+    assert node.engine is not None
+    return pins, objs, node.engine.call(op="lookup", keys=keys)["local"], st["pinned"], st["units"]
+
+
+# -- health and auth ------------------------------------------------------------------------------
+def test_health_and_metrics_are_open(client: TestClient):
+    assert client.get("/livez").json() == {"status": "ok"}
+    r = client.get("/readyz")
+    assert r.status_code == 200 and r.json() == {"ready": True, "reasons": [], "checks": {"daemon": True}}
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "tutti_node_up" in {f.name for f in text_string_to_metric_families(r.text)}
+
+
+@pytest.mark.parametrize("method,path", V1_ROUTES)
+@pytest.mark.parametrize("header", [None, "Bearer wrong-token", f"Basic {TOKEN}", f"Bearer {TOKEN}x",
+                                    f"Bearer {TOKEN[:-1]}", "Bearer"])
+def test_every_v1_route_needs_the_bearer_token(client: TestClient, node: AdminNode, method: str, path: str,
+                                               header: str | None):
+    before = state(client, node, [1])
+    headers = {"Authorization": header} if header is not None else {}
+    r = client.request(method, path, headers=headers, json={"keys": ["1"]} if "pins" in path else None)
+    is_error(r, 401, "unauthorized")
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    assert state(client, node, [1]) == before
+
+
+# -- reads ----------------------------------------------------------------------------------------
+def test_nodes_node_stats_and_config(client: TestClient, node: AdminNode):
+    keys = [0x1000 + i for i in range(6)]
+    node.store(keys)
+    assert node.engine is not None
+    assert node.engine.call(op="lookup", keys=keys + [0x1fff])["local"] == len(keys)
+    nodes = client.get("/v1/nodes", headers=AUTH).json()["nodes"]
+    assert [n["node_id"] for n in nodes] == ["node-a"] and nodes[0]["mode"] == "single"
+    one = client.get("/v1/nodes/node-a", headers=AUTH).json()
+    assert one["units"] >= len(keys) and one["paths"] == node.cfg["paths"]
+    inst = one["instances"][0]
+    assert inst["name"] == "engine0" and inst["engine_connected"] and inst["capacity_bytes"][0] > 0
+    assert one["drain"]["state"] == "serving"
+    is_error(client.get("/v1/nodes/other", headers=AUTH), 404, "node_not_found")
+
+    # The engine reports its store's counters on its command channel (at most 2 s old).
+    eng = node.engine_stats()
+
+    def caught_up() -> dict | None:
+        s = client.get("/v1/stats", headers=AUTH).json()
+        t = s["totals"]
+        return s if t["bytes_written"] >= eng["bytes_written"] and t["lookups"] >= eng["lookups"] else None
+
+    s = wait_for(caught_up, 10)
+    assert s, "the engine's counters did not reach the daemon"
+    t = s["totals"]
+    assert t["bytes_written"] == eng["bytes_written"] > 0
+    assert t["lookups"] == eng["lookups"] and t["hits"] == eng["hits"] and t["misses"] == eng["lookups"] - eng["hits"]
+    assert t["units"] == one["units"] and t["used_bytes"] == eng["slot_bytes"] * (eng["total_slots"] - eng["free_slots"])
+    assert s["nodes"][0]["instances"]["engine0"]["bytes_written"] == eng["bytes_written"]
+
+    r = client.get("/v1/config", headers=AUTH)
+    cfg = r.json()["nodes"]["node-a"]
+    assert cfg["paths"] == node.cfg["paths"] and cfg["unit_tokens"] == 64 and cfg["node_id"] == "node-a"
+    assert cfg["admin_token"] == "<redacted>" and DAEMON_SECRET not in r.text
+
+
+def test_objects_by_key_prefix_and_limit(client: TestClient, node: AdminNode):
+    keys = [0x2a00 + i for i in range(5)]
+    node.store(keys)
+    r = client.get("/v1/objects", params={"key": [hexkey(keys[0]), "2A01", "dead"]}, headers=AUTH).json()
+    assert [o["key"] for o in r["objects"]] == [hexkey(keys[0]), hexkey(keys[1]), hexkey(0xdead)]
+    assert r["objects"][0]["nodes"] == ["node-a"] and r["objects"][0]["instances"] == {"node-a": ["engine0"]}
+    assert r["objects"][2]["nodes"] == [] and not r["truncated"]
+    r = client.get("/v1/objects", params={"prefix": "0000000000002a0"}, headers=AUTH).json()
+    assert [o["key"] for o in r["objects"]] == [hexkey(k) for k in keys] and not r["truncated"]
+    r = client.get("/v1/objects", params={"prefix": "0000000000002a", "limit": 2}, headers=AUTH).json()
+    assert len(r["objects"]) == 2 and r["truncated"]
+    # key and prefix together: the given keys that match; neither: every unit.
+    r = client.get("/v1/objects", params={"key": [hexkey(keys[0]), "1000"], "prefix": "00000000000010"},
+                   headers=AUTH).json()
+    assert [o["key"] for o in r["objects"]] == [hexkey(0x1000)]
+    everything = client.get("/v1/objects", headers=AUTH).json()["objects"]
+    assert {hexkey(k) for k in keys} <= {o["key"] for o in everything}
+
+
+# -- pins and evictions ---------------------------------------------------------------------------
+def test_pin_unpin_and_list(client: TestClient, node: AdminNode):
+    keys = [0x3b00 + i for i in range(4)]
+    node.store(keys)
+    pinned_before = node.engine_stats()["pinned"]
+    r = client.post("/v1/pins", json={"keys": [hexkey(k) for k in keys[:3]] + ["3bff"]}, headers=AUTH)
+    assert r.status_code == 200
+    assert r.json() == {"pinned": [hexkey(k) for k in keys[:3]], "absent": [hexkey(0x3bff)], "unreachable": []}
+    # Pinning again changes nothing: one store pin per key, however often it is asked for.
+    assert client.post("/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH).json()["pinned"] == [hexkey(keys[0])]
+    assert node.engine_stats()["pinned"] == pinned_before + 3
+    listed = client.get("/v1/pins", headers=AUTH).json()
+    assert {hexkey(k) for k in keys[:3]} <= set(listed["pins"]) and listed["count"] == len(listed["pins"])
+    objs = client.get("/v1/objects", params={"key": [hexkey(k) for k in keys]}, headers=AUTH).json()["objects"]
+    assert [o["pinned"] for o in objs] == [True, True, True, False]
+
+    r = client.request("DELETE", "/v1/pins", json={"keys": [hexkey(keys[0]), hexkey(keys[3])]}, headers=AUTH)
+    assert r.json() == {"unpinned": [hexkey(keys[0])], "not_pinned": [hexkey(keys[3])], "unreachable": []}
+    assert node.engine_stats()["pinned"] == pinned_before + 2
+    client.request("DELETE", "/v1/pins", json={"keys": [hexkey(k) for k in keys[1:3]]}, headers=AUTH)
+    assert node.engine_stats()["pinned"] == pinned_before
+    assert not {hexkey(k) for k in keys} & set(client.get("/v1/pins", headers=AUTH).json()["pins"])
+
+
+def test_evict_by_prefix_node_and_all_keeps_pinned_units(client: TestClient, node: AdminNode):
+    assert node.engine is not None
+    a = [0x4c00 + i for i in range(4)]
+    b = [0x4d00 + i for i in range(3)]
+    node.store(a + b)
+    client.post("/v1/pins", json={"keys": [hexkey(a[0])]}, headers=AUTH)
+    r = client.delete("/v1/cache", params={"prefix": "0000000000004c"}, headers=AUTH).json()
+    assert (r["evicted"], r["pinned_kept"], r["unreachable"]) == (3, 1, 0)
+    assert r["nodes"] == {"node-a": {"evicted": 3, "pinned_kept": 1, "unreachable": 0}}
+    # Gone from the engine's store and from the daemon's index at once.
+    assert [node.engine.call(op="lookup", keys=[k])["local"] for k in a] == [1, 0, 0, 0]
+    left = client.get("/v1/objects", params={"prefix": "0000000000004"}, headers=AUTH).json()["objects"]
+    assert [o["key"] for o in left] == [hexkey(a[0])] + [hexkey(k) for k in b]
+    is_error(client.delete("/v1/cache", params={"node": "elsewhere"}, headers=AUTH), 404, "node_not_found")
+    is_error(client.delete("/v1/cache", headers=AUTH), 400, "bad_request")
+    r = client.delete("/v1/cache", params={"node": "node-a", "prefix": "0000000000004d"}, headers=AUTH).json()
+    assert r["evicted"] == 3 and node.engine.call(op="lookup", keys=b)["local"] == 0
+    r = client.delete("/v1/cache", params={"all": "true"}, headers=AUTH).json()
+    assert r["pinned_kept"] >= 1 and node.engine.call(op="lookup", keys=a[:1])["local"] == 1
+    assert client.get("/v1/nodes/node-a", headers=AUTH).json()["units"] == r["pinned_kept"]
+    client.request("DELETE", "/v1/pins", json={"keys": [hexkey(a[0])]}, headers=AUTH)
+    assert client.delete("/v1/cache", params={"all": "true"}, headers=AUTH).json()["evicted"] >= 1
+    assert node.engine.call(op="lookup", keys=a[:1])["local"] == 0
+
+
+def test_metrics_follow_the_node(client: TestClient, node: AdminNode):
+    keys = [0x5e00 + i for i in range(3)]
+    node.store(keys)
+    client.post("/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH)
+    eng = node.engine_stats()
+
+    def scrape() -> dict:
+        out = {}
+        for fam in text_string_to_metric_families(client.get("/metrics").text):
+            for s in fam.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    inst = (("instance", "engine0"), ("node", "node-a"))
+    m = wait_for(lambda: (lambda m: m if m[("tutti_written_bytes_total", inst)] >= eng["bytes_written"]
+                          and m[("tutti_pinned_units", inst)] == eng["pinned"] else None)(scrape()), 10)
+    assert m, "metrics did not catch up with the engine"
+    units = client.get("/v1/nodes/node-a", headers=AUTH).json()["units"]
+    assert m[("tutti_node_up", (("node", "node-a"),))] == 1
+    assert m[("tutti_node_units", (("node", "node-a"),))] == units
+    assert m[("tutti_pinned_units", inst)] == eng["pinned"] >= 1
+    assert m[("tutti_hits_total", inst)] == eng["hits"]
+    assert m[("tutti_misses_total", inst)] == eng["lookups"] - eng["hits"]
+    assert m[("tutti_checksum_failures_total", inst)] == eng["checksum_failures"]
+    path = (("node", "node-a"), ("path", node.cfg["paths"][0]))
+    assert m[("tutti_path_capacity_bytes", path)] == TuttiConfig(**node.cfg).capacity_bytes()[0]
+    assert m[("tutti_path_allocated_bytes", path)] > 0
+    for name in ("tutti_read_bandwidth_bytes_per_second", "tutti_evictions_total", "tutti_remote_fetch_units_total",
+                 "tutti_remote_served_units_total", "tutti_directory_errors_total", "tutti_io_errors_total"):
+        assert any(k[0] == name for k in m), name
+    assert m[("tutti_queue_depth", inst + (("queue", "admin_commands"),))] == 0
+    assert any(k[0] == "tutti_admin_requests_total" for k in m)
+    client.request("DELETE", "/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+BIG = b'{"keys": [' + b",".join(b'"%016x"' % i for i in range(60000)) + b"]}"
+
+
+def _chunks() -> Iterator[bytes]:
+    for i in range(0, len(BIG), 65536):
+        yield BIG[i:i + 65536]
+
+
+BAD = [
+    # (method, path, kwargs, status, code)
+    ("POST", "/v1/pins", {"content": b'{"keys": ["5000"', "headers": {"content-type": "application/json"}}, 422, "invalid_request"),
+    ("POST", "/v1/pins", {"content": b"\xff\xfe not json", "headers": {"content-type": "application/json"}}, 400, "bad_request"),
+    ("POST", "/v1/pins", {"content": BIG, "headers": {"content-type": "application/json"}}, 413, "body_too_large"),
+    ("POST", "/v1/pins", {"content": _chunks, "headers": {"content-type": "application/json"}}, 413, "body_too_large"),
+    ("POST", "/v1/pins", {"json": {"keys": "4c00"}}, 422, "invalid_request"),
+    ("POST", "/v1/pins", {"json": {"keys": [0x4c00]}}, 422, "invalid_request"),
+    ("POST", "/v1/pins", {"json": {"keys": []}}, 422, "invalid_request"),
+    ("POST", "/v1/pins", {"json": {"keys": ["%016x" % i for i in range(4097)]}}, 422, "invalid_request"),
+    ("POST", "/v1/pins", {"json": {"keys": ["12345678901234567"]}}, 422, "invalid_request"),
+    ("POST", "/v1/pins", {"json": {"keys": ["4c00"], "force": True}}, 422, "invalid_request"),
+    ("POST", "/v1/pins", {"json": ["4c00"]}, 422, "invalid_request"),
+    ("POST", "/v1/pins", {}, 422, "invalid_request"),
+    ("POST", "/v1/pins", {"content": b"keys=4c00", "headers": {"content-type": "text/plain"}}, 422, "invalid_request"),
+    ("DELETE", "/v1/pins", {"json": {"keys": ["../../etc/passwd"]}}, 422, "invalid_request"),
+    ("GET", "/v1/objects?prefix=../../etc", {}, 422, "invalid_request"),
+    ("GET", "/v1/objects?prefix=4c%2F..%2F..", {}, 422, "invalid_request"),
+    ("GET", "/v1/objects?prefix=%00", {}, 422, "invalid_request"),
+    ("GET", "/v1/objects?key=..%2F4c00", {}, 422, "invalid_request"),
+    ("GET", "/v1/objects?limit=0", {}, 422, "invalid_request"),
+    ("GET", "/v1/objects?limit=ten", {}, 422, "invalid_request"),
+    ("GET", "/v1/objects?prefx=4c", {}, 422, "invalid_request"),
+    ("DELETE", "/v1/cache?prefix=..%2F..%2F", {}, 422, "invalid_request"),
+    ("DELETE", "/v1/cache?prefix=/", {}, 422, "invalid_request"),
+    ("DELETE", "/v1/cache?prefix=", {}, 422, "invalid_request"),
+    ("DELETE", "/v1/cache?prefx=4c", {}, 422, "invalid_request"),
+    ("DELETE", "/v1/cache?all=yes-please", {}, 422, "invalid_request"),
+    ("DELETE", "/v1/cache?all=true&everything=1", {}, 422, "invalid_request"),
+    ("DELETE", "/v1/cache?node=..%2Fnode-a", {}, 422, "invalid_request"),
+    ("DELETE", "/v1/cache", {}, 400, "bad_request"),
+    ("POST", "/v1/nodes/node-a/drain", {"json": {"mode": 3}}, 422, "invalid_request"),
+    ("POST", "/v1/nodes/node-a/drain", {"json": {"mode": "everything"}}, 422, "invalid_request"),
+    ("POST", "/v1/nodes/node-a/drain", {"json": {"mode": "all", "now": True}}, 422, "invalid_request"),
+    ("POST", "/v1/nodes/..%2F..%2Fetc/drain", {}, 404, None),
+    ("POST", "/v1/nodes/.hidden/drain", {}, 422, "invalid_request"),
+    ("POST", "/v1/nodes/other/drain", {}, 404, "node_not_found"),
+    ("GET", "/v1/nodes/node-a?verbose=1", {}, 422, "invalid_request"),
+    ("PUT", "/v1/pins", {"json": {"keys": ["4c00"]}}, 405, "method_not_allowed"),
+    ("GET", "/v1/nothing-here", {}, 404, "not_found"),
+    ("GET", "/v1/%2e%2e/livez", {}, 404, None),
+]
+
+
+def test_bad_input_is_a_4xx_with_the_stable_shape_and_changes_nothing(client: TestClient, node: AdminNode):
+    keys = [0x4c00 + i for i in range(3)]
+    node.store(keys)
+    client.post("/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH)
+    before = state(client, node, keys)
+    for method, path, kw, status, code in BAD:
+        kw = dict(kw)
+        if callable(kw.get("content")):
+            kw["content"] = kw["content"]()
+        headers = {**AUTH, **kw.pop("headers", {})}
+        r = client.request(method, path, headers=headers, **kw)
+        if r.status_code == 404 and code is None:
+            continue  # the router's own 404 (a path that names no route): checked for shape below
+        err = is_error(r, status, code)
+        if status == 422:
+            assert err["details"]["errors"] and all({"loc", "msg", "type"} == set(e) for e in err["details"]["errors"])
+        if status == 405:
+            assert set(r.headers["allow"].split(", ")) == {"GET", "POST", "DELETE"}
+    for method, path, _, _, code in BAD:
+        if code is None:
+            r = client.request(method, path, headers=AUTH)
+            assert 400 <= r.status_code < 500 and set(r.json()["error"]) == {"code", "message", "details"}
+    assert state(client, node, keys) == before
+    client.request("DELETE", "/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH)
+
+
+def test_no_daemon_is_503_and_readyz_says_why(tmp_path: Path):
+    cfg = TuttiConfig(data_dir=tmp_path / "nobody-home", paths=[tmp_path])
+    backend = NodeBackend(cfg)
+    with TestClient(create_app(backend, TOKEN)) as c:
+        assert c.get("/livez").status_code == 200
+        r = c.get("/readyz")
+        assert r.status_code == 503 and not r.json()["ready"] and r.json()["checks"] == {"daemon": False}
+        assert "node daemon" in r.json()["reasons"][0]
+        for method, path in V1_ROUTES:
+            r = c.request(method, path, headers=AUTH, json={"keys": ["1"]} if "pins" in path else None)
+            is_error(r, 503, "daemon_unavailable")
+        m = c.get("/metrics")
+        assert m.status_code == 200 and "tutti_node_up" in m.text
+    backend.close()
+
+
+# -- schema ---------------------------------------------------------------------------------------
+def test_openapi_is_committed_and_lists_every_status():
+    from tutti_control.openapi import schema, text
+
+    committed = (REPO / "docs" / "openapi.json").read_text()
+    assert committed == text(), "docs/openapi.json is stale: python -m tutti_control.openapi > docs/openapi.json"
+    s = schema()
+    for path, ops in s["paths"].items():
+        for method, op in ops.items():
+            codes = set(op["responses"])
+            assert "200" in codes and "413" in codes, (method, path)
+            if path.startswith("/v1/"):
+                assert {"401", "422", "503"} <= codes, (method, path)
+                assert op["security"] == [{"HTTPBearer": []}], (method, path)
+                for code in codes - {"200"}:
+                    ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
+                    assert ref.endswith("/ErrorBody"), (method, path, code)
+    assert "/v1/nodes/{node_id}/drain" in s["paths"] and "/readyz" in s["paths"]
+
+
+# -- engines and daemons coming and going ---------------------------------------------------------
+def test_pins_come_back_with_a_restarted_engine_and_daemon(tmp_path: Path):
+    n = AdminNode(tmp_path, node_id="node-p")
+    backend = None
+    try:
+        keys = [0x6f00 + i for i in range(3)]
+        n.store(keys)
+        backend = NodeBackend(n.config)
+        c = TestClient(create_app(backend, TOKEN))
+        assert wait_for(lambda: c.get("/v1/nodes/node-p", headers=AUTH).json()["instances"][0]["engine_connected"])
+        assert c.post("/v1/pins", json={"keys": [hexkey(k) for k in keys[:2]]}, headers=AUTH).json()["pinned"]
+        assert n.engine_stats()["pinned"] == 2
+
+        # A dead engine cannot act: its units are unreachable (and nothing is recorded as done).
+        assert n.engine is not None
+        n.engine.kill()
+        assert wait_for(lambda: not c.get("/v1/nodes/node-p", headers=AUTH).json()["instances"][0]["engine_connected"], 10)
+        assert c.post("/v1/pins", json={"keys": [hexkey(keys[2])]}, headers=AUTH).json()["unreachable"] == [hexkey(keys[2])]
+        r = c.delete("/v1/cache", params={"prefix": "0000000000006f"}, headers=AUTH).json()
+        assert (r["evicted"], r["pinned_kept"], r["unreachable"]) == (0, 2, 1)
+        assert c.get("/v1/objects", params={"prefix": "0000000000006f"}, headers=AUTH).json()["objects"][2]["nodes"]
+
+        # The daemon restarts (pins.json) and a new engine process opens the same pools: the pins
+        # are applied to its store as soon as its command channel connects.
+        n.daemon.stop(signal.SIGKILL)
+        from cluster_fixtures import DaemonProcess
+
+        n.daemon = DaemonProcess(n.cfg, tmp_path / "daemon2.log")
+        n.start_engine()
+        assert wait_for(lambda: n.engine_stats()["pinned"] == 2, 10), n.engine_stats()
+        assert sorted(c.get("/v1/pins", headers=AUTH).json()["pins"]) == [hexkey(k) for k in keys[:2]]
+    finally:
+        if backend is not None:
+            backend.close()
+        n.close()
+
+
+def test_drain_stops_new_units_evicts_and_reports(tmp_path: Path):
+    n = AdminNode(tmp_path, node_id="node-d")
+    backend = NodeBackend(n.config)
+    try:
+        assert n.engine is not None
+        keys = [0x7a00 + i for i in range(4)]
+        n.store(keys)
+        c = TestClient(create_app(backend, TOKEN))
+        assert wait_for(lambda: c.get("/v1/nodes/node-d", headers=AUTH).json()["instances"][0]["engine_connected"])
+        c.post("/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH)
+
+        # Single node: nothing is replicated elsewhere, so "replicated" evicts nothing yet.
+        r = c.post("/v1/nodes/node-d/drain", headers=AUTH)
+        assert r.status_code == 200
+        d = r.json()["drain"]
+        assert (d["state"], d["mode"], d["units_left"], d["replicated_elsewhere"]) == ("draining", "replicated", 4, None)
+        # No new units: what the engine stores now is removed again; reads keep working.
+        n.store([0x7b00])
+        assert wait_for(lambda: n.engine.call(op="lookup", keys=[0x7b00])["local"] == 0, 5)
+        r = n.engine.call(op="fetch", keys=keys)
+        assert r["local"] == 4 and all(r["exact"])
+        # No new instances either.
+        geometry = json.loads((Path(n.cfg["data_dir"]) / "instances.json").read_text())["engine0"]["geometry"]
+        link = DaemonLink(TuttiConfig(**{**n.cfg, "instance": "engine9"}))
+        with pytest.raises(CapacityExceeded, match="draining"):
+            link.attach_geometry(geometry)
+        link.close()
+
+        d = c.post("/v1/nodes/node-d/drain", json={"mode": "all"}, headers=AUTH).json()["drain"]
+        assert (d["state"], d["units_left"], d["pinned_left"]) == ("draining", 1, 1)  # the pinned unit stays
+        assert n.engine.call(op="lookup", keys=keys)["local"] == 1
+        c.request("DELETE", "/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH)
+        drained = wait_for(lambda: c.get("/v1/nodes/node-d", headers=AUTH).json()["drain"]["state"] == "drained", 10)
+        assert drained and n.engine.call(op="lookup", keys=keys[:1])["local"] == 0
+
+        d = c.delete("/v1/nodes/node-d/drain", headers=AUTH).json()["drain"]
+        assert d["state"] == "serving" and d["mode"] is None
+        n.store([0x7c00])
+        time.sleep(0.5)
+        assert n.engine.call(op="lookup", keys=[0x7c00])["local"] == 1
+        is_error(c.delete("/v1/nodes/other/drain", headers=AUTH), 404, "node_not_found")
+    finally:
+        backend.close()
+        n.close()
