@@ -28,13 +28,14 @@ def wait_for(pred: Callable[[], Any], timeout: float = 10.0, step: float = 0.05)
 class AdminNode:
     """One node: daemon process + engine process (instance ``engine0``) on ``workdir``."""
 
-    def __init__(self, workdir: Path, node_id: str = "node-a", **extra: Any) -> None:
+    def __init__(self, workdir: Path, node_id: str = "node-a", engine_capacity_gb: float = 0.02, **extra: Any) -> None:
         ssd = workdir / "ssd"
         ssd.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.cfg = {"paths": [str(ssd)], "capacity_gb": 0.05, "unit_tokens": 64, "data_dir": str(workdir / "node"),
                     "node_id": node_id, **extra}
         self.node_id = node_id
+        self.engine_capacity_gb = engine_capacity_gb
         self.daemon = DaemonProcess(self.cfg, workdir / "daemon.log")
         self.engine: NodeProcess | None = None
         self.start_engine()
@@ -44,7 +45,7 @@ class AdminNode:
         return TuttiConfig(**self.cfg)
 
     def start_engine(self, name: str = "engine0") -> NodeProcess:
-        self.engine = NodeProcess(name, "", self.workdir, paths=self.cfg["paths"], capacity_gb=0.02,
+        self.engine = NodeProcess(name, "", self.workdir, paths=self.cfg["paths"], capacity_gb=self.engine_capacity_gb,
                                   with_daemon=False, instance=name, data_dir=Path(self.cfg["data_dir"]))
         return self.engine
 
@@ -53,9 +54,11 @@ class AdminNode:
         return dict(self.engine.call(op="stats")["store"])
 
     def store(self, keys: list[int]) -> None:
+        """Store units of ``keys`` in the engine (16 per request: the engine's KV holds 16 units)."""
         assert self.engine is not None
-        r = self.engine.call(op="store", keys=keys)
-        assert r["ok"] and r["units"] == len(keys), r
+        for i in range(0, len(keys), 16):
+            r = self.engine.call(op="store", keys=keys[i:i + 16])
+            assert r["ok"] and r["units"] == len(keys[i:i + 16]), r
 
     def close(self) -> None:
         if self.engine is not None:
