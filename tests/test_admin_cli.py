@@ -1,0 +1,148 @@
+"""`tutti up` serving the node's admin API (token file on first start) and the `tutti admin` client,
+as real processes: the daemon and its admin API in one `tutti up`, an engine attached to it."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the admin extra is not installed (pip install '.[admin]')")
+
+from admin_fixtures import hexkey, wait_for  # noqa: E402
+from cluster_fixtures import NodeProcess, free_port, stop_process  # noqa: E402
+
+
+class TuttiUp:
+    """`tutti up` in its own process; waits for the admin API's line."""
+
+    def __init__(self, workdir: Path, port: int, env: dict[str, str] | None = None, *extra: str) -> None:
+        self.data_dir = workdir / "node"
+        ssd = workdir / "ssd"
+        ssd.mkdir(parents=True, exist_ok=True)
+        self.paths = [str(ssd)]
+        self.log = open(workdir / "up.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tutti_cluster.cli", "up", "--data-dir", str(self.data_dir), "--paths", str(ssd),
+             "--capacity-gb", "0.05", "--unit-tokens", "64", "--node-id", "cli-node", "--admin-host", "127.0.0.1",
+             "--admin-port", str(port), *extra],
+            stdout=subprocess.PIPE, stderr=self.log, env={**os.environ, **(env or {})}, text=True)
+        self.lines: list[str] = []
+        assert self.proc.stdout is not None
+        while not any(line.startswith("tutti admin API on") for line in self.lines):
+            r, _, _ = select.select([self.proc.stdout], [], [], 60)
+            line = self.proc.stdout.readline() if r else ""
+            if not line:
+                self.stop()
+                raise RuntimeError(f"tutti up did not serve its admin API: {self.lines} (see {workdir / 'up.log'})")
+            self.lines.append(line.strip())
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        stop_process(self.proc, sig, 15)
+        self.log.close()
+        return self.proc.returncode
+
+
+def admin(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tutti_cluster.cli", "admin", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[TuttiUp]:
+    node = TuttiUp(tmp_path, free_port())
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def test_tutti_up_makes_a_private_token_once_and_serves_the_admin_api(tmp_path: Path):
+    port = free_port()
+    first = TuttiUp(tmp_path, port)
+    token_file = first.data_dir / "admin.token"
+    assert f"created in {token_file} (mode 0600)" in first.lines[-1]
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    r = admin("--url", first.url, "--data-dir", str(first.data_dir), "--json", "status")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["nodes"][0]["node_id"] == "cli-node"
+    assert first.stop() == 0
+    # The next start keeps the token; TUTTI_ADMIN_TOKEN replaces the file's.
+    second = TuttiUp(tmp_path, port)
+    assert second.lines[-1].endswith(f"token: in {token_file}") and token_file.read_text().strip() == token
+    assert second.stop() == 0
+    third = TuttiUp(tmp_path, port, {"TUTTI_ADMIN_TOKEN": "from-the-environment"})
+    try:
+        assert third.lines[-1].endswith("token: from TUTTI_ADMIN_TOKEN")
+        r = admin("--url", third.url, "--data-dir", str(third.data_dir), "status")
+        assert r.returncode == 1 and "unauthorized" in r.stderr  # the file's token is no longer it
+        r = admin("--url", third.url, "status", env={"TUTTI_ADMIN_TOKEN": "from-the-environment"})
+        assert r.returncode == 0 and "cli-node" in r.stdout
+    finally:
+        third.stop()
+
+
+def test_tutti_admin_commands_against_a_node(up: TuttiUp, tmp_path: Path):
+    engine = NodeProcess("engine0", "", tmp_path, paths=up.paths, capacity_gb=0.02, with_daemon=False,
+                         instance="engine0", data_dir=up.data_dir)
+    try:
+        assert engine.attached
+        keys = [0x8100 + i for i in range(4)]
+        assert engine.call(op="store", keys=keys)["units"] == 4
+        base = ["--url", up.url, "--data-dir", str(up.data_dir)]
+        assert wait_for(lambda: json.loads(admin(*base, "--json", "status").stdout)["nodes"][0]["instances"][0]
+                        ["engine_connected"], 10)
+
+        r = admin(*base, "status")
+        assert r.returncode == 0 and r.stdout.startswith("ready")
+        header, _, row = r.stdout.splitlines()[1:4]
+        assert header.split()[:4] == ["NODE", "MODE", "STATE", "UNITS"] and row.split()[:4] == ["cli-node", "single", "up", "4"]
+        r = admin(*base, "stats")
+        assert r.returncode == 0 and r.stdout.splitlines()[0].split()[:3] == ["NODE", "UNITS", "PINNED"]
+        assert json.loads(admin(*base, "--json", "stats").stdout)["totals"]["units"] == 4
+
+        r = admin(*base, "objects", "--prefix", "00000000000081")
+        assert r.returncode == 0 and [line.split()[0] for line in r.stdout.splitlines()[2:]] == [hexkey(k) for k in keys]
+        r = admin(*base, "--json", "objects", "--key", "8100", "--key", "dead")
+        assert [o["nodes"] for o in json.loads(r.stdout)["objects"]] == [["cli-node"], []]
+
+        r = admin(*base, "pin", hexkey(keys[0]), "beef")
+        assert r.returncode == 0
+        assert {tuple(line.split()) for line in r.stdout.splitlines()[2:]} == {(hexkey(keys[0]), "pinned"),
+                                                                                (hexkey(0xbeef), "absent")}
+        r = admin(*base, "--json", "evict", "--prefix", "00000000000081")
+        assert json.loads(r.stdout)["evicted"] == 3 and json.loads(r.stdout)["pinned_kept"] == 1
+        assert engine.call(op="lookup", keys=keys[:1])["local"] == 1
+        r = admin(*base, "unpin", hexkey(keys[0]))
+        assert r.returncode == 0 and "unpinned" in r.stdout
+
+        r = admin(*base, "drain", "cli-node", "--mode", "all", "--wait", "10")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines()[2].split()[:4] == ["cli-node", "drained", "all", "0"]
+        assert engine.call(op="lookup", keys=keys[:1])["local"] == 0
+        r = admin(*base, "--json", "drain", "cli-node", "--undo")
+        assert json.loads(r.stdout)["drain"]["state"] == "serving"
+
+        # Errors: a clear line on stderr and a status.
+        assert admin(*base, "evict").returncode == 2
+        bad = tmp_path / "wrong.token"
+        bad.write_text("not-the-token\n")
+        r = admin("--url", up.url, "--token-file", str(bad), "stats")
+        assert r.returncode == 1 and "unauthorized" in r.stderr and "HTTP 401" in r.stderr
+        r = admin(*base, "drain", "no-such-node")
+        assert r.returncode == 1 and "node_not_found" in r.stderr
+        r = admin("--url", f"http://127.0.0.1:{free_port()}", "--data-dir", str(up.data_dir), "status")
+        assert r.returncode == 3 and "cannot reach" in r.stderr
+    finally:
+        engine.close()
