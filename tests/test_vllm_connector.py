@@ -360,3 +360,34 @@ def test_the_fail_policy_is_warned_about_once_at_start(tmp_path, caplog, policy)
     else:  # vLLM's default is "fail"
         assert len(warned) == 1 and warned[0].levelno == logging.WARNING
         assert "recompute" in warned[0].getMessage() and "fails the request" in warned[0].getMessage()
+
+
+# ---- the real engine with a starved IOCB table (issue 13, finding 1) ------------------------------
+@pytest.mark.slow
+def test_real_engine_with_too_few_iocbs_keeps_its_outputs(tmp_path) -> None:
+    """The real vLLM CPU engine on a stored prefix with an IOCB table too small for any request
+    (2 layers: a load takes 2 IOCBs): every load raises CapacityExceeded at begin and is reported
+    failed (vLLM recomputes; the units stay stored, nothing is wrong with them), the engine carries
+    on, and the greedy outputs equal those of a run with a whole table. Two engine runs, each in its
+    own process (about 20 s each on two cores)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    sys.path.insert(0, str(here))
+    from vllm_model import kv_transfer_config, run_engine
+
+    model, store = tmp_path / "model", tmp_path / "store"
+    store.mkdir()
+    subprocess.run([sys.executable, str(here / "vllm_model.py"), "make", str(model)], check=True, timeout=300)
+    cfg = {"paths": [str(store)], "data_dir": str(tmp_path / "node")}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    whole = run_engine(model, tmp_path / "whole.json", kv_transfer_config(128, **cfg), timeout=400, **env)
+    assert whole["metrics"].get("vllm:tutti_store_units", 0) > 0, whole["metrics"]
+    starved = run_engine(model, tmp_path / "starved.json", kv_transfer_config(128, iocb_depth=1, **cfg),
+                         timeout=400, **env)
+    m = starved["metrics"]
+    assert m.get("vllm:tutti_lookup_hit_units", 0) > 0, m
+    assert m.get("vllm:tutti_load_failed_units", 0) > 0 and m.get("vllm:tutti_load_units", 0) == 0, m
+    assert starved["outputs"] == whole["outputs"]
