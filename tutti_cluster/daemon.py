@@ -1285,19 +1285,20 @@ class NodeDaemon:
     def _drain_step(self) -> None:
         with self._lock:
             d = self._drain
-            keys = [k for k in self._index if k not in self._pins]
+            keys = list(self._index)
+            unpinned = [k for k in keys if k not in self._pins]
         if d is None:
             return
         if d["mode"] == "all":
-            self._remove(keys)
+            self._remove(unpinned)
         elif self.directory is not None:
             owners = self.directory.lookup(keys, prefix=False) if keys else []
             elsewhere = [k for k, o in zip(keys, owners) if o]
             if d["mode"] == "replicated":
-                self._remove(elsewhere)
+                self._remove(elsewhere)  # pinned ones stay
             with self._lock:
-                if self._drain is d:
-                    d["replicated_elsewhere"] = len(elsewhere)
+                if self._drain is d:  # of the units left, those another node holds too
+                    d["replicated_elsewhere"] = sum(1 for k in elsewhere if k in self._index)
 
     def _drain_loop(self) -> None:
         while True:

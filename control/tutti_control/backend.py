@@ -201,17 +201,17 @@ class NodeBackend:
         reasons: list[str] = []
         checks: dict[str, bool] = {}
         try:
-            st = self.pool.request({"op": "stats"})
+            h = self.pool.request({"op": "health"})  # in cluster mode the daemon asks etcd
             checks["daemon"] = True
         except (ApiError, TuttiError) as exc:
             checks["daemon"] = False
-            reasons.append(f"node daemon: {exc}")
-            st = {}
-        if self.config.cluster_mode:
-            etcd_ok = bool((st.get("directory") or {}).get("connected", False))
-            checks["etcd"] = etcd_ok
-            if checks["daemon"] and not etcd_ok:
-                reasons.append("etcd: the node's directory has no live lease (etcd unreachable)")
+            reasons.append(f"node daemon: {exc.message if isinstance(exc, ApiError) else exc}")
+            h = {"cluster_mode": self.config.cluster_mode, "etcd": False}
+        if h.get("cluster_mode"):
+            checks["etcd"] = bool(h.get("etcd"))
+            if not checks["etcd"]:
+                reasons.append("etcd: the node's cluster directory does not answer" if checks["daemon"]
+                               else "etcd: not known (the node daemon does not answer)")
         return Readiness(ready=not reasons, reasons=reasons, checks=checks)
 
     # -- reads ------------------------------------------------------------------------------------

@@ -1,0 +1,139 @@
+"""The cluster-wide admin (`tutti admin serve`'s app) over real etcd and two real nodes, each a
+`tutti up` process in cluster mode (daemon, directory lease, Transfer Engine, admin API) with an
+engine process attached; the second node fetches the first one's units over the Transfer Engine."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the admin extra is not installed (pip install '.[admin]')")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from admin_fixtures import AUTH, TOKEN, hexkey, wait_for  # noqa: E402
+from cluster_fixtures import EtcdServer, NodeProcess, free_port, require_etcd, require_mooncake  # noqa: E402
+from test_admin import is_error  # noqa: E402
+from test_admin_cli import TuttiUp  # noqa: E402
+from tutti_cluster import TuttiConfig  # noqa: E402
+from tutti_control.app import create_app  # noqa: E402
+from tutti_control.cluster import ClusterBackend  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+class ClusterNode:
+    def __init__(self, workdir: Path, node_id: str, etcd: str) -> None:
+        self.node_id = node_id
+        self.up = TuttiUp(workdir / node_id, free_port(), {"TUTTI_ADMIN_TOKEN": TOKEN}, "--etcd", etcd,
+                          "--lease-ttl-s", "3", "--node-id", node_id)
+        self.engine = NodeProcess(node_id, etcd, workdir / node_id, paths=self.up.paths, capacity_gb=0.02,
+                                  with_daemon=False, instance="engine0", data_dir=self.up.data_dir, lease_ttl_s=3)
+        assert self.engine.attached
+
+    def close(self) -> None:
+        self.engine.close()
+        self.up.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[EtcdServer, ClusterNode, ClusterNode]]:
+    require_etcd()
+    require_mooncake()
+    etcd = EtcdServer(tmp_path)
+    etcd.start()
+    nodes: list[ClusterNode] = []
+    try:
+        nodes.append(ClusterNode(tmp_path, "node-a", etcd.endpoint))
+        nodes.append(ClusterNode(tmp_path, "node-b", etcd.endpoint))
+        yield etcd, nodes[0], nodes[1]
+    finally:
+        for n in nodes:
+            n.close()
+        etcd.stop()
+
+
+def test_cluster_admin_over_the_directory(cluster: tuple[EtcdServer, ClusterNode, ClusterNode]):
+    etcd, a, b = cluster
+    shared = [0xc100 + i for i in range(4)]
+    only_a = 0xc1ff
+    assert a.engine.call(op="store", keys=shared + [only_a])["units"] == 5
+    # node-b pulls node-a's units over the Transfer Engine and keeps replicas.
+    got = wait_for(lambda: (r := b.engine.call(op="fetch", keys=shared, keep=True))["placed"] == 4 and r, 15)
+    assert got and all(got["exact"]), got
+
+    backend = ClusterBackend(TuttiConfig(etcd=[etcd.endpoint], admin_token=TOKEN), TOKEN)
+    c = TestClient(create_app(backend, TOKEN, title="Tutti cluster admin API"))
+    try:
+        assert c.get("/readyz").json() == {"ready": True, "reasons": [], "checks": {"etcd": True}}
+        # A node's own admin API is ready with its daemon and etcd.
+        import httpx
+
+        assert httpx.get(f"{a.up.url}/readyz").json()["checks"] == {"daemon": True, "etcd": True}
+
+        nodes = c.get("/v1/nodes", headers=AUTH).json()["nodes"]
+        assert [n["node_id"] for n in nodes] == ["node-a", "node-b"]
+        assert all(n["reachable"] and n["mode"] == "cluster" and n["admin"] for n in nodes)
+        assert nodes[0]["admin"] == a.up.url.removeprefix("http://")
+        assert c.get("/v1/nodes/node-b", headers=AUTH).json()["units"] == 4
+        is_error(c.get("/v1/nodes/node-z", headers=AUTH), 404, "node_not_found")
+
+        objs = c.get("/v1/objects", params={"prefix": "000000000000c1"}, headers=AUTH).json()["objects"]
+        assert [(o["key"], o["nodes"]) for o in objs] == [(hexkey(k), ["node-a", "node-b"]) for k in shared] + \
+            [(hexkey(only_a), ["node-a"])]
+        by_key = c.get("/v1/objects", params={"key": [hexkey(shared[0]), "dead"]}, headers=AUTH).json()["objects"]
+        assert [o["nodes"] for o in by_key] == [["node-a", "node-b"], []]
+
+        stats = c.get("/v1/stats", headers=AUTH).json()
+        assert [n["node_id"] for n in stats["nodes"]] == ["node-a", "node-b"]
+        assert stats["totals"]["units"] == sum(n["units"] for n in stats["nodes"]) == 9
+        assert wait_for(lambda: c.get("/v1/stats", headers=AUTH).json()["nodes"][0]["stage_units"] >= 4, 10)
+        cfgs = c.get("/v1/config", headers=AUTH)
+        assert set(cfgs.json()["nodes"]) == {"node-a", "node-b"} and TOKEN not in cfgs.text
+        assert cfgs.json()["nodes"]["node-a"]["admin_token"] == "<redacted>"
+
+        r = c.post("/v1/pins", json={"keys": [hexkey(shared[0]), "dead"]}, headers=AUTH).json()
+        assert r == {"pinned": [hexkey(shared[0])], "absent": [hexkey(0xdead)], "unreachable": []}
+        assert c.get("/v1/pins", headers=AUTH).json()["pins"] == [hexkey(shared[0])]
+        assert all(httpx.get(f"{n.up.url}/v1/pins", headers=AUTH).json()["pins"] == [hexkey(shared[0])] for n in (a, b))
+
+        # Drain node-a: units node-b also holds go at once, except the pinned one; the unit only
+        # node-a holds stays readable until another node holds it too.
+        d = c.post("/v1/nodes/node-a/drain", headers=AUTH).json()["drain"]
+        assert (d["state"], d["mode"], d["units_left"], d["pinned_left"]) == ("draining", "replicated", 2, 1)
+        assert d["replicated_elsewhere"] == 1  # of the units left, the pinned one node-b holds too
+        assert a.engine.call(op="lookup", keys=[only_a])["local"] == 1
+        r = b.engine.call(op="fetch", keys=[only_a], keep=True)
+        assert r["placed"] == 1 and all(r["exact"])
+        c.request("DELETE", "/v1/pins", json={"keys": [hexkey(shared[0])]}, headers=AUTH)
+        assert wait_for(lambda: c.get("/v1/nodes/node-a", headers=AUTH).json()["drain"]["state"] == "drained", 15)
+        assert a.engine.call(op="lookup", keys=shared + [only_a])["local"] == 0
+        objs = c.get("/v1/objects", params={"prefix": "000000000000c1"}, headers=AUTH).json()["objects"]
+        assert all(o["nodes"] == ["node-b"] for o in objs) and len(objs) == 5
+        assert c.delete("/v1/nodes/node-a/drain", headers=AUTH).json()["drain"]["state"] == "serving"
+
+        r = c.delete("/v1/cache", params={"node": "node-b", "prefix": "000000000000c1"}, headers=AUTH).json()
+        assert (r["evicted"], r["nodes"]["node-b"]["evicted"]) == (5, 5)
+        assert c.get("/v1/objects", params={"prefix": "000000000000c1"}, headers=AUTH).json()["objects"] == []
+        is_error(c.delete("/v1/cache", params={"node": "node-z", "all": "true"}, headers=AUTH), 404, "node_not_found")
+
+        # A node that dies is reported, not hidden; once its lease expires it leaves the list.
+        b.up.stop(signal.SIGKILL)
+        nodes = c.get("/v1/nodes", headers=AUTH).json()["nodes"]
+        assert [(n["node_id"], n["reachable"]) for n in nodes] == [("node-a", True), ("node-b", False)]
+        is_error(c.get("/v1/pins", headers=AUTH), 503, "node_unavailable")
+        assert c.get("/metrics").text.count('tutti_node_up{node="node-b"} 0.0') == 1
+        assert wait_for(lambda: [n["node_id"] for n in c.get("/v1/nodes", headers=AUTH).json()["nodes"]] == ["node-a"], 15)
+
+        etcd.stop()
+        r = c.get("/readyz")
+        assert r.status_code == 503 and r.json()["checks"] == {"etcd": False}
+        is_error(c.get("/v1/nodes", headers=AUTH), 503, "directory_unavailable")
+        t0 = time.monotonic()
+        assert httpx.get(f"{a.up.url}/readyz", timeout=10).json()["checks"] == {"daemon": True, "etcd": False}
+        assert time.monotonic() - t0 < 5
+    finally:
+        backend.close()
