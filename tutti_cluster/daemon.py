@@ -1189,13 +1189,13 @@ class NodeDaemon:
             kept = {k for k in keys if k in self._pins}
         todo = [k for k in keys if k not in kept]
         by_inst = self._owners_of(todo)
-        cmds = {n: [{"cmd": "remove", "keys": ks[i:i + COMMAND_KEYS]} for i in range(0, len(ks), COMMAND_KEYS)]
-                for n, ks in by_inst.items()}
+        chunks = {n: [ks[i:i + COMMAND_KEYS] for i in range(0, len(ks), COMMAND_KEYS)] for n, ks in by_inst.items()}
+        cmds: dict[str, list[dict[str, Any]]] = {n: [{"cmd": "remove", "keys": c} for c in cs] for n, cs in chunks.items()}
         unreachable: set[int] = set()
         for name, results in self._run_commands(cmds).items():
-            for cmd, r in zip(cmds[name], results):
+            for chunk, r in zip(chunks[name], results):
                 if r is None or r.get("error"):
-                    unreachable.update(cmd["keys"])
+                    unreachable.update(chunk)
                     continue
                 kept.update(r["skipped"])
                 # Gone from the store (or already absent: our index was behind): gone from the index

@@ -56,17 +56,20 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+Responses = dict[int | str, dict[str, Any]]
+
+
 def _err(description: str) -> dict[str, Any]:
     return {"model": ErrorBody, "description": description}
 
 
 # Every route may answer these (body limits, validation, auth, a node daemon that is away).
-COMMON = {400: _err("Bad request (a request the node refuses)"), 413: _err("Body larger than 1 MiB"),
+COMMON: Responses = {400: _err("Bad request (a request the node refuses)"), 413: _err("Body larger than 1 MiB"),
           422: _err("Invalid request: malformed JSON, wrong types, unknown fields or parameters"),
           502: _err("The node daemon sent a bad reply"), 503: _err("The node daemon (or a node) is unavailable")}
-AUTHED = {**COMMON, 401: _err("Missing or wrong bearer token")}
-OPEN = {413: _err("Body larger than 1 MiB")}
-NOT_FOUND = {404: _err("No such node")}
+AUTHED: Responses = {**COMMON, 401: _err("Missing or wrong bearer token")}
+OPEN: Responses = {413: _err("Body larger than 1 MiB")}
+NOT_FOUND: Responses = {404: _err("No such node")}
 
 
 class BodyLimit:
@@ -232,7 +235,7 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
              dependencies=[Depends(only_params())],
              summary="Stop taking new units; keep serving reads; evict as the mode says")
     def drain(node_id: Node, body: DrainRequest | None = None) -> DrainResponse:
-        nid, status = backend.drain(node_id, (body or DrainRequest()).mode)
+        nid, status = backend.drain(node_id, body.mode if body is not None else "replicated")
         return DrainResponse(node_id=nid, drain=status)
 
     @v1.delete("/nodes/{node_id}/drain", response_model=DrainResponse, tags=["nodes"], responses=NOT_FOUND,

@@ -225,7 +225,7 @@ class ClusterBackend:
         if missing:
             raise ApiError(503, "node_unavailable", f"cannot list every pin: no answer from {', '.join(sorted(missing))}",
                            {"nodes": sorted(missing)})
-        keys = sorted({k for v in got.values() for k in v["pins"]})
+        keys = sorted({k for v in got.values() if not isinstance(v, NodeUnavailable) for k in v["pins"]})
         return PinList(pins=keys, count=len(keys))
 
     def drain(self, node_id: str, mode: str) -> tuple[str, DrainStatus]:

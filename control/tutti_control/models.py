@@ -49,25 +49,24 @@ class InstanceInfo(_Model):
     total_slots: int
     free_slots: int
     engine_connected: bool = Field(description="The engine process polls the daemon for admin commands.")
-    pinned: int | None = Field(None, description="Units pinned in the engine's store (None: engine not connected).")
+    pinned: int | None = Field(default=None, description="Units pinned in the engine's store (None: engine not connected).")
 
 
 class DrainStatus(_Model):
     state: Literal["serving", "draining", "drained"]
     mode: Literal["replicated", "all", "none"] | None = None
     units_left: int = Field(description="Units still held by this node.")
-    replicated_elsewhere: int | None = Field(
-        None, description="Units left that another node also holds (cluster mode; None on a single node).")
-    pinned_left: int = Field(0, description="Pinned units left (never evicted by a drain).")
-    started_at: float | None = Field(None, description="Unix time the drain began.")
+    replicated_elsewhere: int | None = Field(default=None, description="Units left that another node also holds (cluster mode; None on a single node).")
+    pinned_left: int = Field(default=0, description="Pinned units left (never evicted by a drain).")
+    started_at: float | None = Field(default=None, description="Unix time the drain began.")
 
 
 class NodeInfo(_Model):
     node_id: str
     mode: Literal["single", "cluster"]
     reachable: bool = True
-    error: str | None = Field(None, description="Why the node could not be asked (cluster-wide admin).")
-    admin: str | None = Field(None, description="The node's admin API address (cluster mode).")
+    error: str | None = Field(default=None, description="Why the node could not be asked (cluster-wide admin).")
+    admin: str | None = Field(default=None, description="The node's admin API address (cluster mode).")
     paths: list[str] = Field(default_factory=list)
     capacity_bytes: list[int] = Field(default_factory=list, description="Byte cap of each storage path.")
     units: int = 0
@@ -85,26 +84,26 @@ class Counters(_Model):
     capacity_bytes: int = 0
     used_bytes: int = 0
     pinned: int = 0
-    lookups: int = Field(0, description="Units asked for in engine lookups.")
-    hits: int = Field(0, description="Units found by engine lookups (leading hits).")
+    lookups: int = Field(default=0, description="Units asked for in engine lookups.")
+    hits: int = Field(default=0, description="Units found by engine lookups (leading hits).")
     misses: int = 0
     hit_rate: float | None = None
     bytes_read: int = 0
     bytes_written: int = 0
-    read_bytes_per_s: float = Field(0.0, description="Over the interval between the engines' last two reports.")
+    read_bytes_per_s: float = Field(default=0.0, description="Over the interval between the engines' last two reports.")
     write_bytes_per_s: float = 0.0
     evictions: int = 0
     checksum_failures: int = 0
     io_errors: int = 0
-    stage_units: int = Field(0, description="Units this node served to other nodes (remote fetches).")
+    stage_units: int = Field(default=0, description="Units this node served to other nodes (remote fetches).")
     stage_bytes: int = 0
     stage_failures: int = 0
     directory_errors: int = 0
-    remote_units: int = Field(0, description="Units the engines fetched from other nodes.")
+    remote_units: int = Field(default=0, description="Units the engines fetched from other nodes.")
     remote_bytes: int = 0
     remote_failures: int = 0
-    notification_queue: int = Field(0, description="Commit/evict notifications waiting in the engines' links.")
-    command_queue: int = Field(0, description="Admin commands waiting for the engines to take them.")
+    notification_queue: int = Field(default=0, description="Commit/evict notifications waiting in the engines' links.")
+    command_queue: int = Field(default=0, description="Admin commands waiting for the engines to take them.")
 
 
 class NodeStats(Counters):
@@ -164,8 +163,7 @@ class PinList(_Model):
 
 
 class DrainRequest(_Model):
-    mode: Literal["replicated", "all", "none"] = Field(
-        "replicated",
+    mode: Literal["replicated", "all", "none"] = Field(default="replicated",
         description="replicated: evict each unit once another node holds it; all: evict every unpinned unit "
         "now; none: only stop taking new units.",
     )
