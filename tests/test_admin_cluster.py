@@ -4,7 +4,10 @@ engine process attached; the second node fetches the first one's units over the 
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -119,6 +122,23 @@ def test_cluster_admin_over_the_directory(cluster: tuple[EtcdServer, ClusterNode
         assert (r["evicted"], r["nodes"]["node-b"]["evicted"]) == (5, 5)
         assert c.get("/v1/objects", params={"prefix": "000000000000c1"}, headers=AUTH).json()["objects"] == []
         is_error(c.delete("/v1/cache", params={"node": "node-z", "all": "true"}, headers=AUTH), 404, "node_not_found")
+
+        # `tutti admin serve` is this app in its own process, as the chart runs it.
+        port = free_port()
+        serve = subprocess.Popen([sys.executable, "-m", "tutti_cluster.cli", "admin", "serve", "--etcd", etcd.endpoint,
+                                  "--admin-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env={**os.environ, "TUTTI_ADMIN_TOKEN": TOKEN})
+        try:
+            assert serve.stdout is not None
+            line = serve.stdout.readline()
+            assert f"cluster admin API on http://127.0.0.1:{port}" in line, line
+            assert httpx.get(f"http://127.0.0.1:{port}/readyz").json()["ready"]
+            served = httpx.get(f"http://127.0.0.1:{port}/v1/nodes", headers=AUTH).json()["nodes"]
+            assert [n["node_id"] for n in served] == ["node-a", "node-b"]
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/nodes").status_code == 401
+        finally:
+            serve.send_signal(signal.SIGTERM)
+            assert serve.wait(15) == 0
 
         # A node that dies is reported, not hidden; once its lease expires it leaves the list.
         b.up.stop(signal.SIGKILL)

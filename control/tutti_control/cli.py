@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -184,12 +186,19 @@ def serve(cfg: TuttiConfig, a: argparse.Namespace) -> int:
 
     sock = bind(cfg.admin_host, cfg.admin_port)
     server, _ = cluster_admin(cfg, sock)
-    print(f"tutti cluster admin API on http://{server.address} (nodes from etcd {','.join(cfg.etcd)}). "
-          "Ctrl-C stops it.", flush=True)
+    done = threading.Event()
+    old = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.start()  # in a thread: SIGTERM ends it gracefully here, status 0
+        print(f"tutti cluster admin API on http://{server.address} (nodes from etcd {','.join(cfg.etcd)}). "
+              "Ctrl-C stops it.", flush=True)
+        while not done.wait(1.0):
+            if server.thread is not None and not server.thread.is_alive():
+                return 1  # uvicorn ended on its own: the log says why
     finally:
-        server.backend.close()
+        server.stop()
+        for s, h in old.items():
+            signal.signal(s, h)
     return 0
 
 

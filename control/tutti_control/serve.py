@@ -64,10 +64,6 @@ class AdminServer:
             time.sleep(0.01)
         return self
 
-    def run(self) -> None:
-        """Serve in this thread until SIGINT/SIGTERM (uvicorn handles the signals)."""
-        self.server.run(sockets=[self.sock])
-
     def stop(self) -> None:
         self.server.should_exit = True
         if self.thread is not None:
