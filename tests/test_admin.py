@@ -430,3 +430,41 @@ def test_drain_stops_new_units_evicts_and_reports(tmp_path: Path):
     finally:
         backend.close()
         n.close()
+
+
+# -- boundaries -----------------------------------------------------------------------------------
+def _imports(path: Path, top_level_only: bool) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out: set[str] = set()
+    for n in nodes:
+        if isinstance(n, ast.Import):
+            out |= {a.name for a in n.names}
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            out |= {n.module} | {f"{n.module}.{a.name}" for a in n.names}
+    return out
+
+
+def test_the_admin_plane_reaches_nodes_only_through_the_daemon_and_the_directory():
+    allowed = {"tutti_cluster.config", "tutti_cluster.errors", "tutti_cluster.daemon", "tutti_cluster.cluster.directory"}
+    for path in sorted((REPO / "control" / "tutti_control").glob("*.py")):
+        used = {m for m in _imports(path, top_level_only=False) if m.startswith("tutti_cluster")}
+        modules = {m for m in used if m in allowed or m.rsplit(".", 1)[0] not in allowed}
+        assert modules <= allowed, (path.name, modules - allowed)
+        assert "_native" not in path.read_text() and "TuttiStore" not in path.read_text(), path.name
+
+
+def test_the_data_plane_never_imports_fastapi():
+    import subprocess
+    import sys
+
+    for path in sorted((REPO / "tutti_cluster").rglob("*.py")):
+        top = _imports(path, top_level_only=True)
+        assert not {m for m in top if m.split(".")[0] in ("fastapi", "starlette", "uvicorn", "tutti_control")}, path
+    code = ("import sys, tutti_cluster.cli, tutti_cluster.daemon, tutti_cluster.cluster.directory; "
+            "bad = [m for m in ('fastapi', 'starlette', 'uvicorn', 'tutti_control') if m in sys.modules]; "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
