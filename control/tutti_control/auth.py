@@ -14,7 +14,7 @@ import secrets
 from pathlib import Path
 
 from tutti_cluster.config import TuttiConfig
-from tutti_cluster.errors import ConfigError
+from tutti_cluster.errors import ConfigError, StorageError
 
 TOKEN_FILE_NAME = "admin.token"
 CHALLENGE = 'Bearer realm="tutti-admin"'
@@ -53,14 +53,21 @@ def ensure_token(config: TuttiConfig) -> tuple[str, Path | None, bool]:
     if token is not None:
         return token, config.admin_token_file, False
     path = default_token_path(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         return read_token_file(path), path, False
+    except OSError as exc:
+        raise StorageError(f"cannot create the admin token file {path}: {exc.strerror or exc} "
+                           "(set TUTTI_ADMIN_TOKEN or TUTTI_ADMIN_TOKEN_FILE)") from None
     token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+    except OSError as exc:
+        path.unlink(missing_ok=True)  # never leave an empty token file behind
+        raise StorageError(f"cannot write the admin token file {path}: {exc.strerror or exc}") from None
     return token, path, True
 
 

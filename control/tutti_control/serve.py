@@ -105,16 +105,8 @@ class NodeAdmin:
     cluster record), started once the daemon serves, stopped after it."""
 
     def __init__(self, config: TuttiConfig) -> None:
-        from tutti_control.auth import ensure_token
-
         self.config = config
-        self.token, path, created = ensure_token(config)
-        if config.admin_token is not None:
-            self.token_note = "from TUTTI_ADMIN_TOKEN"
-        elif created:
-            self.token_note = f"created in {path} (mode 0600)"
-        else:
-            self.token_note = f"in {path}"
+        self.token_note = ""
         self.sock = bind(config.admin_host, config.admin_port)
         self.address = address_of(self.sock)
         self.advertised = self._advertised()
@@ -131,11 +123,21 @@ class NodeAdmin:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def start(self) -> None:
+        """Serve; the token (made now on first start) is read once the daemon serves, so that a
+        data directory the daemon cannot use is reported by the daemon first."""
         from tutti_control.app import create_app
+        from tutti_control.auth import ensure_token
         from tutti_control.backend import NodeBackend
 
+        token, path, created = ensure_token(self.config)
+        if self.config.admin_token is not None and self.config.admin_token.get_secret_value():
+            self.token_note = "from TUTTI_ADMIN_TOKEN"
+        elif created:
+            self.token_note = f"created in {path} (mode 0600)"
+        else:
+            self.token_note = f"in {path}"
         backend = NodeBackend(self.config)
-        self.server = AdminServer(create_app(backend, self.token), self.sock, backend).start()
+        self.server = AdminServer(create_app(backend, token), self.sock, backend).start()
 
     def stop(self) -> None:
         if self.server is not None:
