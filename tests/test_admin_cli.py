@@ -146,3 +146,21 @@ def test_tutti_admin_commands_against_a_node(up: TuttiUp, tmp_path: Path):
         assert r.returncode == 3 and "cannot reach" in r.stderr
     finally:
         engine.close()
+
+
+def test_tutti_up_without_the_admin_extra_warns_and_serves_the_daemon(tmp_path: Path):
+    # FastAPI made unimportable in that process only (a None entry in sys.modules fails the import).
+    code = ("import sys; sys.modules['fastapi'] = None; from tutti_cluster.cli import main; "
+            f"sys.exit(main(['up', '--data-dir', {str(tmp_path / 'node')!r}, '--paths', {str(tmp_path)!r}, "
+            "'--capacity-gb', '0.01']))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("tutti node daemon serving"), line
+        assert (tmp_path / "node" / "tutti.sock").exists() and not (tmp_path / "node" / "admin.token").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert "admin API not served" in err and "pip install 'tutti-cluster[admin]'" in err

@@ -76,10 +76,11 @@ def _admin_plane(cfg: TuttiConfig) -> Any:
     a warning, where the admin extra is not installed."""
     try:
         from tutti_control.serve import NodeAdmin
+
+        return NodeAdmin(cfg)
     except ImportError as e:
         log.warning("admin API not served (%s): pip install 'tutti-cluster[admin]'", e)
         return None
-    return NodeAdmin(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,6 +105,10 @@ class NodeAdmin:
     cluster record), started once the daemon serves, stopped after it."""
 
     def __init__(self, config: TuttiConfig) -> None:
+        # ImportError here, before anything is bound, where the admin extra is not installed.
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+
         self.config = config
         self.token_note = ""
         self.sock = bind(config.admin_host, config.admin_port)
