@@ -40,6 +40,10 @@ namespace tutti {
 
 namespace {
 
+// Staging slots of I/O in use at most, in queue depths (each slot waits for its worker warp too).
+#ifndef TUTTI_WINDOW_QD
+#define TUTTI_WINDOW_QD 2
+#endif
 #ifndef TUTTI_IO_UNROLL
 #define TUTTI_IO_UNROLL 4
 #endif
@@ -136,7 +140,7 @@ __shared__ uint32_t crc_shift[64];         // lane_shift16, then lane_shift4
 // One warp moves `bytes` from `src` to `dst` (when kCopy) and extends the lanes' CRC registers over
 // them. kFromHost: `src` is mapped host memory that the host rewrites between uses, read with
 // ld.global.cv so that no stale cached line is ever used.
-template <bool kCopy, bool kFromHost>
+template <bool kCopy, bool kFromHost, bool kCrc = true>
 __device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint64_t obj_off, CrcRows t,
                                             uint32_t& acc, uint32_t lane) {
   constexpr uint32_t U = TUTTI_IO_UNROLL;  // vectors in flight per lane; 64 registers: two blocks per SM
@@ -157,14 +161,14 @@ __device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, ui
       const uint32_t i = base + u * 32 + first;
       if (i < nv) {
         if (kCopy) d[i] = v[u];
-        acc = crc_lane_step16(t, acc, v[u].x, v[u].y, v[u].z, v[u].w);
+        if (kCrc) acc = crc_lane_step16(t, acc, v[u].x, v[u].y, v[u].z, v[u].w);
       }
     }
   }
 }
 
 // The same with 4-byte words, for objects or pointers that are not 16-byte aligned.
-template <bool kCopy, bool kFromHost>
+template <bool kCopy, bool kFromHost, bool kCrc = true>
 __device__ __forceinline__ void warp_move4(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint64_t obj_off, CrcRows t,
                                            uint32_t& acc, uint32_t lane) {
   const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
@@ -173,15 +177,15 @@ __device__ __forceinline__ void warp_move4(const uint8_t* src, uint8_t* dst, uin
   for (uint32_t i = (lane - static_cast<uint32_t>(obj_off / 4)) & 31u; i < nw; i += 32) {
     const uint32_t v = kFromHost ? __ldcv(s + i) : __ldcg(s + i);
     if (kCopy) d[i] = v;
-    acc = crc_lane_step4(t, acc, v);
+    if (kCrc) acc = crc_lane_step4(t, acc, v);
   }
 }
 
-template <bool kCopy, bool kFromHost>
+template <bool kCopy, bool kFromHost, bool kCrc = true>
 __device__ __forceinline__ void warp_move(bool vec16, const uint8_t* src, uint8_t* dst, uint64_t bytes, uint64_t obj_off,
                                           CrcRows t, uint32_t& acc, uint32_t lane) {
-  if (vec16) warp_move16<kCopy, kFromHost>(src, dst, bytes, obj_off, t, acc, lane);
-  else warp_move4<kCopy, kFromHost>(src, dst, bytes, obj_off, t, acc, lane);
+  if (vec16) warp_move16<kCopy, kFromHost, kCrc>(src, dst, bytes, obj_off, t, acc, lane);
+  else warp_move4<kCopy, kFromHost, kCrc>(src, dst, bytes, obj_off, t, acc, lane);
 }
 
 // The object's CRC32C from the lanes' registers (every lane gets it).
@@ -213,13 +217,21 @@ __device__ __forceinline__ uint8_t* mapped_object(const LaunchParams& p, const L
 }
 
 // Retrieve: verify and scatter one object from staging (or its mapped file). Store: gather one
-// object into staging (or its mapped file) and record its checksum. Runs on one warp.
+// object into staging (or its mapped file) and record its checksum. Runs on one warp; `release()`
+// hands the object's staging chunk back to the manager (once, after the warp's last use of it).
+template <typename Release>
 __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint32_t off, uint8_t* chunk, uint32_t lane,
-                               uint32_t* errors) {
+                               uint32_t* errors, Release release) {
   CrcRows t = crc_t;
   const Ioctx x = B.ctx[B.ctx_first + off];
   const bool read = B.op == static_cast<uint32_t>(IoOp::kRead);
-  if (uint8_t* m = mapped_object(p, B, x)) chunk = m;
+  uint8_t* m = mapped_object(p, B, x);
+  if (m) chunk = m;
+  const uint64_t payload = static_cast<uint64_t>(p.unit_blocks) * p.block_bytes;
+  // A retrieve from staging copies first and hands the chunk back, then sums the blocks it wrote
+  // (device memory, its own writes): the chunk's next I/O does not wait for the checksum, which
+  // costs table lookups per byte. The unit is still failed, a miss, when the sum does not match.
+  const bool early = read && !m && payload == p.obj_bytes;
   uint32_t acc = 0;
   for (uint32_t e = 0; e < x.extent_count; ++e) {
     const Extent ext = B.extents[x.extent_first + e];
@@ -228,12 +240,24 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
       uint8_t* kv = reinterpret_cast<uint8_t*>(B.kv[x.obj] + (ext.first_block + j) * B.block_stride);
       uint8_t* st = chunk + ub * p.block_bytes;
       const uint64_t o = ub * p.block_bytes;
-      if (read) warp_move<true, true>(p.vec16, st, kv, p.block_bytes, o, t, acc, lane);
+      if (early) warp_move<true, true, false>(p.vec16, st, kv, p.block_bytes, o, t, acc, lane);
+      else if (read) warp_move<true, true>(p.vec16, st, kv, p.block_bytes, o, t, acc, lane);
       else warp_move<true, false>(p.vec16, kv, st, p.block_bytes, o, t, acc, lane);
     }
   }
-  const uint64_t payload = static_cast<uint64_t>(p.unit_blocks) * p.block_bytes;
-  if (payload < p.obj_bytes) {
+  if (early) {
+    __syncwarp();  // every lane's loads from the chunk have returned (their stores used them)
+    release();
+    for (uint32_t e = 0; e < x.extent_count; ++e) {
+      const Extent ext = B.extents[x.extent_first + e];
+      for (uint32_t j = 0; j < ext.num_blocks; ++j) {
+        const uint64_t o = (ext.unit_offset_blocks + j) * p.block_bytes;
+        // Each lane reads back the vectors it wrote itself (the same lane ownership).
+        const uint8_t* kv = reinterpret_cast<const uint8_t*>(B.kv[x.obj] + (ext.first_block + j) * B.block_stride);
+        warp_move<false, false>(p.vec16, kv, nullptr, p.block_bytes, o, t, acc, lane);
+      }
+    }
+  } else if (payload < p.obj_bytes) {
     if (read) warp_move<false, true>(p.vec16, chunk + payload, nullptr, p.obj_bytes - payload, payload, t, acc, lane);
     else warp_zero(p.vec16, chunk + payload, p.obj_bytes - payload, payload, t, acc, lane);
   }
@@ -254,6 +278,7 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
   // Staging writes (store) and result words must reach the host before the chunk is handed on.
   __threadfence_system();
   __syncwarp();
+  if (!early) release();
 }
 
 __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_constant__ LaunchParams p) {
@@ -480,15 +505,17 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
       e = __shfl_sync(0xffffffffu, e, 0);
       const uint32_t k = ent_k(e);
       const unsigned long long t0 = now_ns();
-      process_object(p, p.b[k], ent_off(e), chunk_ptr(ent_chunk(e)), lane, &errors[k]);
+      auto release = [&] {
+        if (lane == 0) {
+          const uint32_t slot = atomicAdd(&freed_claim, 1u);
+          const uint32_t post = p.b[k].op == static_cast<uint32_t>(IoOp::kRead) ? 0u : kPost;
+          __threadfence_block();
+          vstore<uint32_t>(&freed[slot % C], kValid | post | e);
+        }
+      };
+      process_object(p, p.b[k], ent_off(e), chunk_ptr(ent_chunk(e)), lane, &errors[k], release);
       busy += now_ns() - t0;
       ++objs;
-      if (lane == 0) {
-        const uint32_t slot = atomicAdd(&freed_claim, 1u);
-        const uint32_t post = p.b[k].op == static_cast<uint32_t>(IoOp::kRead) ? 0u : kPost;
-        __threadfence_block();
-        vstore<uint32_t>(&freed[slot % C], kValid | post | e);
-      }
     }
     if (lane == 0 && objs) {
       atomicAdd(&p.trace[0], busy);
@@ -796,7 +823,7 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   // slots it freed last and the staging it touches stays small enough for the CPU's last-level
   // cache (PCIe writes land there); on the H200 host this lifted the /dev/shm store at 128K tokens
   // from 24-26 to 35-38 GB/s with a 2 GiB staging area (docs/PERF.md).
-  const uint32_t per_block = (2 * ctx->queue_depth + kLanes * grid_ - 1) / (kLanes * grid_);
+  const uint32_t per_block = (TUTTI_WINDOW_QD * ctx->queue_depth + kLanes * grid_ - 1) / (kLanes * grid_);
   window_ = std::clamp<uint32_t>(per_block, 1, per_worker_ / group_);
   const uint32_t nk = kLanes * workers;  // SQ/CQ pairs of the kernel; the last pair is the host's
   std::vector<DevQueue> qs(nk);
