@@ -189,7 +189,7 @@ class ClusterBackend:
         out = EvictResult(evicted=0, pinned_kept=0, unreachable=0)
         for n, v in sorted(got.items()):
             if isinstance(v, NodeUnavailable):
-                out.nodes[n] = {"evicted": 0, "pinned_kept": 0, "unreachable": -1}
+                out.unreachable_nodes.append(n)
                 continue
             for k in ("evicted", "pinned_kept", "unreachable"):
                 setattr(out, k, getattr(out, k) + int(v[k]))

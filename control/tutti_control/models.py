@@ -139,6 +139,7 @@ class EvictResult(_Model):
     pinned_kept: int = Field(description="Matching units left in place because they are pinned.")
     unreachable: int = Field(description="Matching units whose engine did not answer (their engine is gone).")
     nodes: dict[str, dict[str, int]] = Field(default_factory=dict, description="The same counts per node.")
+    unreachable_nodes: list[str] = Field(default_factory=list, description="Nodes that did not answer (cluster-wide admin).")
 
 
 class KeysRequest(_Model):
