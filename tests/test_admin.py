@@ -313,6 +313,16 @@ def test_bad_input_is_a_4xx_with_the_stable_shape_and_changes_nothing(client: Te
     client.request("DELETE", "/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH)
 
 
+def test_daemon_refusals_map_to_400_and_anything_else_to_502():
+    from tutti_cluster.errors import ConfigError, NotFound, StorageError
+    from tutti_control.backend import daemon_error
+
+    assert (daemon_error(ConfigError("bad")).status, daemon_error(ConfigError("bad")).code) == (400, "bad_request")
+    for exc in (NotFound("gone"), StorageError("disk"), CapacityExceeded("full")):
+        e = daemon_error(exc)
+        assert (e.status, e.code, e.details) == (502, "daemon_error", {"class": type(exc).__name__})
+
+
 def test_no_daemon_is_503_and_readyz_says_why(tmp_path: Path):
     cfg = TuttiConfig(data_dir=tmp_path / "nobody-home", paths=[tmp_path])
     backend = NodeBackend(cfg)

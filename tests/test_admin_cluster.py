@@ -145,6 +145,8 @@ def test_cluster_admin_over_the_directory(cluster: tuple[EtcdServer, ClusterNode
         nodes = c.get("/v1/nodes", headers=AUTH).json()["nodes"]
         assert [(n["node_id"], n["reachable"]) for n in nodes] == [("node-a", True), ("node-b", False)]
         is_error(c.get("/v1/pins", headers=AUTH), 503, "node_unavailable")
+        is_error(c.get("/v1/nodes/node-b", headers=AUTH), 503, "node_unavailable")
+        is_error(c.post("/v1/nodes/node-b/drain", headers=AUTH), 503, "node_unavailable")
         r = c.delete("/v1/cache", params={"all": "true"}, headers=AUTH).json()
         assert r["unreachable_nodes"] == ["node-b"] and list(r["nodes"]) == ["node-a"]
         assert c.post("/v1/pins", json={"keys": ["c100"]}, headers=AUTH).json()["unreachable"] == [hexkey(0xc100)]
