@@ -86,6 +86,18 @@ static void test_crc32c_values_and_pieces() {
     c = crc32c_copy(c, dst.data() + cut, buf.data() + cut, buf.size() - cut);
     CHECK(c == whole && dst == buf);
   }
+  // Every length and alignment the fast paths split differently (the 3-stripe and the folding loops,
+  // their tails), continued from a nonzero CRC, against the reference.
+  for (int t = 0; t < 400; ++t) {
+    const size_t off = rng() % 64, len = t < 200 ? static_cast<size_t>(t) * 7 : rng() % 9000;
+    const size_t cut = len ? rng() % len : 0;
+    std::vector<uint8_t> dst(len);
+    uint32_t c = crc32c_copy(0, dst.data(), buf.data() + off, cut);
+    c = crc32c_extend(c, buf.data() + off + cut, len - cut);
+    std::memcpy(dst.data() + cut, buf.data() + off + cut, len - cut);
+    CHECK(c == crc_ref(buf.data() + off, len));
+    CHECK(std::memcmp(dst.data(), buf.data() + off, len) == 0);
+  }
   std::vector<uint8_t> zeros(65536, 0);
   CHECK(crc32c_extend(0, zeros.data(), zeros.size()) != 0);  // an all-zero object has a nonzero CRC
   // Every 1- and 2-bit error over a 4 KiB object changes it (exhaustive over a sample of positions).
