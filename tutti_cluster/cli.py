@@ -1,64 +1,127 @@
-"""The `tutti` command: `tutti up` (node daemon, or its demo) and `tutti bench`."""
+"""The `tutti` command: `tutti up` (the node daemon, or its demo), `tutti bench`, `tutti admin`.
+
+Every command's store flags are generated from :class:`~tutti_cluster.config.TuttiConfig`
+(:func:`~tutti_cluster.config.add_config_arguments`), so a flag, its ``TUTTI_*`` variable and its
+field are one declaration. ``--help`` of every command works without the optional dependencies
+(PyTorch, FastAPI, httpx, Mooncake); running a command that needs one says which, in one line.
+Errors are one line, ``tutti: error: ...``, status 2 (the admin client's API errors 1, an
+unreachable API 3); ``-v`` adds debug logging and the traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from typing import Any
+import traceback
+from typing import Any, NoReturn
 
-from tutti_cluster.config import TuttiConfig, load_config
+from tutti_cluster.config import TuttiConfig, add_config_arguments, config_arguments, load_config
 from tutti_cluster.errors import TuttiError
 
 log = logging.getLogger("tutti")
 
+DEMO_TOKENS = 8192
 
-def _config_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("store (each also TUTTI_<NAME> in the environment)")
-    g.add_argument("--paths", help="comma-separated storage directories, one per SSD")
-    g.add_argument("--capacity-gb", help="GiB per path (one value, or one per path, comma-separated)")
-    g.add_argument("--data-dir", help="node state directory (default ~/.local/share/tutti)")
-    g.add_argument("--unit-tokens", type=int, help="tokens per cache unit")
-    g.add_argument("--instance", help="name of this process's pool share")
-    c = p.add_argument_group("cluster (all unset: single node)")
-    c.add_argument("--etcd", help="etcd endpoints host:port[,host:port]")
-    c.add_argument("--mooncake-master", help="Mooncake master host:port")
-    c.add_argument("--node-id", help="this node's name in the cluster")
-    c.add_argument("--protocol", choices=["tcp", "rdma"], help="Transfer Engine protocol")
-    c.add_argument("--lease-ttl-s", type=int, help="TTL of replica registrations")
+COMMANDS = (
+    ("up", "run the node daemon: owns the storage paths, hands each engine its share, serves the admin API "
+           "(and, with --etcd, this node's units to other nodes); --demo: try the store once and exit"),
+    ("bench", "bandwidth against baselines and the same-run storage limits (needs PyTorch); "
+              "`tutti bench cluster`: remote fetch and directory lookups (needs the cluster extra)"),
+    ("admin", "admin plane client: status, stats, objects, evict, pin, unpin, drain; serve: the cluster-wide "
+              "admin API (needs the admin extra)"),
+)
+
+# Which extra brings which optional module, for the one-line error when it is missing.
+_EXTRAS = {"torch": "pip install torch", "fastapi": "pip install 'tutti-cluster[admin]'",
+           "uvicorn": "pip install 'tutti-cluster[admin]'", "httpx": "pip install 'tutti-cluster[admin]'",
+           "prometheus_client": "pip install 'tutti-cluster[admin]'",
+           "mooncake": "pip install 'tutti-cluster[cluster]'", "grpc": "pip install 'tutti-cluster[cluster]'"}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with its usage errors as one ``tutti: error:`` line (and a pointer to ``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"tutti: error: {message} (see {self.prog} --help)\n")
+
+
+def up_parser() -> Parser:
+    p = Parser(prog="tutti up", description="Runs the node daemon until Ctrl-C or SIGTERM: it owns the storage "
+               "paths, hands each engine process its share of the file pool (engines attach over "
+               "<data_dir>/tutti.sock), keeps the node-wide index and serves the node's admin API; with --etcd "
+               "it registers this node's units in the cluster directory and serves them to other nodes. "
+               "With --demo it pushes a synthetic prefix through one store instead, and exits. Every flag "
+               "is also a TUTTI_<NAME> environment variable.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
+    d = p.add_argument_group("demo")
+    d.add_argument("--demo", action="store_true", help="store a synthetic Llama-3-8B-shaped prefix, retrieve it "
+                   "into other blocks, check every byte, print hit rate and bandwidth, and exit")
+    d.add_argument("--tokens", type=int, metavar="N", help="demo prefix length in tokens "
+                   "[default: 8192; the demo's pool holds max(1, N/4096) GiB unless --capacity-gb says]")
+    d.add_argument("--keep", action="store_true", help="keep the demo's pool files afterwards (default: "
+                   "removed when the demo ends)")
+    add_config_arguments(p, default_notes={"instance": "default; the demo's: demo"})
+    return p
+
+
+def top_parser() -> Parser:
+    p = Parser(prog="tutti", description="Tutti-cluster: an SSD-backed KV-cache store for long-context LLM "
+               "serving. `tutti COMMAND --help` for a command's flags.",
+               epilog="Start here: `tutti up --demo` (a single node on the embedded default, no services).")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", title="commands")
+    for name, text in COMMANDS:
+        sub.add_parser(name, help=text, add_help=False)
+    return p
 
 
 def config_from_args(a: argparse.Namespace, **extra: Any) -> TuttiConfig:
-    keys = ["paths", "capacity_gb", "data_dir", "unit_tokens", "instance", "etcd", "mooncake_master", "node_id",
-            "protocol", "lease_ttl_s", "admin_host", "admin_port"]
-    args = {k: getattr(a, k, None) for k in keys}
+    """The config from the flags that were given (then environment, file, defaults) and ``extra``."""
+    args = config_arguments(a)
     args.update({k: v for k, v in extra.items() if v is not None})
     return load_config(**args)
 
 
+def cmd_demo(a: argparse.Namespace) -> int:
+    from tutti_cluster.demo import run_demo
+
+    tokens = a.tokens or DEMO_TOKENS
+    if tokens <= 0:
+        raise _UsageError(f"--tokens must be positive, not {tokens}")
+    cfg = config_from_args(a, instance=a.instance or "demo",
+                           capacity_gb=None if a.capacity_gb else str(max(1.0, tokens / 4096)))
+    r = run_demo(cfg, prefix_tokens=tokens, keep=a.keep)
+    print(f"Tutti demo: Llama-3-8B shape, {r.prefix_tokens} tokens, store at {', '.join(map(str, cfg.storage_paths()))}"
+          f" ({'O_DIRECT' if r.direct_io else 'buffered I/O'})")
+    print(f"  hit rate      {r.hit_rate * 100:6.1f} %")
+    print(f"  store         {r.store_gbps:6.2f} GB/s")
+    print(f"  retrieve      {r.retrieve_gbps:6.2f} GB/s")
+    print(f"  byte-exact    {'yes' if r.exact else 'NO'}")
+    gib = r.pool_bytes / (1 << 30)
+    files = ", ".join(map(str, r.pool_files))
+    if a.keep:
+        print(f"  pool kept     {gib:.2f} GiB in {files} (remove it with: rm {' '.join(map(str, r.pool_files))})")
+    else:
+        print(f"  pool removed  {gib:.2f} GiB ({files}); --keep keeps it")
+    return 0 if r.exact and r.hit_rate == 1.0 else 1
+
+
 def cmd_up(a: argparse.Namespace) -> int:
     if a.demo:
-        from tutti_cluster.demo import run_demo
-
-        cfg = config_from_args(a, instance=a.instance or "demo",
-                               capacity_gb=a.capacity_gb or str(max(1.0, a.tokens / 4096)))
-        r = run_demo(cfg, prefix_tokens=a.tokens)
-        print(f"Tutti demo: Llama-3-8B shape, {r.prefix_tokens} tokens, store at {', '.join(map(str, cfg.storage_paths()))}"
-              f" ({'O_DIRECT' if r.direct_io else 'buffered I/O'})")
-        print(f"  hit rate      {r.hit_rate * 100:6.1f} %")
-        print(f"  store         {r.store_gbps:6.2f} GB/s")
-        print(f"  retrieve      {r.retrieve_gbps:6.2f} GB/s")
-        print(f"  byte-exact    {'yes' if r.exact else 'NO'}")
-        return 0 if r.exact and r.hit_rate == 1.0 else 1
+        return cmd_demo(a)
+    if a.keep or a.tokens is not None:
+        raise _UsageError("--keep and --tokens belong to --demo")
     from tutti_cluster.daemon import run_daemon
 
     cfg = config_from_args(a)
     admin = _admin_plane(cfg)
 
     def ready(_: Any) -> None:
-        mode = "cluster" if cfg.cluster_mode else "single node (embedded default)"
-        print(f"tutti node daemon serving: {mode}; data {cfg.data_dir}; paths "
-              f"{', '.join(map(str, cfg.storage_paths()))}. Ctrl-C stops it.", flush=True)
+        mode = f"cluster (etcd {','.join(cfg.etcd)})" if cfg.cluster_mode else "single node (embedded default)"
+        caps = ", ".join(f"{p} ({c / (1 << 30):g} GiB)" for p, c in zip(cfg.storage_paths(), cfg.capacity_bytes()))
+        print(f"tutti node daemon serving: {mode}; data {cfg.data_dir}; paths {caps}. Engines attach through "
+              f"{cfg.data_dir / 'tutti.sock'} (TUTTI_DATA_DIR={cfg.data_dir}). Ctrl-C stops it.", flush=True)
         if admin is not None:
             admin.start()
             print(f"tutti admin API on http://{admin.address}; token: {admin.token_note}", flush=True)
@@ -83,54 +146,96 @@ def _admin_plane(cfg: TuttiConfig) -> Any:
         return None
 
 
+class _UsageError(Exception):
+    pass
+
+
+def _missing_module(e: ImportError) -> str | None:
+    """The install hint for an optional module that failed to import, else None."""
+    name = (e.name or "").split(".")[0]
+    return _EXTRAS.get(name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``tutti`` console script: a TuttiError is one line on stderr, status 2."""
-    argv = sys.argv[1:] if argv is None else argv
+    """Entry point of the ``tutti`` console script (see the module docstring for errors and status)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = False
+    while argv and argv[0] in ("-v", "--verbose"):
+        verbose = True
+        argv = argv[1:]
+    verbose = verbose or any(x in ("-v", "--verbose") for x in argv[: argv.index("--") if "--" in argv else None])
     try:
-        return _dispatch(argv)
-    except TuttiError as e:
-        print(f"tutti: error: {e}", file=sys.stderr)
-        return 2
+        return _dispatch(argv, verbose)
     except KeyboardInterrupt:
         return 130
+    except _UsageError as e:
+        print(f"tutti: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001: every failure is one line; -v shows where it came from
+        if verbose:
+            traceback.print_exc()
+        if isinstance(e, TuttiError):
+            print(f"tutti: error: {e}", file=sys.stderr)
+        elif isinstance(e, ImportError) and _missing_module(e):
+            print(f"tutti: error: {argv[0] if argv else 'tutti'} needs {e.name} ({e}): {_missing_module(e)}",
+                  file=sys.stderr)
+        else:
+            hint = "" if verbose else " (run with -v for the traceback)"
+            print(f"tutti: error: {type(e).__name__}: {e}{hint}", file=sys.stderr)
+        return 2
 
 
-def _dispatch(argv: list[str]) -> int:
-    if argv[:2] == ["bench", "cluster"]:  # the benchmarks own their flags
-        from tutti_cluster.cluster.bench import main as cluster_bench_main
+class _Plain(logging.Formatter):
+    """``tutti: message`` for information, ``tutti: warning: message`` above it; -v names the logger."""
 
-        return int(cluster_bench_main(argv[2:]) or 0)
-    if argv[:1] == ["admin"]:  # the admin client owns its flags; FastAPI is never imported for it
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        return f"tutti: {level}{record.getMessage()}"
+
+
+def _logging(verbose: bool, quiet: tuple[str, ...] = ()) -> None:
+    """Logging to stderr; ``quiet`` loggers show only warnings unless ``verbose``."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s") if verbose else _Plain())
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
+    for name in quiet if not verbose else ():
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _dispatch(argv: list[str], verbose: bool) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        top_parser().print_help()
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "up":
+        a = up_parser().parse_args(rest)
+        # The demo says in its own lines what the store does; the store's own lines are for -v.
+        _logging(verbose, quiet=("tutti_cluster.store",) if a.demo else ())
+        return cmd_up(a)
+    if cmd == "bench" and rest[:1] == ["cluster"]:
+        from tutti_cluster.cluster import bench as cluster_bench
+
+        a = cluster_bench.build_parser(Parser, prog="tutti bench cluster").parse_args(rest[1:])
+        _logging(verbose)
+        return int(cluster_bench.run_args(a, rest[1:]) or 0)
+    if cmd == "bench":
+        from tutti_cluster.bench.args import build_parser
+
+        a = build_parser(Parser).parse_args(rest)
+        _logging(verbose)
+        from tutti_cluster.bench.runner import run_args  # PyTorch: the benchmark's KV tensors are torch tensors
+
+        return int(run_args(a) or 0)
+    if cmd == "admin":
         try:
-            from tutti_control.cli import main as admin_main
+            from tutti_control.cli import parser as admin_parser, run_args as admin_run
         except ImportError as e:
-            print(f"tutti admin needs the admin extra ({e}): pip install 'tutti-cluster[admin]'", file=sys.stderr)
-            return 2
-        return int(admin_main(argv[1:]) or 0)
-    if argv[:1] == ["bench"]:
-        try:
-            from tutti_cluster.bench import main as bench_main
-        except ImportError as e:  # the benchmark's KV tensors are torch tensors
-            print(f"tutti bench needs PyTorch ({e}): pip install torch", file=sys.stderr)
-            return 2
-        return int(bench_main(argv[1:]) or 0)
-    p = argparse.ArgumentParser(prog="tutti", description="Tutti-cluster: SSD-backed KV-cache store.")
-    p.add_argument("-v", "--verbose", action="store_true")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    up = sub.add_parser("up", help="run the node daemon (or --demo)")
-    _config_args(up)
-    up.add_argument("--demo", action="store_true", help="push a synthetic Llama-3-8B prefix through the store and exit")
-    up.add_argument("--tokens", type=int, default=8192, help="demo prefix length in tokens")
-    adm = up.add_argument_group("admin API (docs/ADMIN.md)")
-    adm.add_argument("--admin-host", help="address of the node's admin API (TUTTI_ADMIN_HOST, default 127.0.0.1)")
-    adm.add_argument("--admin-port", type=int, help="port of the node's admin API (TUTTI_ADMIN_PORT, default 9480)")
-    sub.add_parser("admin", help="admin plane client: status, stats, objects, evict, pin, unpin, drain; and "
-                   "serve, the cluster-wide admin API (tutti admin --help)")
-    sub.add_parser("bench", help="benchmark against baselines and same-run limits (tutti bench --help); "
-                   "`tutti bench cluster` measures remote fetch and lookups (tutti bench cluster --help)")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    return cmd_up(a)
+            raise _UsageError(f"tutti admin needs the tutti_control package ({e}): pip install "
+                              "'tutti-cluster[admin]'") from None
+        a = admin_parser(Parser).parse_args(rest)
+        _logging(verbose)
+        return int(admin_run(a) or 0)
+    top_parser().error(f"unknown command {cmd!r}; the commands are {', '.join(n for n, _ in COMMANDS)}")
 
 
 if __name__ == "__main__":

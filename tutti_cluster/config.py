@@ -3,15 +3,20 @@
 Precedence: explicit arguments > ``TUTTI_*`` environment variables > a config file named by
 ``TUTTI_CONFIG_FILE`` (JSON) > defaults. Lists (``paths``, ``capacity_gb``, ``etcd``) are given in the
 environment as comma-separated text, e.g. ``TUTTI_PATHS=/mnt/nvme0,/mnt/nvme1``.
+
+The ``tutti`` commands take their flags from the fields below (:func:`add_config_arguments`): each
+field ``foo_bar`` is ``--foo-bar``, with the field's description as its help; lists take one or more
+values, separated by spaces or commas (``--paths /mnt/a /mnt/b`` or ``--paths /mnt/a,/mnt/b``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Sequence, get_args, get_origin
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -20,8 +25,8 @@ from tutti_cluster.errors import ConfigError
 
 _LIST_FIELDS = ("paths", "capacity_gb", "etcd")
 
-# Instance names become pool file names (``tutti-<instance>-<n>.pool``) and keys of the daemon's
-# state: a short plain name, so that neither a file system nor a shell ever sees anything odd.
+# Instance names become pool file names (``tutti-<instance>.pool``, ``tutti-<instance>.<n>.pool``)
+# and keys of the daemon's state: a short plain name, so that neither a file system nor a shell ever sees anything odd.
 INSTANCE_MAX_CHARS = 64
 INSTANCE_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
 _INSTANCE_RE = re.compile(INSTANCE_PATTERN)
@@ -119,7 +124,7 @@ class TuttiConfig(BaseSettings):
     backend: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda for CUDA tensors.")
     device: int = Field(0, ge=0, description="CUDA device ordinal for the cuda backend.")
     queue_depth: int = Field(64, gt=0, description="io_uring depth of the host agent.")
-    iocb_depth: int = Field(1024, gt=0, description="IOCBs in the gio_uring table (init_queue).")
+    iocb_depth: int = Field(8192, gt=0, description="IOCBs in the gio_uring table (init_queue); a request reserves one per layer (more past 2048 IOCTXs) plus one to commit, at begin.")
     staging_mb: int = Field(
         128,
         gt=0,
@@ -135,7 +140,7 @@ class TuttiConfig(BaseSettings):
     # Cluster (all unset: single-node embedded default)
     etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port.")
     mooncake_master: str | None = Field(None, description="Mooncake master address host:port.")
-    node_id: str | None = Field(None, description="This node's name in the cluster (default: hostname).")
+    node_id: str | None = Field(None, description="This node's name in the cluster.")
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake Transfer Engine protocol.")
     lease_ttl_s: int = Field(10, gt=0, description="TTL of this node's replica registrations.")
 
@@ -144,7 +149,8 @@ class TuttiConfig(BaseSettings):
     admin_port: int = Field(9480, ge=0, le=65535, description="Port of the node's admin API (0: any free port).")
     admin_token: SecretStr | None = Field(None, description="Bearer token of the admin API's /v1 routes.")
     admin_token_file: Path | None = Field(
-        None, description="File holding the admin token; default <data_dir>/admin.token, made on first start.")
+        None, description="File holding the admin token; unset, <data_dir>/admin.token, made (mode 0600) on "
+        "first start.")
 
     @classmethod
     def settings_customise_sources(
@@ -244,3 +250,98 @@ class _CommaEnvSource(PydanticBaseSettingsSource):
 def load_config(**overrides: Any) -> TuttiConfig:
     """Builds the config from the arguments that are not None (ConfigError when invalid)."""
     return TuttiConfig(**{k: v for k, v in overrides.items() if v is not None})
+
+
+# ---- command-line flags, generated from the fields ----------------------------------------------
+
+# The flag groups of `tutti up`, in order. Every field is in exactly one group (a test checks it);
+# types, defaults and help come from the field itself.
+CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
+    "storage": ("paths", "capacity_gb", "data_dir", "instance", "direct_io", "pool_files", "prewrite_pool",
+                "map_memory_paths"),
+    "layout": ("unit_tokens", "min_io_bytes"),
+    "data path": ("backend", "device", "queue_depth", "iocb_depth", "staging_mb", "max_requests", "io_sms",
+                  "cuda_pair", "cuda_trace"),
+    "cluster (etcd unset: single node, the embedded default)": ("etcd", "mooncake_master", "node_id", "protocol",
+                                                                "lease_ttl_s"),
+    "admin API (docs/ADMIN.md)": ("admin_host", "admin_port", "admin_token", "admin_token_file"),
+}
+# Secrets never go on a command line (other users see it in the process list): environment or file.
+NO_FLAG_FIELDS = frozenset({"admin_token"})
+_METAVARS = {"paths": "DIR", "capacity_gb": "GIB", "etcd": "HOST:PORT", "mooncake_master": "HOST:PORT",
+             "data_dir": "DIR", "admin_token_file": "FILE", "instance": "NAME", "node_id": "NAME",
+             "admin_host": "ADDRESS", "admin_port": "PORT"}
+_TYPE_METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
+# Defaults that are not a fixed value of the field.
+_DEFAULT_NOTES = {"paths": "<data_dir>/store", "node_id": "the host name"}
+
+
+def flag_name(field: str) -> str:
+    """``capacity_gb`` -> ``--capacity-gb``."""
+    return "--" + field.replace("_", "-")
+
+
+def _field_default_text(name: str) -> str:
+    value = TuttiConfig.model_fields[name].get_default(call_default_factory=True)
+    if value is None:
+        return "unset"
+    if isinstance(value, list):
+        return ",".join(map(str, value)) if value else "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def add_config_arguments(
+    parser: argparse.ArgumentParser,
+    fields: Sequence[str] | None = None,
+    *,
+    default_notes: dict[str, str] | None = None,
+    groups: bool = True,
+) -> None:
+    """Adds one flag per TuttiConfig field (``fields``, default all but :data:`NO_FLAG_FIELDS`).
+
+    Flags default to None, so that an unset flag leaves the environment, the config file and the
+    field's default in force; :func:`config_arguments` collects the ones given. Values are checked by
+    the config itself (one ``ConfigError`` line); Literal fields get argparse choices, booleans a
+    ``--no-`` form, lists one or more values separated by spaces or commas. ``default_notes`` replaces
+    the default shown for a field (where a command picks its own).
+    """
+    wanted = [f for f in TuttiConfig.model_fields if f not in NO_FLAG_FIELDS] if fields is None else list(fields)
+    unknown = [f for f in wanted if f not in TuttiConfig.model_fields]
+    if unknown:
+        raise ConfigError(f"no such config fields: {', '.join(unknown)}")
+    notes = default_notes or {}
+    order = [(title, [f for f in names if f in wanted]) for title, names in CONFIG_GROUPS.items()] if groups \
+        else [("", wanted)]
+    for title, names in order:
+        if not names:
+            continue
+        target: Any = parser.add_argument_group(title) if title else parser
+        for name in names:
+            info = TuttiConfig.model_fields[name]
+            default = notes.get(name) or _DEFAULT_NOTES.get(name) or _field_default_text(name)
+            help_text = f"{info.description or name} [default: {default}; env TUTTI_{name.upper()}]"
+            kw: dict[str, Any] = {"dest": name, "default": None, "help": help_text.replace("%", "%%")}
+            ann = info.annotation
+            args = [a for a in get_args(ann) if a is not type(None)]
+            if ann is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif get_origin(ann) is list:
+                kw.update(nargs="+", metavar=_METAVARS.get(name, name.upper()))
+            elif get_origin(ann) is Literal:
+                kw["choices"] = list(get_args(ann))
+            else:
+                kw["metavar"] = _METAVARS.get(name, _TYPE_METAVARS.get(args[0] if args else ann, "VALUE"))
+            target.add_argument(flag_name(name), **kw)
+
+
+def config_arguments(ns: argparse.Namespace, fields: Sequence[str] | None = None) -> dict[str, Any]:
+    """The config fields given on the command line (lists joined with commas, as in the environment)."""
+    out: dict[str, Any] = {}
+    for name in fields if fields is not None else TuttiConfig.model_fields:
+        value = getattr(ns, name, None)
+        if value is None:
+            continue
+        out[name] = ",".join(str(v) for v in value) if isinstance(value, list) else value
+    return out

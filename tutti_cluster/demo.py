@@ -1,10 +1,16 @@
-"""`tutti up --demo`: a synthetic Llama-3-8B-shaped prefix through store and retrieve."""
+"""`tutti up --demo`: a synthetic Llama-3-8B-shaped prefix through store and retrieve.
+
+The demo's store is an instance of its own (``demo`` unless ``--instance`` says) on the configured
+paths (``<data_dir>/store`` by default); its pool files are removed when it ends unless ``keep``.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -27,10 +33,44 @@ class DemoResult:
     retrieve_gbps: float
     exact: bool
     direct_io: bool
+    pool_files: list[Path] = field(default_factory=list)  # the instance's pool files, kept or removed
+    pool_bytes: int = 0  # their size on storage before removal
+    kept: bool = False
 
 
-def run_demo(config: TuttiConfig, prefix_tokens: int = 8192, seed: int = 0) -> DemoResult:
-    """Stores a random prefix, drops the KV, looks it up again and retrieves it into other blocks."""
+def pool_files(config: TuttiConfig) -> list[Path]:
+    """The pool files of ``config.instance`` on its storage paths (``tutti-<instance>.pool`` and
+    ``tutti-<instance>.<n>.pool``; never another instance's, whose names may hold dots too)."""
+    pattern = re.compile(re.escape(f"tutti-{config.instance}") + r"(\.[0-9]+)?\.pool")
+    return sorted(f for p in config.storage_paths() if p.is_dir() for f in p.iterdir() if pattern.fullmatch(f.name))
+
+
+def run_demo(config: TuttiConfig, prefix_tokens: int = 8192, seed: int = 0, keep: bool = True) -> DemoResult:
+    """Stores a random prefix, drops the KV, looks it up again and retrieves it into other blocks.
+
+    Unless ``keep``, the instance's pool files are removed afterwards (whatever the outcome), and so
+    are the default storage directory and data directory if the demo made them and they are empty.
+    """
+    made = [d for d in (config.data_dir, config.storage_paths()[0]) if not config.paths and not d.exists()]
+    try:
+        result = _run(config, prefix_tokens, seed)
+    finally:
+        files = pool_files(config)
+        size = sum(f.stat().st_size for f in files)
+        if not keep:
+            for f in files:
+                f.unlink(missing_ok=True)
+            for d in reversed(made):
+                try:
+                    d.rmdir()
+                except OSError:  # not empty (or gone): leave it
+                    pass
+            log.debug("removed the demo's pool: %s (%.2f GiB)", ", ".join(map(str, files)) or "none", size / (1 << 30))
+    result.pool_files, result.pool_bytes, result.kept = files, size, keep
+    return result
+
+
+def _run(config: TuttiConfig, prefix_tokens: int, seed: int) -> DemoResult:
     unit = config.unit_tokens
     prefix_tokens = max(unit, prefix_tokens // unit * unit)
     blocks = prefix_tokens // BLOCK_TOKENS
@@ -44,8 +84,18 @@ def run_demo(config: TuttiConfig, prefix_tokens: int = 8192, seed: int = 0) -> D
     keys = chain_keys(tokens, unit, namespace=b"tutti-demo")
     kv_bytes = blocks * LAYERS * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_SIZE * 2
 
+    paths = ", ".join(map(str, config.storage_paths()))
+    gib = sum(config.capacity_bytes()) / (1 << 30)
+    fresh = not pool_files(config)
+    if fresh:
+        log.info("making the demo's pool at %s: %.2f GiB (instance %r)%s", paths, gib, config.instance,
+                 "; a new pool is written once, which takes a moment" if config.prewrite_pool else "")
+    else:
+        log.info("opening the demo's pool at %s: %.2f GiB (instance %r)", paths, gib, config.instance)
     with TuttiStore(config) as store:
         store.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first")
+        log.info("storing %d tokens of KV (%.2f GiB, %d layers) and reading them back into other blocks",
+                 prefix_tokens, kv_bytes / (1 << 30), LAYERS)
         for k in store.keys():  # a fresh start each time the demo runs
             store.remove(k)
         src = rng.permutation(num_blocks)[:blocks]

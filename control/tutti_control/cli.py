@@ -1,4 +1,5 @@
-"""`tutti admin`: the admin API's command-line client (httpx; no FastAPI needed to run it).
+"""`tutti admin`: the admin API's command-line client (httpx; no FastAPI needed to run it, and
+neither for ``--help``).
 
     tutti admin status                    nodes, units, capacity, engines, drain state
     tutti admin stats                     hits, bytes, evictions, checksum failures, remote fetches
@@ -22,14 +23,15 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
-
-from tutti_cluster.config import TuttiConfig, load_config
+from tutti_cluster.config import TuttiConfig, add_config_arguments, config_arguments, load_config
 from tutti_cluster.errors import TuttiError
 
 from tutti_control.auth import client_token, read_token_file
+
+if TYPE_CHECKING:
+    import httpx
 
 EXIT_API_ERROR = 1
 EXIT_UNREACHABLE = 3
@@ -60,8 +62,10 @@ def table(rows: list[list[Any]], header: list[str]) -> str:
 
 class Client:
     def __init__(self, url: str, token: str | None, timeout_s: float = 30.0) -> None:
+        import httpx
+
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.http: httpx.Client = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
 
     def call(self, method: str, path: str, ok: tuple[int, ...] = (200,), **kw: Any) -> Any:
         r = self.http.request(method, path, **kw)
@@ -76,8 +80,7 @@ class Client:
 
 
 def _config(a: argparse.Namespace) -> TuttiConfig:
-    extra = {k: getattr(a, k, None) for k in ("data_dir", "etcd", "admin_host", "admin_port")}
-    return load_config(**extra)
+    return load_config(**config_arguments(a, ("data_dir", "etcd", "admin_host", "admin_port")))
 
 
 def _url(a: argparse.Namespace, cfg: TuttiConfig) -> str:
@@ -202,12 +205,14 @@ def serve(cfg: TuttiConfig, a: argparse.Namespace) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tutti admin", description="Tutti admin plane client (and cluster-wide server).")
+def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser_class(prog="tutti admin", description="Tutti admin plane client (and cluster-wide server). Needs "
+                     "the admin extra: pip install 'tutti-cluster[admin]'.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
     p.add_argument("--url", help="admin API address (default TUTTI_ADMIN_URL, else http://admin_host:admin_port)")
     p.add_argument("--token-file", help="file holding the bearer token (default TUTTI_ADMIN_TOKEN(_FILE), "
                    "else <data_dir>/admin.token)")
-    p.add_argument("--data-dir", help="node data directory (where the default token file is)")
+    add_config_arguments(p, ["data_dir"], groups=False)
     p.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     sub = p.add_subparsers(dest="admin_cmd", required=True)
@@ -231,25 +236,36 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--wait", type=float, default=0.0, help="seconds to wait until it is drained")
     d.add_argument("--undo", action="store_true", help="end the drain")
     s = sub.add_parser("serve", help="serve the cluster-wide admin API (nodes from the cluster directory)")
-    s.add_argument("--etcd", help="etcd endpoints host:port[,host:port] (TUTTI_ETCD)")
-    s.add_argument("--admin-host", help="listen address (TUTTI_ADMIN_HOST)")
-    s.add_argument("--admin-port", type=int, help="listen port (TUTTI_ADMIN_PORT)")
+    add_config_arguments(s, ["etcd", "admin_host", "admin_port"], groups=False)
     return p
 
 
 def main(argv: list[str]) -> int:
-    a = parser().parse_args(argv)
+    return run_args(parser().parse_args(argv))
+
+
+def run_args(a: argparse.Namespace) -> int:
+    """``tutti admin`` with its flags parsed: errors are one ``tutti: error:`` line."""
     if a.admin_cmd == "evict" and not (a.all or a.prefix or a.node):
-        print("tutti admin evict: say what to evict: --all, --prefix P or --node N", file=sys.stderr)
+        print("tutti: error: tutti admin evict: say what to evict: --all, --prefix P or --node N", file=sys.stderr)
         return 2
+    import httpx  # the admin extra; tutti's cli says so where it is missing
+
     try:
         return run(a)
     except AdminError as exc:
-        print(f"tutti admin: error: {exc}", file=sys.stderr)
+        print(f"tutti: error: {exc}", file=sys.stderr)
         return EXIT_API_ERROR
     except httpx.HTTPError as exc:
-        print(f"tutti admin: cannot reach the admin API: {exc}", file=sys.stderr)
+        print(f"tutti: error: cannot reach the admin API at {_url_or_none(a)}: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except TuttiError as exc:
-        print(f"tutti admin: error: {exc}", file=sys.stderr)
+        print(f"tutti: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _url_or_none(a: argparse.Namespace) -> str:
+    try:
+        return _url(a, _config(a))
+    except TuttiError:
+        return "(no address)"

@@ -255,14 +255,13 @@ uint32_t crc32c_x8n(uint64_t n) {
 
 uint32_t crc32c_zeros_xor(uint64_t n) { return ~crc32c_multmodp(crc32c_x8n(n), 0xffffffffu); }
 
-void crc32c_lane_tables(CrcLaneTables* out, uint64_t obj_bytes) {
+void crc32c_lane_tables(CrcLaneTables* out) {
   for (uint32_t k = 0; k < 16; ++k) fill_row(k, out->t[k]);
   for (uint32_t k = 0; k < 4; ++k) fill_row(508 + k, out->t[16 + k]);
   for (uint32_t k = 0; k < 4; ++k) fill_row(124 + k, out->t[20 + k]);
   for (uint32_t l = 0; l < 32; ++l) {
     out->lane_shift16[l] = crc32c_x8n(16ull * (31 - l));
     out->lane_shift4[l] = crc32c_x8n(4ull * (31 - l));
-    out->lane_shift_seg[l] = crc32c_x8n(obj_bytes / 32 * (31 - l));
   }
 }
 

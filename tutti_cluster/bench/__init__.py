@@ -4,6 +4,13 @@ storage and host-to-GPU limits measured in the same run.  See docs/BENCH.md."""
 
 from __future__ import annotations
 
-from tutti_cluster.bench.runner import main
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``tutti bench`` (imports PyTorch; the flags alone are in ``bench.args``)."""
+    from tutti_cluster.bench.runner import main as run_main
+
+    return run_main(argv)
+
 
 __all__ = ["main"]

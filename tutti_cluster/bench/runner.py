@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from tutti_cluster.bench import fsutil, limits as limits_mod, machine
+from tutti_cluster.bench.args import BENCH_CONFIG_FIELDS, SYSTEMS, build_parser
 from tutti_cluster.bench.baselines import CHUNK_TOKENS, KvikioBaseline, PerBlockBaseline, PerChunkBaseline
 from tutti_cluster.bench.common import BenchSystem, OpTiming, Round
 from tutti_cluster.bench.kvdata import LLAMA3_8B, KVData, KVShape
@@ -33,7 +34,6 @@ from tutti_cluster.errors import CapacityExceeded, ConfigError, DeviceError
 
 logger = logging.getLogger(__name__)
 
-SYSTEMS = ("tutti", "tutti-mapped", "per-block", "per-chunk", "kvikio")
 DEFAULT_PREFIXES = (16 << 10, 32 << 10, 64 << 10, 128 << 10)
 QUICK_PREFIXES = (4 << 10, 16 << 10)
 GIB = 1 << 30
@@ -55,34 +55,6 @@ def parse_tokens(text: str) -> int:
 
 def _split(values: Sequence[str] | None) -> list[str]:
     return [v for item in values or () for v in item.split(",") if v.strip()]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="tutti bench",
-        description="Retrieve/store bandwidth and host CPU per layer call of tutti, beside the per-block "
-        "(vLLM file offload) and per-chunk (LMCache disk) baselines and the same-run storage limits, "
-        "for the Llama-3-8B KV shape.",
-    )
-    p.add_argument("--quick", action="store_true", help="small prefixes (4K,16K), one round: under a minute")
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
-    p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG plot")
-    p.add_argument("--prefix-tokens", nargs="+", metavar="N", help="prefix lengths, e.g. 16K,32K,64K,128K")
-    p.add_argument("--paths", nargs="+", metavar="DIR", help="storage directories (overrides TUTTI_PATHS)")
-    p.add_argument("--capacity-gb", nargs="+", type=float, metavar="GB",
-                   help="tutti pool capacity per path (default: sized to the prefix)")
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto")
-    p.add_argument("--drop-caches", action="store_true",
-                   help="also sync and drop the kernel's page cache before each read pass (needs root)")
-    p.add_argument("--systems", nargs="+", metavar="NAME", help=f"subset of {','.join(SYSTEMS)}")
-    p.add_argument("--repeat", type=int, metavar="N", help="rounds per prefix and system (default 1)")
-    p.add_argument("--baseline-threads", type=int, default=16, metavar="N", help="baselines' thread pools")
-    p.add_argument("--limit-gb", type=float, metavar="GB",
-                   help="bytes for the storage-limit files (default 4, --quick 0.5)")
-    p.add_argument("--limit-buffer-mb", type=int, metavar="MB",
-                   help="host buffer the storage-limit reads land in (default: the store's staging area)")
-    p.add_argument("--seed", type=int, default=0)
-    return p
 
 
 @dataclass
@@ -126,14 +98,9 @@ def _resolve_device(name: str) -> torch.device:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validate the arguments against the config; raises ConfigError/DeviceError on bad input."""
-    from tutti_cluster.config import load_config
+    from tutti_cluster.config import config_arguments, load_config
 
-    overrides: dict[str, Any] = {}
-    if args.paths:
-        overrides["paths"] = _split(args.paths)
-    if args.capacity_gb:
-        overrides["capacity_gb"] = args.capacity_gb
-    cfg = load_config(**overrides)
+    cfg = load_config(**config_arguments(args, BENCH_CONFIG_FIELDS))
     dirs = cfg.storage_paths()
     if not cfg.paths:
         dirs[0].mkdir(parents=True, exist_ok=True)  # the embedded default's storage directory
@@ -185,7 +152,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         staging_bytes=(args.limit_buffer_mb or cfg.staging_mb) * MIB,
         baseline_threads=args.baseline_threads,
         drop_caches=args.drop_caches,
-        capacity_gb=list(args.capacity_gb) if args.capacity_gb else None,
+        capacity_gb=list(cfg.capacity_gb) if args.capacity_gb else None,
         cfg=cfg,
         seed=args.seed,
         shape=shape,
@@ -439,7 +406,11 @@ def format_table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tutti bench``; returns the process exit status."""
-    args = build_parser().parse_args(argv)
+    return run_args(build_parser().parse_args(argv))
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """``tutti bench`` with its flags parsed."""
     plan = make_plan(args)
     m = plan
     print(

@@ -385,8 +385,11 @@ def _measure_lookup(args: argparse.Namespace, etcd: str, rss: Any = None) -> dic
             "db_size_field": in_use, "lookup": rows}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tutti_cluster.cluster.bench", description=__doc__.split("\n")[0])
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+                 prog: str = "python -m tutti_cluster.cluster.bench") -> argparse.ArgumentParser:
+    p = parser_class(prog=prog, description=(__doc__ or "").split("\n")[0] + " Needs the cluster extra "
+                     "(pip install 'tutti-cluster[cluster]') and etcd on the PATH unless --etcd names one.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
     p.add_argument("--quick", action="store_true", help="small sizes, finishes in about a minute on 2 cores")
     p.add_argument("--json", help="write the results to this file")
     p.add_argument("--etcd", help="use this etcd (host:port) instead of a private one")
@@ -405,11 +408,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_args(build_parser().parse_args(argv), argv)
+
+
+def run_args(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """The benchmark with its flags parsed (``argv`` only goes into the report)."""
     if args.owner:
         _owner_main(json.loads(args.owner))
         return 0
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     args.units = args.units or (6 if args.quick else 16)
     args.reps = args.reps or (3 if args.quick else 5)
     args.directory_keys = args.directory_keys or (8192 if args.quick else 65536)

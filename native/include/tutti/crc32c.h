@@ -16,9 +16,7 @@
 // in order. Each lane keeps a raw register acc over "its" vectors with the bytes of the other lanes
 // as zeros: acc <- shift_512(acc) ^ raw(v) (shift_128 for words). The object's raw register is then
 // the xor over lanes of shift_{16 (31 - l)}(acc_l) (4 (31 - l) for words), when the object is a
-// whole number of 512-byte (128-byte) strides, as every 4 KiB-aligned object is. Where the bytes can
-// be read in any order (device memory), lanes instead sum contiguous thirty-seconds of the object
-// (16 lookups per 16 bytes instead of 20) and shift_{s (31 - l)} joins them.
+// whole number of 512-byte (128-byte) strides, as every 4 KiB-aligned object is.
 #pragma once
 
 #include <cstddef>
@@ -41,12 +39,9 @@ struct CrcLaneTables {
   uint32_t t[kCrcRows][256];
   uint32_t lane_shift16[32];  // x^(8 * 16 * (31 - l)) mod P: joins lane l's register (vectors)
   uint32_t lane_shift4[32];   // x^(8 * 4 * (31 - l)) mod P: the same for 4-byte words
-  // Segments: lane l sums bytes [l s, (l + 1) s) of an object of 32 s bytes, contiguously;
-  // x^(8 s (31 - l)) mod P joins it.
-  uint32_t lane_shift_seg[32];
 };
-// Fills the tables (host, once) for objects of `obj_bytes` (the segment constants).
-void crc32c_lane_tables(CrcLaneTables* out, uint64_t obj_bytes);
+// Fills the tables (host, once).
+void crc32c_lane_tables(CrcLaneTables* out);
 
 // a(x) * b(x) mod P, reflected (bit 31 is x^0). Shifting a raw register r over n zero bytes is
 // crc32c_multmodp(crc32c_x8n(n), r).
@@ -79,15 +74,6 @@ TUTTI_HD uint32_t crc_lane_step16(const uint32_t (*t)[256], uint32_t acc, uint32
 // A vector of zeros: only the shift.
 TUTTI_HD uint32_t crc_lane_skip16(const uint32_t (*t)[256], uint32_t acc) {
   return t[19][acc & 0xff] ^ t[18][(acc >> 8) & 0xff] ^ t[17][(acc >> 16) & 0xff] ^ t[16][acc >> 24];
-}
-// One step of a contiguous segment: the next 16 bytes right after the lane's last (slicing by 16).
-TUTTI_HD uint32_t crc_seg_step16(const uint32_t (*t)[256], uint32_t acc, uint32_t w0, uint32_t w1, uint32_t w2,
-                                 uint32_t w3) {
-  w0 ^= acc;
-  return t[15][w0 & 0xff] ^ t[14][(w0 >> 8) & 0xff] ^ t[13][(w0 >> 16) & 0xff] ^ t[12][w0 >> 24] ^
-         t[11][w1 & 0xff] ^ t[10][(w1 >> 8) & 0xff] ^ t[9][(w1 >> 16) & 0xff] ^ t[8][w1 >> 24] ^
-         t[7][w2 & 0xff] ^ t[6][(w2 >> 8) & 0xff] ^ t[5][(w2 >> 16) & 0xff] ^ t[4][w2 >> 24] ^
-         t[3][w3 & 0xff] ^ t[2][(w3 >> 8) & 0xff] ^ t[1][(w3 >> 16) & 0xff] ^ t[0][w3 >> 24];
 }
 // One lane step over a 4-byte word 128 bytes after the lane's last.
 TUTTI_HD uint32_t crc_lane_step4(const uint32_t (*t)[256], uint32_t acc, uint32_t w) {

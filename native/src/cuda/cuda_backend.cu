@@ -135,7 +135,7 @@ __device__ __forceinline__ void vstore(T* p, T v) {
 using CrcRows = const uint32_t (*)[256];
 // Loaded from LaunchParams::crc when a block starts; every worker warp looks its bytes up here.
 __shared__ uint32_t crc_t[kCrcRows][256];  // 24 KiB
-__shared__ uint32_t crc_shift[96];         // lane_shift16, lane_shift4, lane_shift_seg
+__shared__ uint32_t crc_shift[64];         // lane_shift16, then lane_shift4
 
 // One warp moves `bytes` from `src` to `dst` (when kCopy) and extends the lanes' CRC registers over
 // them. kFromHost: `src` is mapped host memory that the host rewrites between uses, read with
@@ -216,37 +216,6 @@ __device__ __forceinline__ uint8_t* mapped_object(const LaunchParams& p, const L
                                     (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
 }
 
-// The CRC32C of an object whose blocks are in device memory (a retrieve's own writes, read back
-// through L2): lane l sums the l-th thirty-second of the object contiguously, 4 vectors in flight.
-__device__ uint32_t warp_crc_blocks(const LaunchParams& p, const LaunchIocb& B, const Ioctx& x, uint32_t lane) {
-  CrcRows t = crc_t;
-  const uint64_t seg = p.obj_bytes / 32, end = (lane + 1) * seg;
-  uint64_t o = lane * seg;
-  uint32_t acc = 0, e = 0;
-  while (o < end) {
-    const uint64_t ub = o / p.block_bytes;
-    while (B.extents[x.extent_first + e].unit_offset_blocks + B.extents[x.extent_first + e].num_blocks <= ub) ++e;
-    const Extent ext = B.extents[x.extent_first + e];
-    const uint64_t in = o - ub * p.block_bytes, n = min(p.block_bytes - in, end - o);
-    const uint4* v = reinterpret_cast<const uint4*>(B.kv[x.obj] + (ext.first_block + ub - ext.unit_offset_blocks) * B.block_stride + in);
-    const uint32_t nv = static_cast<uint32_t>(n / 16);
-    for (uint32_t i = 0; i < nv; i += 4) {
-      uint4 w[4];
-#pragma unroll
-      for (uint32_t u = 0; u < 4; ++u)
-        if (i + u < nv) w[u] = __ldcg(v + i + u);
-#pragma unroll
-      for (uint32_t u = 0; u < 4; ++u)
-        if (i + u < nv) acc = crc_seg_step16(t, acc, w[u].x, w[u].y, w[u].z, w[u].w);
-    }
-    o += n;
-  }
-  uint32_t y = crc32c_multmodp(crc_shift[64 + lane], acc);
-#pragma unroll
-  for (int k = 16; k > 0; k >>= 1) y ^= __shfl_xor_sync(0xffffffffu, y, k);
-  return y ^ p.crc_xor;
-}
-
 // Retrieve: verify and scatter one object from staging (or its mapped file). Store: gather one
 // object into staging (or its mapped file) and record its checksum. Runs on one warp; `release()`
 // hands the object's staging chunk back to the manager (once, after the warp's last use of it).
@@ -262,7 +231,7 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
   // A retrieve from staging copies first and hands the chunk back, then sums the blocks it wrote
   // (device memory, its own writes): the chunk's next I/O does not wait for the checksum, which
   // costs table lookups per byte. The unit is still failed, a miss, when the sum does not match.
-  const bool early = read && !m && payload == p.obj_bytes && p.vec16;
+  const bool early = read && !m && payload == p.obj_bytes;
   uint32_t acc = 0;
   for (uint32_t e = 0; e < x.extent_count; ++e) {
     const Extent ext = B.extents[x.extent_first + e];
@@ -276,18 +245,23 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
       else warp_move<true, false>(p.vec16, kv, st, p.block_bytes, o, t, acc, lane);
     }
   }
-  uint64_t sum;
   if (early) {
     __syncwarp();  // every lane's loads from the chunk have returned (their stores used them)
     release();
-    sum = warp_crc_blocks(p, B, x, lane);
-  } else {
-    if (payload < p.obj_bytes) {
-      if (read) warp_move<false, true>(p.vec16, chunk + payload, nullptr, p.obj_bytes - payload, payload, t, acc, lane);
-      else warp_zero(p.vec16, chunk + payload, p.obj_bytes - payload, payload, t, acc, lane);
+    for (uint32_t e = 0; e < x.extent_count; ++e) {
+      const Extent ext = B.extents[x.extent_first + e];
+      for (uint32_t j = 0; j < ext.num_blocks; ++j) {
+        const uint64_t o = (ext.unit_offset_blocks + j) * p.block_bytes;
+        // Each lane reads back the vectors it wrote itself (the same lane ownership).
+        const uint8_t* kv = reinterpret_cast<const uint8_t*>(B.kv[x.obj] + (ext.first_block + j) * B.block_stride);
+        warp_move<false, false>(p.vec16, kv, nullptr, p.block_bytes, o, t, acc, lane);
+      }
     }
-    sum = warp_crc(p.vec16, crc_shift, crc_shift + 32, acc, p.crc_xor, lane);
+  } else if (payload < p.obj_bytes) {
+    if (read) warp_move<false, true>(p.vec16, chunk + payload, nullptr, p.obj_bytes - payload, payload, t, acc, lane);
+    else warp_zero(p.vec16, chunk + payload, p.obj_bytes - payload, payload, t, acc, lane);
   }
+  const uint64_t sum = warp_crc(p.vec16, crc_shift, crc_shift + 32, acc, p.crc_xor, lane);
   const uint64_t at = static_cast<uint64_t>(x.unit) * p.num_objs + static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj;
   if (lane == 0) {
     if (read) {
@@ -324,7 +298,6 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
   if (tid < 32) {
     crc_shift[tid] = p.crc->lane_shift16[tid];
     crc_shift[32 + tid] = p.crc->lane_shift4[tid];
-    crc_shift[64 + tid] = p.crc->lane_shift_seg[tid];
   }
   for (uint32_t i = tid; i < C; i += blockDim.x) freed[i] = 0;
   if (tid < kMaxLaunchIocbs) errors[tid] = 0;
@@ -888,7 +861,7 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     return {Code::kDevice, cuda_msg("cudaMemcpy", e)};
   {
     std::unique_ptr<CrcLaneTables> tables(new CrcLaneTables());
-    crc32c_lane_tables(tables.get(), ctx->geom.obj_bytes);
+    crc32c_lane_tables(tables.get());
     crc_xor_ = crc32c_zeros_xor(ctx->geom.obj_bytes);
     if ((e = cudaMalloc(&dev_crc_, sizeof(CrcLaneTables))) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
     if ((e = cudaMemcpy(dev_crc_, tables.get(), sizeof(CrcLaneTables), cudaMemcpyHostToDevice)) != cudaSuccess)
