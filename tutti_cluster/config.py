@@ -271,7 +271,7 @@ NO_FLAG_FIELDS = frozenset({"admin_token"})
 _METAVARS = {"paths": "DIR", "capacity_gb": "GIB", "etcd": "HOST:PORT", "mooncake_master": "HOST:PORT",
              "data_dir": "DIR", "admin_token_file": "FILE", "instance": "NAME", "node_id": "NAME",
              "admin_host": "ADDRESS", "admin_port": "PORT"}
-_TYPE_METAVARS = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
+_TYPE_METAVARS: dict[Any, str] = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
 # Defaults that are not a fixed value of the field.
 _DEFAULT_NOTES = {"paths": "<data_dir>/store", "node_id": "the host name"}
 
@@ -332,7 +332,8 @@ def add_config_arguments(
             elif get_origin(ann) is Literal:
                 kw["choices"] = list(get_args(ann))
             else:
-                kw["metavar"] = _METAVARS.get(name, _TYPE_METAVARS.get(args[0] if args else ann, "VALUE"))
+                base: Any = args[0] if args else ann
+                kw["metavar"] = _METAVARS.get(name, _TYPE_METAVARS.get(base, "VALUE"))
             target.add_argument(flag_name(name), **kw)
 
 
