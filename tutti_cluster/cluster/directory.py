@@ -13,7 +13,8 @@ round trip of wall time, and etcd serves concurrent read transactions in paralle
 1024 operations per transaction (start etcd with ``--max-txn-ops 1024`` or more) and shrinks the
 chunks by itself when etcd refuses them (etcd's default limit is 128).
 
-The etcd client is :mod:`tutti_cluster.cluster.etcd` (gRPC, no protobuf package needed).
+The etcd client is :mod:`tutti_cluster.cluster.etcd` (the maintained ``python3-etcd3`` client, with
+channel options that reconnect within seconds after an outage).
 
 Every call that talks to etcd is best effort with a deadline: when etcd is unreachable a lookup
 reports misses and a registration is remembered and replayed by the keepalive thread once etcd is
