@@ -64,7 +64,10 @@ class _Etcd:
     def __init__(self, workdir: Path) -> None:
         binary = shutil.which("etcd")
         if binary is None:
-            raise SystemExit("etcd not found: install Debian etcd-server or pass --etcd host:port")
+            from tutti_cluster.errors import ConfigError
+
+            raise ConfigError("the cluster benchmark starts its own etcd, and there is none on the PATH: "
+                              "install Debian's etcd-server, or pass --etcd host:port")
         self.port, peer = _free_port(), _free_port()
         c, p = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{peer}"
         self.log = open(workdir / "etcd.log", "ab")

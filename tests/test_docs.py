@@ -1,0 +1,53 @@
+"""Links in README.md and docs/*.md resolve: in-page anchors to a heading of the same file (as
+GitHub names headings), relative links to a file of the repository."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to '-', repeats numbered."""
+    out: set[str] = set()
+    seen: dict[str, int] = {}
+    in_code = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+            continue
+        m = re.match(r"(#{1,6}) (.*)", line)
+        if in_code or not m:
+            continue
+        base = re.sub(r"[^\w\- ]", "", m.group(2).strip().lower()).replace(" ", "-")
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def test_heading_anchors_follow_github():
+    text = "# Where it stands\n## From /dev/shm, with `x` (12:26–12:28 UTC)\n## Where it stands\n```\n# not one\n```\n"
+    assert anchors(text) == {"where-it-stands", "from-devshm-with-x-12261228-utc", "where-it-stands-1"}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_links_resolve(doc: Path):
+    text = doc.read_text()
+    own = anchors(text)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: not checked offline
+        path, _, frag = target.partition("#")
+        if not path:
+            assert frag in own, f"{doc.name}: no heading for #{frag}"
+            continue
+        dest = (doc.parent / path).resolve()
+        assert dest.exists(), f"{doc.name}: {target} does not exist"
+        if frag and dest.suffix == ".md":
+            assert frag in anchors(dest.read_text()), f"{doc.name}: {path} has no heading for #{frag}"
