@@ -156,12 +156,40 @@ class EtcdDirectory:
         self._backoff = 0.0
         self._nodes: dict[str, NodeRecord] = {}
         self._nodes_at = 0.0
+        self._wake = threading.Event()  # the keepalive thread's sleep, cut short when etcd is back
+        self._down_since: float | None = None  # etcd unreachable since (monotonic), for the log lines
+        self._down_logged = 0.0
 
     # -- connection -------------------------------------------------------------------------------
     def connect(self) -> None:
         """Create the gRPC channel (lazy: succeeds even when etcd is down)."""
         host, port = self.endpoints[self._ep_index % len(self.endpoints)]
         self._client = EtcdClient(f"{host}:{port}", timeout_s=self.timeout_s)
+        self._client.on_ready(self._etcd_ready)
+
+    def _etcd_ready(self) -> None:
+        """The channel (re)connected: end the lookup back-off and let the keepalive thread re-register now."""
+        self._down_until = 0.0
+        self._backoff = 0.0
+        self._wake.set()
+
+    # Visible, not noisy: one warning when etcd stops answering, one every 30 s while it stays
+    # away, one line when it answers again (the failures themselves are counted in ``stats``).
+    def _note_down(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        endpoint = self._client.endpoint if self._client is not None else "?"
+        if self._down_since is None:
+            self._down_since = self._down_logged = now
+            log.warning("etcd %s unreachable (%s): retrying; lookups of other nodes' units miss and this node's "
+                        "registrations wait until it answers", endpoint, exc)
+        elif now - self._down_logged >= 30.0:
+            self._down_logged = now
+            log.warning("etcd %s still unreachable after %.0f s (%s): retrying", endpoint, now - self._down_since, exc)
+
+    def _note_up(self) -> None:
+        if self._down_since is not None:
+            log.info("etcd %s answers again after %.1f s", self.client.endpoint, time.monotonic() - self._down_since)
+            self._down_since = None
 
     def _rotate(self) -> None:
         """After a failure, move to the next endpoint (a multi-member etcd keeps serving)."""
@@ -197,6 +225,7 @@ class EtcdDirectory:
     def stop(self, revoke: bool = True) -> None:
         """Stop the keepalive; with ``revoke`` the node's entries disappear at once."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(self.timeout_s + 1)
         if revoke and self._lease is not None:
@@ -234,9 +263,10 @@ class EtcdDirectory:
             self._put_keys(keys, lease)
         except Exception as exc:
             self.stats.put_errors += 1
-            log.debug("directory resync failed: %s", exc)
+            self._note_down(exc)
             self._rotate()
             return False
+        self._note_up()
         with self._lock:
             # Keys registered during the resync were written by register() itself (or set _dirty).
             self._dirty = False
@@ -247,13 +277,18 @@ class EtcdDirectory:
 
     def _keepalive_loop(self) -> None:
         period = max(0.5, self.lease_ttl_s / 3.0)
-        while not self._stop.wait(period):
+        while True:
+            self._wake.wait(period)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 if self._lease is None:
                     self._resync()
                     continue
                 ttl = self.client.lease_keepalive(self._lease)
                 self.stats.lease_renewals += 1
+                self._note_up()
                 if ttl <= 0:
                     # The server no longer knows the lease (it expired while we were cut off, or
                     # etcd lost its data): take a new one and write everything again.
@@ -263,7 +298,7 @@ class EtcdDirectory:
                 elif self._dirty:
                     self._resync()
             except Exception as exc:
-                log.debug("lease keepalive failed: %s", exc)
+                self._note_down(exc)
                 with self._lock:
                     self._dirty = True
                 self._rotate()
@@ -367,12 +402,14 @@ class EtcdDirectory:
             try:
                 responses = self._run(ops)
                 self._backoff = 0.0
+                self._note_up()
             except Exception as exc:
                 # Back off so that a dead or partitioned etcd costs one deadline, not one per lookup.
                 self.stats.lookup_errors += 1
                 self._backoff = min(5.0, max(0.25, 2 * self._backoff))
                 self._down_until = time.monotonic() + self._backoff
                 log.debug("directory lookup failed (treated as misses): %s", exc)
+                self._note_down(exc)
                 self._rotate()
         for kvs in responses:
             owners = []

@@ -99,7 +99,19 @@ class EtcdClient:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
         ep = Endpoint(host, int(port), secure=False, time_retry=0, opts=GRPC_OPTIONS)
+        self._channel = ep.channel
+        self._watchers: list[Any] = []
         self._etcd = MultiEndpointEtcd3Client(endpoints=[ep], timeout=timeout_s)
+
+    def on_ready(self, callback: Any) -> None:
+        """Call ``callback()`` (on a gRPC thread) whenever the channel becomes connected, and keep
+        the channel connecting meanwhile, so that a caller backing off learns at once that etcd is back."""
+        def watch(state: Any) -> None:
+            if state == grpc.ChannelConnectivity.READY:
+                callback()
+
+        self._watchers.append(watch)
+        self._channel.subscribe(watch, try_to_connect=True)
 
     def _error(self, exc: BaseException) -> EtcdError:
         # The library maps some gRPC codes to its own exceptions without the details; the gRPC
@@ -157,4 +169,7 @@ class EtcdClient:
         self._guard(self._etcd.revoke_lease, lease_id)
 
     def close(self) -> None:
+        for watch in self._watchers:
+            self._channel.unsubscribe(watch)
+        self._watchers.clear()
         self._etcd.close()
