@@ -8,6 +8,7 @@ checks byte-exactness itself.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 import signal
 import subprocess
@@ -296,6 +297,45 @@ def test_corrupt_unit_on_owner_is_a_miss_never_wrong_data(cluster):
     # B reported the unit; A verified its copy and stopped advertising it.
     assert wait_for(lambda: nodes["A"].call(op="stats")["daemon"]["unreadable_units"] >= 1, 5)
     assert nodes["C"].call(op="lookup", keys=KEYS_A)["hits"] == 0
+
+
+HEADER_MAGIC = (0x31495454554E4B56).to_bytes(8, "little")  # b"VKNUTTI1", the first field of a slot header
+HEADER_KEY_OFFSET = 16  # magic u64, version u32, num_objs u32, then the key (layout.h, HeaderFixed)
+
+
+def damage_header(pool_dir: Path, key: int) -> Path:
+    """Flip bytes inside the on-disk header of ``key``'s slot (past the key field, so the header
+    no longer verifies); returns the pool file it was in."""
+    for pool in sorted(pool_dir.glob("tutti-engine0*.pool")):
+        data = pool.read_bytes()
+        at = data.find(HEADER_MAGIC)
+        while at >= 0:
+            if int.from_bytes(data[at + HEADER_KEY_OFFSET:at + HEADER_KEY_OFFSET + 8], "little") == key:
+                with open(pool, "r+b") as f:
+                    f.seek(at + 40)  # commit_seq and obj_bytes
+                    f.write(bytes(b ^ 0x5A for b in data[at + 40:at + 56]))
+                    f.flush()
+                    os.fsync(f.fileno())
+                return pool
+            at = data.find(HEADER_MAGIC, at + 1)
+    raise AssertionError(f"no header of key {key:x} in {pool_dir}")
+
+
+def test_unit_with_a_damaged_header_is_unregistered_by_its_owner(cluster):
+    """A real damaged header in A's pool file: A's daemon cannot read the unit, so B's fetch places
+    nothing before it (never wrong data), and A stops advertising it, so that C's lookups miss it
+    instead of asking A again; the units after it stay advertised and are served."""
+    _, nodes = cluster
+    assert nodes["A"].call(op="store", keys=KEYS_A)["ok"]
+    assert wait_for(lambda: nodes["B"].call(op="lookup", keys=KEYS_A)["hits"] == len(KEYS_A), 5)
+    damage_header(Path(nodes["A"].config["paths"][0]), KEYS_A[2])
+    f = nodes["B"].call(op="fetch", keys=KEYS_A)
+    assert f["ok"] and f["placed"] == 2 and all(f["exact"]) and len(f["exact"]) == 2
+    assert wait_for(lambda: nodes["C"].call(op="lookup", keys=KEYS_A)["hits"] == 2, 5)
+    st = nodes["A"].call(op="stats")["daemon"]
+    assert st["unreadable_units"] >= 1 and st["directory"]["unregistered"] >= 1
+    f = nodes["C"].call(op="fetch", keys=KEYS_A[3:])
+    assert f["placed"] == len(KEYS_A) - 3 and all(f["exact"])
 
 
 def test_eviction_removes_the_registration(tmp_path: Path):

@@ -527,6 +527,13 @@ class _InstanceView:
                 return None
         return None
 
+    def holds(self, key: int, since: float) -> bool:
+        """Whether the pool headers hold ``key``, as of a rescan no older than ``since`` (monotonic)."""
+        if self.refreshed_at < since and not self._refresh(since):
+            return True  # cannot tell: the rescan failed (logged), so do not drop the unit
+        with self._shared() as st:
+            return st is not None and bool(st.contains(key))
+
     def slot_bytes(self) -> int:
         with self._shared() as st:
             return int(st.geometry()["slot_bytes"]) if st is not None else 0
@@ -804,33 +811,47 @@ class NodeDaemon:
             owners = list(self._index.get(key, ()))
             views = [self._instances[o] for o in owners if o in self._instances]
         self.counters["stage_reads"] += 1
+        asked = time.monotonic()
         for v in views:
             try:
                 got = v.read_into(key, view)
-            except NotFound:
-                # Listed but unreadable (overwritten after an eviction we have not heard of yet, or
-                # corrupt): stop advertising it so that other nodes do not keep asking.
-                self.counters["unreadable_units"] += 1
-                self._evict(v.name, [key])
+            except CapacityExceeded as exc:  # our staging slot is too small: not the unit's fault
+                log.warning("unit %x of instance %s not staged: %s", key, v.name, exc)
+                continue
+            except TuttiError as exc:
+                self._drop_unreadable(v, key, str(exc))
                 continue
             if got is not None:
                 return got
+            if not v.holds(key, since=asked):
+                # Listed but not in the pool headers after a rescan: its header is damaged, or it
+                # was overwritten after an eviction we have not heard of yet.
+                self._drop_unreadable(v, key, "not in its pool headers")
         return None
+
+    def _drop_unreadable(self, v: _InstanceView, key: int, why: str) -> None:
+        """A unit listed for ``v`` that cannot be read, for any reason: stop advertising it, so that
+        other nodes do not keep asking for it."""
+        self.counters["unreadable_units"] += 1
+        log.warning("unit %x of instance %s is unreadable (%s): no longer advertised", key, v.name, why)
+        self._evict(v.name, [key], count=False)
 
     def _check_unit(self, key: int) -> None:
         """A requester found ``key`` corrupt: verify our copies and stop advertising bad ones."""
         with self._lock:
             views = [self._instances[o] for o in self._index.get(key, ()) if o in self._instances]
+        asked = time.monotonic()
         for v in views:
             buf = mmap.mmap(-1, max(v.slot_bytes(), mmap.PAGESIZE))  # page-aligned: read in place
             try:
                 with memoryview(buf) as view:
-                    v.read_into(key, view, verify=True)
-            except NotFound:
-                self.counters["unreadable_units"] += 1
-                self._evict(v.name, [key])
-            except TuttiError as exc:
+                    got = v.read_into(key, view, verify=True)
+                if got is None and not v.holds(key, since=asked):
+                    self._drop_unreadable(v, key, "not in its pool headers")
+            except CapacityExceeded as exc:
                 log.warning("cannot check unit %x of instance %s: %s", key, v.name, exc)
+            except TuttiError as exc:
+                self._drop_unreadable(v, key, str(exc))
             finally:
                 buf.close()
 
