@@ -143,6 +143,14 @@ class TuttiConfig(BaseSettings):
     node_id: str | None = Field(None, description="This node's name in the cluster.")
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake Transfer Engine protocol.")
     lease_ttl_s: int = Field(10, gt=0, description="TTL of this node's replica registrations.")
+    advertise_host: str | None = Field(
+        None, description="Address other nodes reach this node at (its stage endpoint and Transfer Engine "
+        "listen there); unset: this host's address on the route to the first etcd endpoint.")
+    stage_port: int = Field(0, ge=0, le=65535, description="Port of the node's stage endpoint (0: any free port).")
+    transfer_ports: str | None = Field(
+        None, pattern=r"^[0-9]{1,5}-[0-9]{1,5}$",
+        description="Port range LOW-HIGH the Transfer Engine takes its two listening ports from (handshake and "
+        "TCP data); unset: Mooncake's default range.")
 
     # Admin plane (`tutti up` serves the node's admin API; docs/ADMIN.md)
     admin_host: str = Field("127.0.0.1", description="Address the node's admin API listens on.")
@@ -175,6 +183,15 @@ class TuttiConfig(BaseSettings):
             super().__setattr__(name, value)
         except ValidationError as e:
             raise ConfigError(f"invalid Tutti configuration: {validation_summary(e)}") from None
+
+    @field_validator("transfer_ports")
+    @classmethod
+    def _port_range(cls, v: str | None) -> str | None:
+        if v is not None:
+            low, high = (int(x) for x in v.split("-"))
+            if not 0 < low < high <= 65535:
+                raise ValueError("needs 0 < LOW < HIGH <= 65535 (the Transfer Engine listens on two ports)")
+        return v
 
     @field_validator("paths", "capacity_gb", "etcd", mode="before")
     @classmethod
@@ -263,14 +280,16 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
     "data path": ("backend", "device", "queue_depth", "iocb_depth", "staging_mb", "max_requests", "io_sms",
                   "cuda_pair", "cuda_trace"),
     "cluster (etcd unset: single node, the embedded default)": ("etcd", "mooncake_master", "node_id", "protocol",
-                                                                "lease_ttl_s"),
+                                                                "lease_ttl_s", "advertise_host", "stage_port",
+                                                                "transfer_ports"),
     "admin API (docs/ADMIN.md)": ("admin_host", "admin_port", "admin_token", "admin_token_file"),
 }
 # Secrets never go on a command line (other users see it in the process list): environment or file.
 NO_FLAG_FIELDS = frozenset({"admin_token"})
 _METAVARS = {"paths": "DIR", "capacity_gb": "GIB", "etcd": "HOST:PORT", "mooncake_master": "HOST:PORT",
              "data_dir": "DIR", "admin_token_file": "FILE", "instance": "NAME", "node_id": "NAME",
-             "admin_host": "ADDRESS", "admin_port": "PORT"}
+             "admin_host": "ADDRESS", "admin_port": "PORT", "advertise_host": "ADDRESS", "stage_port": "PORT",
+             "transfer_ports": "LOW-HIGH"}
 _TYPE_METAVARS: dict[Any, str] = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
 # Defaults that are not a fixed value of the field.
 _DEFAULT_NOTES = {"paths": "<data_dir>/store", "node_id": "the host name"}
