@@ -268,7 +268,8 @@ class NodeBackend:
             msg["all"] = True
         r = self.ask(**msg)
         counts = {k: int(r.get(k, 0)) for k in ("evicted", "pinned_kept", "unreachable")}
-        return EvictResult(**counts, nodes={self.node_id: counts})
+        return EvictResult(evicted=counts["evicted"], pinned_kept=counts["pinned_kept"],
+                           unreachable=counts["unreachable"], nodes={self.node_id: counts})
 
     def pin(self, keys: list[str]) -> PinResult:
         r = self.ask(op="pin", keys=[key_int(k) for k in keys])
