@@ -124,8 +124,8 @@ class TuttiStore:
             for p, cap in zip(self.config.storage_paths(), self.config.capacity_bytes()):
                 pool = p / f"tutti-{self.config.instance}.pool"
                 if not pool.exists() or pool.stat().st_size < cap // max(1, self.config.pool_files) // 2:
-                    log.info("preparing the pool at %s (%.1f GiB): a new pool is written once on block "
-                             "devices and touched once in memory (prewrite_pool)", p, cap / (1 << 30))
+                    log.info("creating the cache files in %s (%.1f GiB); they are filled once now so that "
+                             "later stores never wait for the disk to allocate space", p, cap / (1 << 30))
         descs = [_native.LayerKVDesc(list(l.ptrs), l.block_stride, l.block_bytes, l.num_blocks) for l in layers]
         nat = _native.Store.open(
             paths=paths, capacity=self.config.capacity_bytes(), instance=self.config.instance,
