@@ -150,7 +150,7 @@ class TuttiConfig(BaseSettings):
     transfer_ports: str | None = Field(
         None, pattern=r"^[0-9]{1,5}-[0-9]{1,5}$",
         description="Port range LOW-HIGH the Transfer Engine takes its two listening ports from (handshake and "
-        "TCP data); unset: Mooncake's default range.")
+        "TCP data), at most 32767; unset: Mooncake's default, 15000-17000.")
 
     # Admin plane (`tutti up` serves the node's admin API; docs/ADMIN.md)
     admin_host: str = Field("127.0.0.1", description="Address the node's admin API listens on.")
@@ -189,8 +189,10 @@ class TuttiConfig(BaseSettings):
     def _port_range(cls, v: str | None) -> str | None:
         if v is not None:
             low, high = (int(x) for x in v.split("-"))
-            if not 0 < low < high <= 65535:
-                raise ValueError("needs 0 < LOW < HIGH <= 65535 (the Transfer Engine listens on two ports)")
+            # Mooncake refuses ranges past 32767 (falling back to its default, 15000-17000).
+            if not 0 < low < high <= 32767:
+                raise ValueError("needs 0 < LOW < HIGH <= 32767 (the Transfer Engine listens on two ports, and "
+                                 "Mooncake takes no range above 32767)")
         return v
 
     @field_validator("paths", "capacity_gb", "etcd", mode="before")

@@ -559,7 +559,7 @@ class NodeDaemon:
         self.config = config
         self.data_dir = Path(config.data_dir)
         # The address the Transfer Engine and the stage endpoint listen on and advertise: by default
-        # the one on the route to etcd (see local_address_towards).
+        # config.advertise_host, else the one on the route to etcd (see advertised_host).
         self.host = host
         self.stage_port = stage_port
         self.arena_bytes = arena_bytes
@@ -692,13 +692,14 @@ class NodeDaemon:
             # in registering or moving them (docs/CLUSTER.md, "Directory choice").
             log.info("mooncake_master %s is not used by the replica directory (etcd) or the data path",
                      self.config.mooncake_master)
-        from tutti_cluster.cluster.directory import local_address_towards
+        from tutti_cluster.cluster.directory import advertised_host
 
         if self.host is None:
-            self.host = local_address_towards(",".join(self.config.etcd))
+            self.host = advertised_host(self.config)
         slot = max((v.slot_bytes() for v in self._instances.values()), default=0)
-        self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes, slot_bytes=slot)
-        self.stage = StageServer(self.transfer, None, host=self.host, port=self.stage_port,
+        self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes, slot_bytes=slot,
+                                     ports=self.config.transfer_ports)
+        self.stage = StageServer(self.transfer, None, host=self.host, port=self.stage_port or self.config.stage_port,
                                  read_into=self._read_into, check=self._check_unit).start()
         self.directory = EtcdDirectory(",".join(self.config.etcd), self.node_id, self.config.lease_ttl_s,
                                        timeout_s=self.directory_timeout_s)

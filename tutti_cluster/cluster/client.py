@@ -22,7 +22,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Sequence
 
-from tutti_cluster.cluster.directory import EtcdDirectory, local_address_towards
+from tutti_cluster.cluster.directory import EtcdDirectory, advertised_host, local_address_towards
 from tutti_cluster.errors import ConfigError, TuttiError
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,8 @@ class ClusterClient:
         self.directory = directory
         self.window = window
         self.timeout_s = timeout_s
-        self.host = host or local_address_towards(",".join(f"{h}:{p}" for h, p in directory.endpoints))
+        self.host = host or (advertised_host(self.config) if getattr(self.config, "advertise_host", None) else
+                             local_address_towards(",".join(f"{h}:{p}" for h, p in directory.endpoints)))
         self.arena_bytes = arena_bytes
         self._transfer: Any = None
         self._owners: OrderedDict[int, list[str]] = OrderedDict()  # from the last lookups

@@ -70,15 +70,33 @@ def local_address_towards(endpoints: str) -> str:
 
     That is the address other nodes can reach us at (they reach the same etcd), without another
     setting: 127.0.0.1 when etcd runs on loopback, the node's routable address otherwise. Nothing is
-    sent (a UDP socket only picks the route).
+    sent (a UDP socket only picks the route). Raises ConfigError when there is no route (a host
+    name that does not resolve, an unreachable network), rather than advertising 127.0.0.1.
     """
     host, port = parse_endpoints(endpoints)[0]
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))
+        family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
             return str(s.getsockname()[0])
-    except OSError:
-        return "127.0.0.1"
+    except OSError as exc:
+        # Never fall back to 127.0.0.1 silently: other nodes would be told to dial themselves.
+        raise ConfigError(f"cannot tell which address to advertise to other nodes: no route to etcd host "
+                          f"{host!r} ({exc.strerror or exc}); set advertise_host (--advertise-host, "
+                          "TUTTI_ADVERTISE_HOST)") from None
+
+
+def advertised_host(config: Any) -> str:
+    """The address this node listens on and gives other nodes: ``config.advertise_host``, which
+    must resolve, or else the address on the route to etcd (:func:`local_address_towards`)."""
+    host = getattr(config, "advertise_host", None)
+    if not host:
+        return local_address_towards(",".join(config.etcd))
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as exc:
+        raise ConfigError(f"advertise_host {host!r} does not resolve ({exc.strerror or exc})") from None
+    return str(host)
 
 
 @dataclass

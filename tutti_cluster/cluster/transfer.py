@@ -17,6 +17,7 @@ import ctypes
 import logging
 import mmap
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -87,16 +88,26 @@ class TransferNode:
     """
 
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", arena_bytes: int = 256 << 20,
-                 slot_bytes: int = 0, device_name: str = "") -> None:
+                 slot_bytes: int = 0, device_name: str = "", ports: str | None = None) -> None:
+        """``ports``: ``"LOW-HIGH"``, the range the engine takes its handshake and TCP data ports from
+        (Mooncake reads it from ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT`` when it starts)."""
         if protocol not in ("tcp", "rdma"):
             raise ConfigError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if arena_bytes <= 0:
             raise ConfigError("arena_bytes must be positive")
+        if ports:
+            # Mooncake reads the range once, when its module loads.
+            low, _, high = ports.partition("-")
+            loaded = (os.environ.get("MC_MIN_RPC_PORT"), os.environ.get("MC_MAX_RPC_PORT"))
+            if "mooncake.engine" in sys.modules and loaded != (low, high):
+                log.warning("Transfer Engine ports %s not applied: its module was loaded with another range", ports)
+            os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = low, high
         engine_cls = _import_engine()
         self.engine = engine_cls()
         rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
-            raise DeviceError(f"Mooncake Transfer Engine failed to start ({protocol} on {hostname}): code {rc}")
+            where = f" (ports {ports}: two of them must be free)" if ports else ""
+            raise DeviceError(f"Mooncake Transfer Engine failed to start ({protocol} on {hostname}){where}: code {rc}")
         self.hostname = hostname
         self.protocol = protocol
         self.segment = f"{hostname}:{self.engine.get_rpc_port()}"
