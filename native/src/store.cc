@@ -277,6 +277,16 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   uint32_t id = 0;
   while (id < requests_.size() && requests_[id].active) ++id;
   if (id == requests_.size()) return {Code::kCapacityExceeded, "too many requests in flight"};
+  // Every IOCB the request will post, checked before anything is taken or evicted: a layer call
+  // cannot then fail half-way for want of one (they are taken below, under the same lock).
+  const uint64_t nctx = static_cast<uint64_t>(n_units) * g.objs_per_layer;
+  const uint32_t per_layer = static_cast<uint32_t>((nctx + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb);
+  const uint32_t commits = op == ReqOp::kStore ? (n_units + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb : 0;
+  const uint64_t need = static_cast<uint64_t>(per_layer) * g.num_layers + commits;
+  if (need > free_iocbs_.size())
+    return {Code::kCapacityExceeded, "IOCB table exhausted: the request needs " + std::to_string(need) + " IOCBs, " +
+                                         std::to_string(free_iocbs_.size()) + " of " + std::to_string(num_iocbs_) +
+                                         " are free (raise iocb_depth, or finish requests in flight)"};
   Request& r = requests_[id];
   r = Request{};
   r.op = op;
@@ -341,17 +351,6 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   r.layer_iocbs.assign(g.num_layers, {});
   r.layer_issued.assign(g.num_layers, 0);
   r.layer_failed.assign(g.num_layers, 0);
-  // Every IOCB the request will post, taken now: a layer call cannot fail half-way for want of one.
-  const uint32_t nctx = static_cast<uint32_t>(r.ctx.size());
-  const uint32_t per_layer = (nctx + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb;
-  const uint32_t commits = op == ReqOp::kStore ? (n_units + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb : 0;
-  const uint64_t need = static_cast<uint64_t>(per_layer) * g.num_layers + commits;
-  if (need > free_iocbs_.size()) {
-    release_request(id, r);
-    return {Code::kCapacityExceeded, "IOCB table exhausted: the request needs " + std::to_string(need) + " IOCBs, " +
-                                         std::to_string(free_iocbs_.size()) + " of " + std::to_string(num_iocbs_) +
-                                         " are free (raise iocb_depth, or finish requests in flight)"};
-  }
   for (uint32_t l = 0; l < g.num_layers; ++l) {
     take_iocbs(per_layer, id, &r.layer_iocbs[l]);
     for (uint32_t i = 0; i < per_layer; ++i) {
@@ -360,7 +359,7 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
       b.layer = l;
       b.request = id;
       b.ctx_first = i * kMaxIoctxPerIocb;
-      b.ctx_count = std::min(kMaxIoctxPerIocb, nctx - i * kMaxIoctxPerIocb);
+      b.ctx_count = static_cast<uint32_t>(std::min<uint64_t>(kMaxIoctxPerIocb, nctx - uint64_t(i) * kMaxIoctxPerIocb));
     }
   }
   take_iocbs(commits, id, &r.commit_iocbs);
@@ -450,6 +449,10 @@ Status Store::fill_iocb(uint32_t id, IoOp op, uint32_t layer, uint32_t request, 
     return {Code::kInvalid, "IOCTXs [" + std::to_string(first) + ", " + std::to_string(uint64_t(first) + count) +
                                 ") exceed the request's " + std::to_string(r.ctx.size())};
   Iocb& b = iocbs_[id];
+  if (b.ctx_count && b.request != request && b.request < requests_.size()) {  // refilled for another request
+    auto& before = requests_[b.request].raw_iocbs;
+    before.erase(std::remove(before.begin(), before.end(), id), before.end());
+  }
   b.op = static_cast<uint32_t>(op);
   b.layer = layer;
   b.request = request;
