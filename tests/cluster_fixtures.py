@@ -247,7 +247,8 @@ def _node_main(cfg_json: str) -> None:
     store.register_kv_caches(kv, block_tokens=NODE_BLOCK_TOKENS, layout="kv_first")
     link = DaemonLink(cfg)
     attached = link.attach(store)
-    client = ClusterClient(store, cfg, timeout_s=float(opts.get("timeout_s", 3.0))) if cfg.etcd else None
+    client = (ClusterClient(store, cfg, timeout_s=float(opts.get("timeout_s", 3.0)), link=link)
+              if cfg.etcd else None)
     ub = store.unit_blocks
 
     def reply(obj: dict) -> None:

@@ -73,6 +73,49 @@ def test_daemon_lookup_hands_owners_to_the_fetch(cluster):
     assert st["remote_lookups"] == 0  # the fetch used the daemon's answer, not its own lookup
 
 
+def test_remote_fetch_counters_reach_the_requesting_nodes_daemon_and_metrics(cluster):
+    """The requester's remote fetches (units, bytes, fetches that ended early) travel with its
+    engine's counters to its node daemon, and from there to the admin plane's /metrics."""
+    _, nodes = cluster
+    assert nodes["A"].call(op="store", keys=KEYS_A)["ok"]
+    missing = 0xF00D  # nobody holds it: the fetch of KEYS_A + [missing] places KEYS_A, no failure
+    f = nodes["B"].call(op="fetch", keys=KEYS_A + [missing])
+    assert f["placed"] == len(KEYS_A) and all(f["exact"])
+    client = nodes["B"].call(op="stats")["client"]
+    assert client["remote_units"] == len(KEYS_A) and client["remote_bytes"] > 0
+
+    def reported() -> dict:
+        return nodes["B"].call(op="stats")["daemon"]["instances"]["engine0"]["cluster"] or {}
+
+    assert wait_for(lambda: reported().get("remote_units") == len(KEYS_A), 6), reported()
+    assert reported()["remote_bytes"] == client["remote_bytes"] and reported()["remote_failures"] == 0
+    # A fetch that ends early: the owner is gone (connection refused) before B pulls.
+    assert nodes["C"].call(op="store", keys=[0xC000])["ok"]
+    assert nodes["B"].call(op="lookup", keys=[0xC000])["hits"] == 1
+    nodes["C"].kill()
+    assert nodes["B"].call(op="fetch", keys=[0xC000])["placed"] == 0
+    assert wait_for(lambda: reported().get("remote_failures") == 1, 6), reported()
+
+    pytest.importorskip("fastapi", reason="the admin extra is not installed (pip install '.[admin]')")
+    from fastapi.testclient import TestClient
+
+    from tutti_cluster import TuttiConfig
+    from tutti_control.app import create_app
+    from tutti_control.backend import NodeBackend
+
+    backend = NodeBackend(TuttiConfig(**nodes["B"].config))
+    try:
+        text = TestClient(create_app(backend, "t" * 32)).get("/metrics").text
+    finally:
+        backend.close()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+           if s.name.startswith("tutti_remote_fetch_") and s.labels == {"node": "B", "instance": "engine0"}}
+    assert got == {"tutti_remote_fetch_units_total": len(KEYS_A), "tutti_remote_fetch_bytes_total": client["remote_bytes"],
+                   "tutti_remote_fetch_failures_total": 1}, got
+
+
 def test_partial_prefix_and_local_first(cluster):
     _, nodes = cluster
     # B holds the first two units itself, A holds all six: B serves 2 locally and fetches 4.

@@ -771,7 +771,7 @@ class TuttiConnector(KVConnectorBase_V1):
         if cfg.etcd and self.options.load:
             from tutti_cluster.cluster.client import ClusterClient
 
-            self._cluster = ClusterClient(self.store, cfg)
+            self._cluster = ClusterClient(self.store, cfg, link=self._link)  # its counters reach the daemon
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.store is None:

@@ -10,6 +10,10 @@
   ``store.scatter_unit`` places it into the KV blocks (the store's normal scatter path, checksums
   verified). With ``keep_replica`` the unit is also committed locally (``store.import_unit``).
 
+Counters (``stats``: remote lookups and hits, units and bytes fetched, fetches that ended early)
+reach the node daemon's stats, and so the admin plane's ``/metrics``, when the client is given the
+engine's ``DaemonLink`` (``link=``).
+
 Nothing here raises for a cluster fault (etcd down, owner dead, transfer failure): lookups then
 report fewer hits and retrieve_remote places fewer units, and the engine recomputes the rest.
 """
@@ -32,7 +36,11 @@ class ClusterClient:
     """Cluster lookups and remote fetches for one engine store (see the module docstring)."""
 
     def __init__(self, store: Any, config: Any = None, *, directory: EtcdDirectory | None = None,
-                 arena_bytes: int = 0, window: int = 4, timeout_s: float = 5.0, host: str | None = None) -> None:
+                 arena_bytes: int = 0, window: int = 4, timeout_s: float = 5.0, host: str | None = None,
+                 link: Any = None) -> None:
+        """``link``: the engine's :class:`~tutti_cluster.daemon.DaemonLink`, if attached; it then
+        reports :attr:`stats` (remote fetches: units, bytes, failures) to the node daemon with the
+        store's counters, where ``tutti admin stats`` and the admin plane's ``/metrics`` read them."""
         self.store = store
         self.config = config if config is not None else store.config
         if directory is None:
@@ -51,6 +59,8 @@ class ClusterClient:
         self.stats: dict[str, float] = {"remote_lookups": 0, "remote_hits": 0, "remote_units": 0,
                                         "remote_bytes": 0, "remote_failures": 0, "replicas_kept": 0,
                                         "pull_s": 0.0, "scatter_s": 0.0}
+        if link is not None:
+            link.cluster_stats = lambda: dict(self.stats)
 
     @property
     def transfer(self) -> Any:
@@ -124,6 +134,7 @@ class ClusterClient:
                 transfer = self.transfer
             except TuttiError as exc:
                 log.warning("remote fetch unavailable: %s", exc)
+                self.stats["remote_failures"] += 1
                 break
             stream = StageStream(transfer, rec.stage, rec.segment, ks[placed:run], self.window, self.timeout_s)
             got = 0
