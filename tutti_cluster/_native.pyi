@@ -14,38 +14,51 @@ def crc32c(data: Any, crc: int = 0) -> int: ...
 class LayerKVDesc:
     def __init__(self, ptrs: Sequence[int], block_stride: int, block_bytes: int, num_blocks: int) -> None: ...
 
+class ReqOp:
+    RETRIEVE: ReqOp
+    STORE: ReqOp
+
+class IoOp:
+    READ: IoOp
+    WRITE: IoOp
+
+class DirectMode:
+    AUTO: DirectMode
+    ON: DirectMode
+    OFF: DirectMode
+
+class StoreOptions:
+    paths: list[str]
+    capacity: list[int]
+    instance: str
+    files_per_path: int
+    prewrite: bool
+    unit_blocks: int
+    queue_depth: int
+    staging_bytes: int
+    max_requests: int
+    io_sms: int
+    min_io_bytes: int
+    direct: DirectMode
+    backend: str
+    device: int
+    cuda_pair: bool
+    cuda_trace: bool
+    read_only: bool
+    map_memory: bool
+    def __init__(self) -> None: ...
+
 class Store:
     @staticmethod
-    def open(
-        *,
-        paths: Sequence[str],
-        capacity: Sequence[int],
-        instance: str,
-        unit_blocks: int,
-        queue_depth: int,
-        staging_bytes: int,
-        max_requests: int,
-        io_sms: int,
-        direct: int,
-        backend: str,
-        device: int,
-        read_only: bool,
-        layers: Sequence[LayerKVDesc],
-        desc: str,
-        files_per_path: int = 0,
-        prewrite: bool = True,
-        cuda_pair: bool = False,
-        cuda_trace: bool = False,
-        map_memory: bool = False,
-    ) -> Store: ...
+    def open(options: StoreOptions, layers: Sequence[LayerKVDesc], desc: str) -> Store: ...
     def init_queue(self, depth: int) -> None: ...
     def lookup(self, keys: npt.NDArray[np.uint64]) -> int: ...
-    def begin(self, op: int, keys: npt.NDArray[np.uint64], blocks: npt.NDArray[np.int64]) -> int: ...
+    def begin(self, op: ReqOp, keys: npt.NDArray[np.uint64], blocks: npt.NDArray[np.int64]) -> int: ...
     def layer(self, layer: int, request: int, event: int = 0, stream: int = -1) -> None: ...
     def wait_layer(self, layer: int, request: int, stream: int = 0) -> None: ...
     def finish(self, request: int) -> tuple[int, list[int], int, list[int], list[int]]: ...
     def get_iocb(self, n: int) -> list[int]: ...
-    def fill_iocb(self, iocb: int, op: int, layer: int, request: int, first: int, count: int) -> None: ...
+    def fill_iocb(self, iocb: int, op: IoOp, layer: int, request: int, first: int, count: int) -> None: ...
     def issue_io(self, ids: Sequence[int], sms: int = 0, event: int = 0) -> None: ...
     def wait_cqe(self, iocb: int) -> int: ...
     def put_iocb(self, iocb: int) -> None: ...

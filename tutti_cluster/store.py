@@ -34,8 +34,32 @@ from tutti_cluster.kv_layout import Layout, LayerKV, describe, layer_kv_from_ten
 
 log = logging.getLogger(__name__)
 
-_RETRIEVE, _STORE = 1, 2
-_DIRECT = {"auto": 0, "on": 1, "off": 2}
+_RETRIEVE, _STORE = _native.ReqOp.RETRIEVE, _native.ReqOp.STORE
+_DIRECT = {"auto": _native.DirectMode.AUTO, "on": _native.DirectMode.ON, "off": _native.DirectMode.OFF}
+
+
+def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_only: bool = False) -> Any:
+    """The native store's options, every field from ``config``: the one place they are translated."""
+    o = _native.StoreOptions()
+    o.paths = [str(p) for p in config.storage_paths()]
+    o.capacity = config.capacity_bytes()
+    o.instance = config.instance
+    o.files_per_path = config.pool_files
+    o.prewrite = config.prewrite_pool
+    o.unit_blocks = unit_blocks
+    o.queue_depth = config.queue_depth
+    o.staging_bytes = config.staging_mb << 20
+    o.max_requests = config.max_requests
+    o.io_sms = config.io_sms
+    o.min_io_bytes = config.min_io_bytes
+    o.direct = _DIRECT[config.direct_io]
+    o.backend = backend
+    o.device = config.device
+    o.cuda_pair = config.cuda_pair
+    o.cuda_trace = config.cuda_trace
+    o.read_only = read_only
+    o.map_memory = config.map_memory_paths
+    return o
 
 
 @dataclass
@@ -74,7 +98,7 @@ class TuttiStore:
             config = load_config(**{**(config.model_dump() if config else {}), **overrides})
         self.config = config
         self._native: Any = None
-        self._ops: dict[int, int] = {}
+        self._ops: dict[int, Any] = {}
         self._keys: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         self.block_tokens = 0
@@ -117,7 +141,6 @@ class TuttiStore:
         if obj < self.config.min_io_bytes:
             log.warning("objects are %d bytes, below min_io_bytes=%d: raise unit_tokens for larger I/Os",
                         obj, self.config.min_io_bytes)
-        paths = [str(p) for p in self.config.storage_paths()]
         if not self.config.paths:
             self.config.storage_paths()[0].mkdir(parents=True, exist_ok=True)  # embedded default only
         if self.config.prewrite_pool and not read_only:
@@ -127,17 +150,8 @@ class TuttiStore:
                     log.info("creating the cache files in %s (%.1f GiB); they are filled once now so that "
                              "later stores never wait for the disk to allocate space", p, cap / (1 << 30))
         descs = [_native.LayerKVDesc(list(l.ptrs), l.block_stride, l.block_bytes, l.num_blocks) for l in layers]
-        nat = _native.Store.open(
-            paths=paths, capacity=self.config.capacity_bytes(), instance=self.config.instance,
-            unit_blocks=unit_blocks, queue_depth=self.config.queue_depth,
-            staging_bytes=self.config.staging_mb << 20, max_requests=self.config.max_requests,
-            io_sms=self.config.io_sms, direct=_DIRECT[self.config.direct_io], backend=backend,
-            device=self.config.device, read_only=read_only, layers=descs, desc=desc,
-            files_per_path=self.config.pool_files, prewrite=self.config.prewrite_pool,
-            cuda_pair=self.config.cuda_pair,
-            cuda_trace=self.config.cuda_trace,
-            map_memory=self.config.map_memory_paths,
-        )
+        options = native_options(self.config, backend=backend, unit_blocks=unit_blocks, read_only=read_only)
+        nat = _native.Store.open(options, descs, desc)
         if not read_only:
             try:
                 nat.init_queue(self.config.iocb_depth)
@@ -207,7 +221,7 @@ class TuttiStore:
         """Reserves GPU files for the units not yet stored; returns the request handle."""
         return self._begin(_STORE, keys, block_ids)
 
-    def _begin(self, op: int, keys: Sequence[Key], block_ids: Any) -> int:
+    def _begin(self, op: Any, keys: Sequence[Key], block_ids: Any) -> int:
         k = key_array(keys)
         req = int(self._n.begin(op, k, _block_array(block_ids)))
         with self._lock:
@@ -216,7 +230,7 @@ class TuttiStore:
         self._drain_evicted()
         return req
 
-    def _check(self, req: int, op: int) -> None:
+    def _check(self, req: int, op: Any) -> None:
         have = self._ops.get(req)
         if have is None:
             raise TuttiError(f"no request {req} in flight")
@@ -299,7 +313,7 @@ class TuttiStore:
 
     def fill_iocb(self, iocb: int, *, op: str, layer: int, req: int, first: int, count: int) -> None:
         """Points an IOCB at IOCTXs ``[first, first + count)`` of request ``req`` (op: read|write)."""
-        codes = {"read": 1, "write": 2}
+        codes = {"read": _native.IoOp.READ, "write": _native.IoOp.WRITE}
         if op not in codes:
             raise TuttiError(f"op must be one of {sorted(codes)}")
         self._n.fill_iocb(iocb, codes[op], layer, req, first, count)

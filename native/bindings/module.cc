@@ -99,31 +99,39 @@ PYBIND11_MODULE(_native, m) {
            }),
            py::arg("ptrs"), py::arg("block_stride"), py::arg("block_bytes"), py::arg("num_blocks"));
 
+  py::enum_<ReqOp>(m, "ReqOp").value("RETRIEVE", ReqOp::kRetrieve).value("STORE", ReqOp::kStore);
+  py::enum_<IoOp>(m, "IoOp").value("READ", IoOp::kRead).value("WRITE", IoOp::kWrite);
+  py::enum_<DirectMode>(m, "DirectMode")
+      .value("AUTO", DirectMode::kAuto)
+      .value("ON", DirectMode::kOn)
+      .value("OFF", DirectMode::kOff);
+
+  // The options struct itself: the Python side fills every field from TuttiConfig in one place.
+  py::class_<StoreOptions>(m, "StoreOptions")
+      .def(py::init<>())
+      .def_readwrite("paths", &StoreOptions::paths)
+      .def_readwrite("capacity", &StoreOptions::capacity)
+      .def_readwrite("instance", &StoreOptions::instance)
+      .def_readwrite("files_per_path", &StoreOptions::files_per_path)
+      .def_readwrite("prewrite", &StoreOptions::prewrite)
+      .def_readwrite("unit_blocks", &StoreOptions::unit_blocks)
+      .def_readwrite("queue_depth", &StoreOptions::queue_depth)
+      .def_readwrite("staging_bytes", &StoreOptions::staging_bytes)
+      .def_readwrite("max_requests", &StoreOptions::max_requests)
+      .def_readwrite("io_sms", &StoreOptions::io_sms)
+      .def_readwrite("min_io_bytes", &StoreOptions::min_io_bytes)
+      .def_readwrite("direct", &StoreOptions::direct)
+      .def_readwrite("backend", &StoreOptions::backend)
+      .def_readwrite("device", &StoreOptions::device)
+      .def_readwrite("cuda_pair", &StoreOptions::cuda_pair)
+      .def_readwrite("cuda_trace", &StoreOptions::cuda_trace)
+      .def_readwrite("read_only", &StoreOptions::read_only)
+      .def_readwrite("map_memory", &StoreOptions::map_memory);
+
   py::class_<PyStore>(m, "Store")
       .def_static(
           "open",
-          [](std::vector<std::string> paths, std::vector<uint64_t> capacity, std::string instance, uint32_t unit_blocks,
-             uint32_t queue_depth, uint64_t staging_bytes, uint32_t max_requests, uint32_t io_sms, int direct,
-             std::string backend, int device, bool read_only, std::vector<LayerKV> layers, std::string desc,
-             uint32_t files_per_path, bool prewrite, bool cuda_pair, bool cuda_trace, bool map_memory) {
-            StoreOptions o;
-            o.paths = std::move(paths);
-            o.capacity = std::move(capacity);
-            o.instance = std::move(instance);
-            o.unit_blocks = unit_blocks;
-            o.queue_depth = queue_depth;
-            o.staging_bytes = staging_bytes;
-            o.max_requests = max_requests;
-            o.io_sms = io_sms;
-            o.direct = static_cast<DirectMode>(direct);
-            o.backend = std::move(backend);
-            o.device = device;
-            o.read_only = read_only;
-            o.files_per_path = files_per_path;
-            o.prewrite = prewrite;
-            o.cuda_pair = cuda_pair;
-            o.cuda_trace = cuda_trace;
-            o.map_memory = map_memory;
+          [](const StoreOptions& o, std::vector<LayerKV> layers, std::string desc) {
             auto* ps = new PyStore();
             Status st;
             {
@@ -136,11 +144,7 @@ PYBIND11_MODULE(_native, m) {
             }
             return ps;
           },
-          py::kw_only(), py::arg("paths"), py::arg("capacity"), py::arg("instance"), py::arg("unit_blocks"),
-          py::arg("queue_depth"), py::arg("staging_bytes"), py::arg("max_requests"), py::arg("io_sms"),
-          py::arg("direct"), py::arg("backend"), py::arg("device"), py::arg("read_only"), py::arg("layers"),
-          py::arg("desc"), py::arg("files_per_path") = 0, py::arg("prewrite") = true,
-          py::arg("cuda_pair") = false, py::arg("cuda_trace") = false, py::arg("map_memory") = false)
+          py::arg("options"), py::arg("layers"), py::arg("desc"))
       .def("init_queue", [](PyStore& p, uint32_t depth) {
         Store& s = p.get();
         ok(without_gil([&] { return s.init_queue(depth); }));
@@ -149,10 +153,10 @@ PYBIND11_MODULE(_native, m) {
         Store& s = p.get();
         return s.lookup(keys.data(), static_cast<uint32_t>(keys.size()));
       })
-      .def("begin", [](PyStore& p, int op, U64Array keys, I64Array blocks) {
+      .def("begin", [](PyStore& p, ReqOp op, U64Array keys, I64Array blocks) {
         Store& s = p.get();
         uint32_t id;
-        ok(without_gil([&] { return s.begin(static_cast<ReqOp>(op), keys.data(), static_cast<uint32_t>(keys.size()), blocks.data(),
+        ok(without_gil([&] { return s.begin(op, keys.data(), static_cast<uint32_t>(keys.size()), blocks.data(),
                    static_cast<uint64_t>(blocks.size()), &id); }));
         return id;
       })
@@ -178,10 +182,10 @@ PYBIND11_MODULE(_native, m) {
         ok(p.get().get_iocb(u32(n, "n"), &ids));
         return ids;
       })
-      .def("fill_iocb", [](PyStore& p, py::handle id, py::handle op, py::handle layer, py::handle request, py::handle first,
+      .def("fill_iocb", [](PyStore& p, py::handle id, IoOp op, py::handle layer, py::handle request, py::handle first,
                            py::handle count) {
-        ok(p.get().fill_iocb(u32(id, "iocb"), static_cast<IoOp>(u32(op, "op")), u32(layer, "layer"), u32(request, "request"),
-                             u32(first, "first"), u32(count, "count")));
+        ok(p.get().fill_iocb(u32(id, "iocb"), op, u32(layer, "layer"), u32(request, "request"), u32(first, "first"),
+                             u32(count, "count")));
       })
       .def("issue_io", [](PyStore& p, py::iterable ids, py::handle sms, uint64_t event) {
         Store& s = p.get();

@@ -179,7 +179,8 @@ __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) inline __m5
 }
 
 __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) inline __m512i bcast(const FoldKey& k) {
-  return _mm512_broadcast_i32x4(_mm_set_epi64x(static_cast<long long>(k.b), static_cast<long long>(k.a)));
+  const long long a = static_cast<long long>(k.a), b = static_cast<long long>(k.b);
+  return _mm512_set_epi64(b, a, b, a, b, a, b, a);
 }
 
 template <bool kCopy>

@@ -16,6 +16,8 @@
 
 namespace tutti {
 
+// Defaults are TuttiConfig's (tutti_cluster/config.py; a test keeps them equal); the Python side
+// sets every field from the configuration anyway.
 struct StoreOptions {
   std::vector<std::string> paths;
   std::vector<uint64_t> capacity;  // bytes per path
@@ -24,7 +26,7 @@ struct StoreOptions {
   bool prewrite = true;            // zero what fallocate left unwritten, once (see FilePool::open)
   uint32_t unit_blocks = 16;
   uint32_t queue_depth = 64;       // io_uring depth of the agent
-  uint64_t staging_bytes = 64ull << 20;
+  uint64_t staging_bytes = 128ull << 20;
   uint32_t max_requests = 256;     // requests in flight
   uint32_t io_workers = 1;         // kernel workers (thread blocks / host scatter threads)
   uint32_t io_sms = 8;
@@ -37,7 +39,7 @@ struct StoreOptions {
   bool read_only = false;          // open existing pools for reading only (no agent)
   // Map the pool files on memory file systems and move their objects with loads and stores
   // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
-  bool map_memory = false;
+  bool map_memory = true;
 };
 
 struct RequestResult {

@@ -1,0 +1,57 @@
+"""The native module's surface against its stub (tutti_cluster/_native.pyi), and the native option
+defaults against TuttiConfig's: neither can drift without a failing test."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+from tutti_cluster import TuttiConfig, _native
+from tutti_cluster.store import native_options
+
+STUB = Path(_native.__file__).parent / "_native.pyi"
+if not STUB.exists():  # an editable install keeps the stub in the source tree
+    STUB = Path(__file__).resolve().parents[1] / "tutti_cluster" / "_native.pyi"
+
+
+def _stub_names() -> dict[str, set[str]]:
+    tree = ast.parse(STUB.read_text())
+    names: dict[str, set[str]] = {"": set()}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            names[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)} | {
+                n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            names[""].add(node.name)
+        elif isinstance(node, ast.FunctionDef):
+            names[""].add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[""].add(node.target.id)
+    return names
+
+
+def _public(obj: object) -> set[str]:
+    return {n for n in dir(obj) if not n.startswith("_")}
+
+
+def test_the_stub_names_exactly_what_the_module_has():
+    stub = _stub_names()
+    module = {n for n in _public(_native) if not inspect.ismodule(getattr(_native, n))}
+    assert stub[""] == module
+    for cls, members in stub.items():
+        if not cls:
+            continue
+        have = _public(getattr(_native, cls))
+        if issubclass(getattr(_native, cls), int) or hasattr(getattr(_native, cls), "__members__"):  # py::enum_
+            have = set(getattr(_native, cls).__members__)
+        assert members - {"__init__"} == have, cls
+
+
+def test_native_option_defaults_are_the_configurations():
+    c = TuttiConfig()
+    mine = native_options(c, backend="cpu", unit_blocks=c.unit_tokens // 16)
+    native = _native.StoreOptions()
+    for field in ("instance", "files_per_path", "prewrite", "unit_blocks", "queue_depth", "staging_bytes",
+                  "max_requests", "io_sms", "min_io_bytes", "direct", "backend", "device", "cuda_pair",
+                  "cuda_trace", "read_only", "map_memory"):
+        assert getattr(native, field) == getattr(mine, field), field
