@@ -192,7 +192,7 @@ __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) uint32_t ra
     x[i] = _mm512_loadu_si512(s + 64 * i);
     if (kCopy) _mm512_storeu_si512(d + 64 * i, x[i]);
   }
-  x[0] = _mm512_xor_si512(x[0], _mm512_castsi128_si512(_mm_cvtsi32_si128(static_cast<int>(r))));
+  x[0] = _mm512_xor_si512(x[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(r))));
   s += 256;
   if (kCopy) d += 256;
   n -= 256;
