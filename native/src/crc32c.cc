@@ -77,7 +77,7 @@ uint32_t raw_portable(uint32_t r, const uint8_t* p, size_t n) {
 }
 
 uint32_t raw_copy_portable(uint32_t r, uint8_t* d, const uint8_t* s, size_t n) {
-  std::memcpy(d, s, n);
+  if (n) std::memcpy(d, s, n);
   return raw_portable(r, s, n);
 }
 
