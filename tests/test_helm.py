@@ -291,7 +291,8 @@ SETTINGS: dict[str, Any] = {
     "min_io_bytes": 1048576, "backend": "cpu", "device": 1, "queue_depth": 32, "iocb_depth": 2048,
     "staging_mb": 256, "max_requests": 64, "io_sms": 16, "cuda_pair": True, "cuda_trace": True,
     "etcd": ["etcd-a:2379", "etcd-b:2379"], "mooncake_master": "mc.example:50051", "node_id": "n1",
-    "protocol": "rdma", "lease_ttl_s": 30,
+    "protocol": "rdma", "lease_ttl_s": 30, "advertise_host": "10.1.2.3", "stage_port": 7070,
+    "transfer_ports": "20000-20100",
 }
 
 
