@@ -213,6 +213,39 @@ def test_worker_metadata_aggregates_ranks() -> None:
     assert m.failed == {"a": 1, "b": 5}  # the earliest failed unit of each request, over all ranks
 
 
+# ---- the package: a front, one object per role ----------------------------------------------------
+def test_importing_tutti_cluster_does_not_import_vllm() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, tutti_cluster, tutti_cluster.kv_layout, tutti_cluster.store, tutti_cluster.daemon; "
+            "bad = [m for m in sys.modules if m == 'vllm' or m.startswith(('vllm.', 'tutti_cluster.vllm'))]; "
+            "assert not bad, bad")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+def test_each_role_object_exists_only_in_its_process(tmp_path) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tutti_cluster.vllm import TuttiScheduler, TuttiWorker
+
+    s = TuttiConnector(_vllm_config(tmp_path, "recompute"), KVConnectorRole.SCHEDULER, None)
+    assert isinstance(s.connector_scheduler, TuttiScheduler) and s.connector_worker is None
+    assert not s.has_pending_push_work() and s.get_handshake_metadata() is None
+    s.shutdown()
+    w, _ = _worker(tmp_path)
+    try:
+        assert isinstance(w.connector_worker, TuttiWorker) and w.connector_scheduler is None
+        assert not w.has_pending_push_work()
+        hs = w.get_handshake_metadata()
+        assert hs is not None and hs.rank == 0 and hs.keys == []
+        with pytest.raises(AssertionError, match="scheduler-side hook"):
+            w.build_connector_meta(None)
+    finally:
+        w.shutdown()
+
+
 # ---- the worker's bookkeeping under errors (issue 13) -------------------------------------------
 # A real worker-role connector on real vLLM config objects and a real store (CPU backend, files
 # under a temporary directory); only the engine is absent: the test makes the calls vLLM's model
@@ -266,7 +299,7 @@ def _unit(c, name: bytes, blocks: list[int]):
 
 def _no_request_left(c) -> None:
     """Everything begun was finished: no request in the store, every IOCB free."""
-    s = c.store
+    s = c.worker.store
     assert not s._ops, f"requests left in flight: {s._ops}"
     ids = s.get_iocb(s.config.iocb_depth)
     for i in ids:
@@ -280,7 +313,8 @@ def test_a_load_that_cannot_begin_is_reported_failed(tmp_path) -> None:
     try:
         _step(c, saves=[_unit(c, b"a", [0, 1])])
         _step(c, saves=[_unit(c, b"b", [2, 3])])
-        assert c.store.lookup([_key(c._prefix, b"a".ljust(32, b".")), _key(c._prefix, b"b".ljust(32, b"."))]) == 2
+        w = c.worker
+        assert w.store.lookup([_key(w.prefix, b"a".ljust(32, b".")), _key(w.prefix, b"b".ljust(32, b"."))]) == 2
         want = {n: t.clone() for n, t in kv.items()}
         for t in kv.values():
             t[8:12] = 0
@@ -302,7 +336,7 @@ def test_a_load_with_a_failed_layer_call_is_never_reported_loaded(tmp_path, monk
     c, kv = _worker(tmp_path)
     try:
         _step(c, saves=[_unit(c, b"a", [0, 1])])
-        real = getattr(c.store, fault)
+        real = getattr(c.worker.store, fault)
 
         def failing(layer, req, *a, **kw):
             if layer == 1:
@@ -310,7 +344,7 @@ def test_a_load_with_a_failed_layer_call_is_never_reported_loaded(tmp_path, monk
                 raise DeviceError(f"injected {fault} fault")
             return real(layer, req, *a, **kw)
 
-        monkeypatch.setattr(c.store, fault, failing)
+        monkeypatch.setattr(c.worker.store, fault, failing)
         _step(c, loads=[_unit(c, b"a", [8, 9])])
         assert c.get_block_ids_with_load_errors() == {8, 9}
         _no_request_left(c)
@@ -323,7 +357,7 @@ def test_a_save_with_a_failed_store_layer_is_finished_and_commits_nothing(tmp_pa
     (its slots and IOCBs return), nothing is committed, and the next save works."""
     c, kv = _worker(tmp_path, iocb_depth=3)
     try:
-        real = c.store.store_layer
+        real = c.worker.store.store_layer
         calls = []
 
         def failing(layer, req, *a, **kw):
@@ -333,15 +367,15 @@ def test_a_save_with_a_failed_store_layer_is_finished_and_commits_nothing(tmp_pa
                 raise StorageError("injected store_layer fault")
             return real(layer, req, *a, **kw)
 
-        monkeypatch.setattr(c.store, "store_layer", failing)
+        monkeypatch.setattr(c.worker.store, "store_layer", failing)
         _step(c, saves=[_unit(c, b"a", [0, 1])])
         assert 1 in calls
-        assert c.store.lookup([_key(c._prefix, b"a".ljust(32, b"."))]) == 0
+        assert c.worker.store.lookup([_key(c.worker.prefix, b"a".ljust(32, b"."))]) == 0
         assert c.get_kv_connector_stats().reduce()["store_units"] == 0
         _no_request_left(c)
-        monkeypatch.setattr(c.store, "store_layer", real)
+        monkeypatch.setattr(c.worker.store, "store_layer", real)
         _step(c, saves=[_unit(c, b"b", [2, 3])])  # the table is whole again
-        assert c.store.lookup([_key(c._prefix, b"b".ljust(32, b"."))]) == 1
+        assert c.worker.store.lookup([_key(c.worker.prefix, b"b".ljust(32, b"."))]) == 1
     finally:
         c.shutdown()
 

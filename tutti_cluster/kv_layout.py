@@ -11,7 +11,9 @@ A descriptor (:class:`LayerKV`) says where object ``kv`` (K = 0, V = 1) of block
 - ``mla``: ``[num_blocks, block_size, latent]`` (one object per block).
 
 A cross-layer tensor with blocks outermost (``[num_blocks, layers, 2, ...]``) is handled by
-:func:`layers_from_cross_layer_tensor`.
+:func:`layers_from_cross_layer_tensor`. :func:`layer_kv_from_vllm` tells these forms apart in the
+tensors vLLM's ``register_kv_caches`` passes (its per-layer views, kernel-block splits, heads outside
+the blocks); it needs only the tensor, not vLLM, so tools that open an engine's pool use it too.
 """
 
 from __future__ import annotations
@@ -110,6 +112,65 @@ def layer_kv_from_tensor(t: Any, layout: Layout = "auto") -> LayerKV:
             raise LayoutError(f"{layout} needs [num_blocks, ...] with contiguous blocks, got {shape}")
         return LayerKV((ptr,), strides[0] * es, prod(shape[1:]) * es, shape[0], dev, dtype, tuple(shape[1:]))
     raise LayoutError(f"unknown KV layout {layout!r}")
+
+
+def layer_kv_from_vllm(t: Any, num_blocks: int) -> LayerKV:
+    """Describes one layer's paged KV cache as vLLM hands it to ``register_kv_caches``.
+
+    Accepted forms, told apart by where ``num_blocks`` sits:
+
+    - vLLM's standardised per-layer view ``[B, H, N, C]`` (blocks outermost; K and V inside each
+      block, MLA with ``H == 1``): one object per block. A view with ``k * num_blocks`` kernel blocks
+      (virtual block splitting) maps ``k`` consecutive kernel blocks onto one block when they are
+      dense. Views with the heads outside the blocks (``LHBNC``, ``BHLNC``) give one object per head
+      run; the store takes two per block, so more than two KV heads per rank there is refused.
+    - legacy ``[2, num_blocks, ...]`` (K and V planes) and a ``(K, V)`` pair of tensors.
+    """
+    if isinstance(t, (tuple, list)):
+        return layer_kv_from_tensor(tuple(t), "kv_tuple")
+    shape = tuple(t.shape)
+    if len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks and num_blocks != 2:
+        return layer_kv_from_tensor(t, "kv_first")
+    if not shape or shape[0] % num_blocks:
+        raise LayoutError(f"KV cache of shape {shape} has no dimension of {num_blocks} blocks")
+    ratio = shape[0] // num_blocks
+    if ratio == 1:
+        try:
+            return layer_kv_from_tensor(t, "interleaved")
+        except LayoutError:
+            pass
+        return _head_split(t, shape)
+    # ratio kernel blocks per block: only dense tensors keep a block contiguous.
+    es = t.element_size()
+    inner = prod(shape[1:])
+    if not t.is_contiguous():
+        raise LayoutError(f"KV cache {shape} splits blocks into {ratio} kernel blocks and is not dense")
+    return LayerKV(
+        (t.data_ptr(),), inner * ratio * es, inner * ratio * es, num_blocks,
+        "cuda" if str(t.device).startswith("cuda") else str(t.device),
+        str(t.dtype).replace("torch.", ""), (ratio, *shape[1:]),
+    )
+
+
+def _head_split(t: Any, shape: tuple[int, ...]) -> LayerKV:
+    """``[B, H, N, C]`` views whose heads lie outside the blocks (LHBNC, BHLNC): one object per head.
+
+    Each ``[N, C]`` run must be contiguous; the store takes at most two objects per block.
+    """
+    strides, es = tuple(t.stride()), t.element_size()
+    if len(shape) != 4 or strides[3] != 1 or (shape[2] > 1 and strides[2] != shape[3]):
+        raise LayoutError(f"KV cache {shape} strides {strides}: a block's tokens must be contiguous")
+    if shape[1] > 2:
+        raise LayoutError(
+            f"KV cache {shape} strides {strides} splits each block into {shape[1]} head runs; the store "
+            "takes at most 2 objects per block: use a block-compact layout (VLLM_KV_CACHE_LAYOUT=LBHNC or LBNHC)"
+        )
+    ptrs = tuple(t.data_ptr() + h * strides[1] * es for h in range(shape[1]))
+    return LayerKV(
+        ptrs, strides[0] * es, shape[2] * shape[3] * es, shape[0],
+        "cuda" if str(t.device).startswith("cuda") else str(t.device),
+        str(t.dtype).replace("torch.", ""), (shape[2], shape[3]),
+    )
 
 
 def layers_from_cross_layer_tensor(t: Any, num_layers: int) -> list[LayerKV]:

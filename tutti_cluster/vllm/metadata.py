@@ -1,0 +1,70 @@
+"""What the two roles tell each other, through vLLM.
+
+- :class:`TuttiConnectorMetadata`, scheduler -> workers once per step (``build_connector_meta``,
+  bound by the model runner before the step): the loads and saves of the step, each a
+  :class:`Transfer` of whole units with their block ids.
+- :class:`TuttiWorkerMetadata`, workers -> scheduler once per step (``build_connector_worker_meta``,
+  summed over ranks with ``aggregate``, read in ``update_connector_output``): the keys committed and
+  evicted, and each request's first unit that failed to load.
+- :class:`TuttiHandshake`, each worker -> scheduler once at start (``get_handshake_metadata``,
+  ``set_xfer_handshake_metadata``): the keys its store found on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+__all__ = ["Transfer", "TuttiConnectorMetadata", "TuttiHandshake", "TuttiWorkerMetadata"]
+
+
+@dataclass
+class Transfer:
+    """One request's units to move this step: ``hashes[i]`` names unit ``i``; its blocks are
+    ``block_ids[i * unit_blocks : (i + 1) * unit_blocks]``."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[int]
+    first_unit: int = 0  # index of unit 0 of this transfer in the request's prompt
+    remote_from: int | None = None  # loads: units from this index on come from other nodes
+    finish: bool = False  # saves: the request has finished; report it once the save is done
+
+
+@dataclass
+class TuttiConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step."""
+
+    loads: list[Transfer] = field(default_factory=list)
+    async_loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class TuttiWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler, once per step: keys that became present or absent in the stores, and
+    per request the first unit that failed to load (vLLM recomputes it; the scheduler saves it again)."""
+
+    committed: list[int] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    failed: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, TuttiWorkerMetadata)
+        failed = dict(self.failed)
+        for req_id, unit in other.failed.items():
+            failed[req_id] = min(unit, failed.get(req_id, unit))
+        return TuttiWorkerMetadata(self.committed + other.committed, self.evicted + other.evicted, failed)
+
+
+@dataclass
+class TuttiHandshake(KVConnectorHandshakeMetadata):
+    """Worker -> scheduler, once at start: the keys its store found on disk."""
+
+    rank: int
+    keys: list[int]

@@ -1,0 +1,93 @@
+"""The connector's counters: :class:`TuttiConnectorStats` per interval, :class:`TuttiPromMetrics`.
+
+Each role counts what it does in its own :class:`TuttiConnectorStats` (the scheduler: units found
+and saves deferred; each worker: units loaded, stored, skipped, failed, fetched from other nodes).
+vLLM collects them with ``get_kv_connector_stats``, sums the workers' and the scheduler's with
+``aggregate``, logs them in its "KV Transfer metrics" line and hands them to
+:class:`TuttiPromMetrics`, one Prometheus counter ``vllm:tutti_<stat>`` (units) per stat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+__all__ = ["STAT_KEYS", "TuttiConnectorStats", "TuttiPromMetrics"]
+
+STAT_KEYS = (
+    "lookup_hit_units",
+    "load_units",
+    "load_failed_units",
+    "store_units",
+    "store_skipped_units",
+    "store_failed_units",
+    "store_deferred_units",
+    "remote_units",
+)
+
+
+@dataclass
+class TuttiConnectorStats(KVConnectorStats):
+    """Unit counters of one interval, summed over workers and the scheduler."""
+
+    def __post_init__(self) -> None:
+        for k in STAT_KEYS:
+            self.data.setdefault(k, 0)
+
+    def add(self, name: str, n: int) -> None:
+        self.data[name] = self.data.get(name, 0) + int(n)
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in STAT_KEYS}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + int(v)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {k: int(v) for k, v in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    def take(self) -> TuttiConnectorStats | None:
+        """Returns the counts so far (None if all zero) and starts a new interval."""
+        if self.is_empty():
+            return None
+        out = TuttiConnectorStats(data=dict(self.data))
+        self.reset()
+        return out
+
+
+class TuttiPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per stat: ``vllm:tutti_<stat>_total`` (units)."""
+
+    _DOC = {
+        "lookup_hit_units": "Cache units the scheduler found in the Tutti store and scheduled to load.",
+        "load_units": "Cache units the Tutti store loaded into KV blocks.",
+        "load_failed_units": "Cache units whose load failed (missing or corrupt) and were recomputed.",
+        "store_units": "Cache units committed to the Tutti store.",
+        "store_skipped_units": "Cache units not stored because the store already held them.",
+        "store_failed_units": "Cache units whose store failed (capacity or I/O).",
+        "store_deferred_units": "Cache units whose save waited until a step that loaded KV was known good.",
+        "remote_units": "Cache units fetched from other nodes' stores (cluster mode).",
+    }
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[tuple[int, str], Any] = {}
+        for name in STAT_KEYS:
+            counter = self._counter_cls(name=f"vllm:tutti_{name}", documentation=self._DOC[name],
+                                        labelnames=labelnames)
+            for idx, values in per_engine_labelvalues.items():
+                self._counters[(idx, name)] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, v in transfer_stats_data.items():
+            c = self._counters.get((engine_idx, name))
+            if c is not None and v:
+                c.inc(v)

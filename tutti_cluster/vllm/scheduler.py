@@ -1,0 +1,316 @@
+"""The scheduler side of the connector (engine-core process): :class:`TuttiScheduler`.
+
+It never touches storage. ``get_num_new_matched_tokens`` answers from the set of unit keys present
+in the workers' stores: that set starts from the keys each worker found on disk when it opened its
+share of the file pool (sent once through the connector handshake) and then follows every commit
+and eviction the workers report after each step, so a fresh engine sees the units an earlier engine
+committed. A unit counts as a hit only when every rank holds it, and at least the last prompt token
+is left to compute. With ``etcd`` configured (cluster mode) the hit prefix is extended with the
+units other nodes hold, looked up in the replica directory.
+
+Each step, ``build_connector_meta`` hands the workers the loads decided since the last step and the
+saves of the units whose last prompt token was computed (chunked prefill saves a request's units
+over several steps). KV computed on top of a load is saved only once that load is known good: the
+units whose last token is computed in a step that loads KV wait until that step's outcome is known,
+and units on or after a failed unit or a block vLLM reports invalid are dropped and saved again once
+vLLM recomputes them. A request that finishes while such a save is pending keeps its blocks until
+the save is done (``request_finished`` returns true; the worker reports it in ``get_finished``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tutti_cluster.vllm.config import ConnectorSetup, unit_hashes, unit_key
+from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
+from tutti_cluster.vllm.metrics import TuttiConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("tutti_cluster.vllm")  # one logger for every part of the connector
+
+__all__ = ["TuttiScheduler"]
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    save_next: int = 0  # first unit not yet claimed for a save (or known present)
+    block_ids: list[int] = field(default_factory=list)
+    pending: set[int] = field(default_factory=set)  # claimed units whose save waits (see build_connector_meta)
+    due: int = 0  # the step from which the pending units may be saved
+    finished: bool = False  # finished, blocks held until the pending save is done
+
+
+class TuttiScheduler:
+    """The connector's scheduler role: lookups, load decisions and save scheduling (module docs)."""
+
+    def __init__(self, setup: ConnectorSetup, vllm_config: VllmConfig) -> None:
+        self.setup = setup
+        self.options = setup.options
+        self.unit_tokens = setup.unit_tokens
+        self.unit_blocks = setup.unit_blocks
+        self._prefixes = setup.prefixes
+        kv_transfer_config = vllm_config.kv_transfer_config
+        if self.options.load and getattr(kv_transfer_config, "kv_load_failure_policy", None) == "fail":
+            log.warning(
+                "Tutti connector: kv_load_failure_policy is 'fail' (vLLM's default), so a unit that fails to "
+                "load (evicted since the lookup, a missing file, a checksum mismatch) fails the request that "
+                "needed it instead of being recomputed; set \"kv_load_failure_policy\": \"recompute\" in "
+                "--kv-transfer-config (docs/VLLM.md)")
+        self._stats = TuttiConnectorStats()
+        self._present: set[int] = set()
+        self._reqs: dict[str, _ReqState] = {}
+        self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (local, all) hit units of the latest lookup
+        self._pending_loads: list[Transfer] = []
+        self._pending_async: list[Transfer] = []
+        self._lookups_at: dict[str, tuple[float, int, int, int]] = {}  # req_id -> (time, units asked, local, all)
+        self._step = 0
+        self._last_load_step = -(1 << 30)
+        # Steps whose outcome may still be unknown when the next one is scheduled (async scheduling,
+        # pipeline parallelism): a load failure there is reported that many steps later.
+        self._defer = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
+        self._directory: Any = None
+        config = setup.config
+        if self.options.load and config.etcd:
+            # Cluster mode: units past the local hit prefix are looked up in the replica directory.
+            from tutti_cluster.cluster.directory import EtcdDirectory
+
+            node_id = config.node_id or socket.gethostname()
+            self._directory = EtcdDirectory(",".join(config.etcd), node_id, config.lease_ttl_s)
+
+    def take_stats(self) -> TuttiConnectorStats | None:
+        return self._stats.take()
+
+    # ---- what the workers' stores hold ----------------------------------------------------------
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        for m in metadata.values():
+            if isinstance(m, TuttiHandshake):
+                self._present.update(m.keys)
+        log.info("Tutti connector: %d units present in the workers' stores", len(self._present))
+
+    def _hits(self, hashes: list[bytes]) -> int:
+        """Leading units present on every rank."""
+        n = len(hashes)
+        for prefix in self._prefixes:
+            i = 0
+            while i < n and unit_key(prefix, hashes[i]) in self._present:
+                i += 1
+            n = i
+            if n == 0:
+                break
+        return n
+
+    def _remote_hits(self, hashes: list[bytes], local: int) -> int:
+        """Units after the first ``local`` that other nodes hold for every rank (cluster mode)."""
+        n = len(hashes) - local
+        for prefix in self._prefixes:
+            if n == 0:
+                break
+            owners = self._directory.lookup([unit_key(prefix, h) for h in hashes[local : local + n]],
+                                            prefix=True, exclude_self=False)
+            n = min(n, len(owners))
+        return n
+
+    def _lookup(self, request: Request) -> tuple[int, int]:
+        """(local, total) leading units of the request's prompt available to load.
+
+        A directory lookup costs an etcd round trip, and vLLM asks again for a request it could not
+        schedule yet, so a cluster answer is reused for a second.
+        """
+        max_units = max(request.num_tokens - 1, 0) // self.unit_tokens
+        if max_units == 0:
+            return 0, 0
+        hashes = self._hashes(request, max_units)
+        local = self._hits(hashes)
+        if self._directory is None or local == len(hashes):
+            return local, local
+        now = time.monotonic()
+        cached = self._lookups_at.get(request.request_id)
+        if cached is not None and now - cached[0] < 1.0 and cached[1:3] == (len(hashes), local):
+            return local, cached[3]
+        total = local + self._remote_hits(hashes, local)
+        self._lookups_at[request.request_id] = (now, len(hashes), local, total)
+        return local, total
+
+    def _hashes(self, request: Request, num_units: int) -> list[bytes]:
+        return unit_hashes(list(request.block_hashes), self.setup.unit_hash_blocks, num_units)
+
+    # ---- loads ----------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed_tokens`` whose whole units the stores hold.
+
+        At least the last prompt token is left to compute. Side-effect free for vLLM; the lookup is
+        remembered for ``update_state_after_alloc``.
+        """
+        if not self.options.load:
+            return 0, False
+        local, hits = self._lookup(request)
+        self._lookups[request.request_id] = (local, hits)
+        ext = hits * self.unit_tokens - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, self.options.load_async
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        looked = self._lookups.pop(req_id, None)
+        local, hits = looked if looked is not None else self._lookup(request)
+        state = self._reqs.get(req_id)
+        if state is None or num_external_tokens > 0:
+            state = _ReqState(request=request, save_next=hits)
+            self._reqs[req_id] = state
+        else:
+            state.request = request
+        if num_external_tokens <= 0:
+            return
+        end = hits * self.unit_tokens
+        first = (end - num_external_tokens) // self.unit_tokens
+        (block_ids,) = blocks.get_block_ids()[:1]
+        hashes = self._hashes(request, hits)[first:hits]
+        ids = list(block_ids[first * self.unit_blocks : hits * self.unit_blocks])
+        if len(ids) != len(hashes) * self.unit_blocks:
+            log.warning("request %s: %d blocks allocated for %d units; not loading", req_id, len(ids), len(hashes))
+            return
+        self._stats.add("lookup_hit_units", len(hashes))
+        remote_from = max(local - first, 0) if hits > local else None
+        t = Transfer(req_id, hashes, ids, first, remote_from)
+        (self._pending_async if self.options.load_async else self._pending_loads).append(t)
+
+    # ---- each step ------------------------------------------------------------------------------
+    def _track_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if st is None or new_ids is None:
+                continue
+            if req_id in resumed:
+                st.block_ids = list(new_ids[0])
+            else:
+                st.block_ids.extend(new_ids[0])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TuttiConnectorMetadata:
+        """Loads decided since the last step, and saves of units whose last token is computed.
+
+        A unit is saved in the step that computes its last token, unless that step (or one of the
+        steps before it whose outcome is not yet known) loads KV: a failed load leaves bad KV in its
+        blocks, and whatever the same step computes on top of them is bad too. Such units wait until
+        the step's outcome is known (the next step, or ``max_concurrent_batches`` steps later); units
+        on blocks vLLM reports invalid are then dropped, recomputed by vLLM and saved again.
+        """
+        self._step += 1
+        step = self._step
+        self._track_blocks(scheduler_output)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None and st.pending:  # blocks freed: nothing left to save from
+                st.save_next = min(st.save_next, min(st.pending))
+                st.pending.clear()
+        meta = TuttiConnectorMetadata(loads=self._pending_loads, async_loads=self._pending_async)
+        self._pending_loads, self._pending_async = [], []
+        if meta.loads:
+            self._last_load_step = step
+        if not self.options.save:
+            return meta
+        risky = step - self._last_load_step < self._defer
+        seen: set[bytes] = set()
+        # Saves that waited for their step's outcome.
+        for req_id, st in list(self._reqs.items()):
+            if (st.pending or st.finished) and st.due <= step:
+                units = sorted(st.pending)
+                st.pending.clear()
+                self._emit(meta, req_id, st, units, seen)
+        computed: dict[str, int] = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            computed[req_id] = cached.num_computed_tokens[i]
+        for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or req_id not in computed:
+                continue
+            done = min(computed[req_id] + n_sched, st.request.num_prompt_tokens)
+            end_unit = min(done // self.unit_tokens, len(st.block_ids) // self.unit_blocks,
+                           len(st.request.block_hashes) // self.setup.unit_hash_blocks)
+            if end_unit <= st.save_next:
+                continue
+            units = list(range(st.save_next, end_unit))
+            st.save_next = end_unit
+            if risky:
+                st.pending.update(units)
+                st.due = step + self._defer
+                self._stats.add("store_deferred_units", len(units))
+            else:
+                self._emit(meta, req_id, st, units, seen)
+        return meta
+
+    def _emit(self, meta: TuttiConnectorMetadata, req_id: str, st: _ReqState, units: list[int],
+              seen: set[bytes]) -> None:
+        """Adds a save of ``units`` of a request (those not yet present) to this step's metadata."""
+        hashes = self._hashes(st.request, max(units) + 1) if units else []
+        units = [u for u in units if u < len(hashes) and hashes[u] not in seen
+                 and not all(unit_key(p, hashes[u]) in self._present for p in self._prefixes)]
+        seen.update(hashes[u] for u in units)
+        ids: list[int] = []
+        for u in units:
+            ids.extend(st.block_ids[u * self.unit_blocks : (u + 1) * self.unit_blocks])
+        if units or st.finished:
+            meta.saves.append(Transfer(req_id, [hashes[u] for u in units], ids, finish=st.finished))
+        if st.finished:
+            del self._reqs[req_id]
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(meta, TuttiWorkerMetadata):
+            self._present.update(meta.committed)
+            self._present.difference_update(meta.evicted)
+            for req_id, unit in meta.failed.items():
+                self._unclaim(req_id, unit)
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            # vLLM recomputes every request from its first invalid block (shared blocks included):
+            # nothing computed on top of them may be saved; save the units again once recomputed.
+            for req_id, st in self._reqs.items():
+                for i, b in enumerate(st.block_ids):
+                    if b in invalid:
+                        self._unclaim(req_id, i // self.unit_blocks)
+                        break
+
+    def _unclaim(self, req_id: str, unit: int) -> None:
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        st.save_next = min(st.save_next, unit)
+        st.pending = {u for u in st.pending if u < unit}
+
+    # ---- finished requests ----------------------------------------------------------------------
+    def has_pending_push_work(self) -> bool:
+        # A finished request's deferred save holds its blocks: keep the engine stepping until done.
+        return any(st.finished for st in self._reqs.values())
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """Frees the blocks at once unless a deferred save still has to read them; then the worker
+        reports the request (``get_finished``) once that save is done."""
+        self._lookups.pop(request.request_id, None)
+        self._lookups_at.pop(request.request_id, None)
+        st = self._reqs.get(request.request_id)
+        if st is not None and st.pending:
+            st.finished = True
+            return True, None
+        self._reqs.pop(request.request_id, None)
+        return False, None

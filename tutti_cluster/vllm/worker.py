@@ -1,0 +1,365 @@
+"""The worker side of the connector (one per GPU/CPU worker rank): :class:`TuttiWorker`.
+
+It opens one :class:`~tutti_cluster.TuttiStore` instance per rank (``<instance>-r<rank>``, with
+``-dp<rank>`` under data parallelism), registers vLLM's paged KV tensors and maps the layer-wise
+hooks onto the store: ``start_load_kv``/``wait_for_layer_load`` onto ``begin_retrieve``,
+``retrieve_layer`` and ``wait_layer``; ``save_kv_layer``/``wait_for_save`` onto ``begin_store``,
+``store_layer`` and ``finish``. ``wait_for_save`` ends the step: every load and write begun in it is
+finished there (or, for asynchronous loads, in ``get_finished``), so vLLM never frees a block under
+an unfinished I/O and the store gets its pins, slots and IOCBs back.
+
+Errors never reach the engine and never count as loaded: a load that cannot begin, a load with any
+failed layer call or wait, and the units the store reports failed are returned by
+``get_block_ids_with_load_errors`` (the failed unit and everything after it) and, per request, in
+the worker metadata, so the scheduler saves them again once vLLM has recomputed them. A save that
+fails is dropped (a future miss); one with a layer that did not move commits nothing.
+
+The store's commits and evictions go to the scheduler in the worker metadata after each step, and to
+the node daemon (``tutti up``) when one runs. In cluster mode the units past the local prefix are
+fetched from their owners over the Transfer Engine, placed straight into the KV blocks (checksums
+verified), and kept as a local replica.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tutti_cluster.config import TuttiConfig
+from tutti_cluster.errors import TuttiError
+from tutti_cluster.kv_layout import LayerKV, layer_kv_from_vllm
+from tutti_cluster.vllm.config import ConnectorSetup, rank_prefix, unit_key
+from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
+from tutti_cluster.vllm.metrics import TuttiConnectorStats
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger("tutti_cluster.vllm")  # one logger for every part of the connector
+
+__all__ = ["TuttiWorker"]
+
+
+@dataclass
+class _InFlight:
+    transfer: Transfer
+    handle: int
+    keys: list[int]
+    error: bool = False  # a layer call or wait failed: nothing of it counts as loaded (or saved)
+
+
+class TuttiWorker:
+    """The connector's worker role: this rank's store and the step's loads and saves (module docs)."""
+
+    def __init__(self, setup: ConnectorSetup, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+        self.setup = setup
+        self.config = setup.config
+        self.options = setup.options
+        self.unit_blocks = setup.unit_blocks
+        self._vllm_config = vllm_config
+        self._kv_cache_config = kv_cache_config
+        self._stats = TuttiConnectorStats()
+        self.store: Any = None
+        self.rank = 0
+        self.prefix = b""  # this rank's key prefix, set with the rank in register_kv_caches
+        self._layer_index: dict[str, int] = {}
+        self._owner_layer: dict[str, bool] = {}
+        self._loads: list[_InFlight] = []
+        self._async: list[_InFlight] = []
+        self._saves: list[_InFlight] = []
+        self._saves_started = False
+        self._saved_layers: set[int] = set()
+        self._invalid: set[int] = set()
+        self._finished_recving: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._finishing: list[str] = []
+        self._committed: list[int] = []
+        self._evicted: list[int] = []
+        self._failed: dict[str, int] = {}
+        self._link: Any = None  # the node daemon's socket, when a daemon runs
+        self._cluster: Any = None  # remote fetches, in cluster mode
+
+    def take_stats(self) -> TuttiConnectorStats | None:
+        return self._stats.take()
+
+    # ---- start ----------------------------------------------------------------------------------
+    def _worker_rank(self) -> int:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+            tp = get_tp_group()
+            return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
+        except (ImportError, AssertionError, AttributeError):  # parallel state not initialised: one rank
+            return 0
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Opens this rank's store instance and registers every attention layer's KV blocks."""
+        from tutti_cluster.store import TuttiStore
+
+        assert self._kv_cache_config is not None
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        layers: list[LayerKV] = []
+        by_ptr: dict[int, int] = {}
+        for name, t in kv_caches.items():
+            first = t[0] if isinstance(t, (tuple, list)) else t
+            ptr = first.data_ptr()
+            if ptr in by_ptr:  # a layer that shares an earlier layer's KV (cross-layer KV sharing)
+                self._layer_index[name] = by_ptr[ptr]
+                self._owner_layer[name] = False
+                continue
+            by_ptr[ptr] = len(layers)
+            self._layer_index[name] = len(layers)
+            self._owner_layer[name] = True
+            layers.append(layer_kv_from_vllm(t, num_blocks))
+        self.rank = self._worker_rank()
+        pc = self._vllm_config.parallel_config
+        instance = f"{self.config.instance}-r{self.rank}"
+        if int(getattr(pc, "data_parallel_size", 1)) > 1:
+            instance += f"-dp{int(getattr(pc, 'data_parallel_rank', 0))}"
+        cfg = self.config.model_copy(update={"instance": instance})
+        self.store = TuttiStore(cfg)
+        self.store.register_kv_caches(layers, block_tokens=self.setup.block_size)
+        self._attach_node(cfg)
+        prefixes = self.setup.prefixes
+        self.prefix = prefixes[self.rank] if self.rank < len(prefixes) else rank_prefix(self.setup.namespace, self.rank)
+        log.info("Tutti connector rank %d: instance %s, %d layers, %d blocks/unit, %d units on disk",
+                 self.rank, instance, len(layers), self.unit_blocks, len(self.store.keys()))
+
+    def _attach_node(self, cfg: TuttiConfig) -> None:
+        """Announces the store to the node daemon (when one runs) and, in cluster mode, opens the
+        remote-fetch client. The daemon registers committed units in the cluster directory."""
+        from tutti_cluster.daemon import DaemonLink
+
+        link = DaemonLink(cfg)
+        if link.attach(self.store) is not None:
+            self._link = link
+            to_daemon_commit, to_daemon_evict = self.store.on_commit, self.store.on_evict
+        else:
+            link.close()
+            to_daemon_commit = to_daemon_evict = None
+
+        def on_commit(key: int) -> None:
+            self._committed.append(key)
+            if to_daemon_commit is not None:
+                to_daemon_commit(key)
+
+        def on_evict(key: int) -> None:
+            self._evicted.append(key)
+            if to_daemon_evict is not None:
+                to_daemon_evict(key)
+
+        self.store.on_commit, self.store.on_evict = on_commit, on_evict
+        if cfg.etcd and self.options.load:
+            from tutti_cluster.cluster.client import ClusterClient
+
+            self._cluster = ClusterClient(self.store, cfg, link=self._link)  # its counters reach the daemon
+
+    def get_handshake_metadata(self) -> TuttiHandshake | None:
+        if self.store is None:
+            return None
+        return TuttiHandshake(rank=self.rank, keys=self.store.keys())
+
+    # ---- loads ----------------------------------------------------------------------------------
+    def _begin(self, t: Transfer, load: bool) -> _InFlight | None:
+        keys = [unit_key(self.prefix, h) for h in t.hashes]
+        try:
+            if load:
+                h = self.store.begin_retrieve(keys, t.block_ids)
+            else:
+                h = self.store.begin_store(keys, t.block_ids)
+        except TuttiError as e:
+            log.warning("Tutti %s of request %s not started: %s", "load" if load else "store", t.req_id, e)
+            if load:
+                self._invalid.update(t.block_ids)
+                self._failed[t.req_id] = min(t.first_unit, self._failed.get(t.req_id, t.first_unit))
+                self._stats.add("load_failed_units", len(keys))
+            else:
+                self._stats.add("store_failed_units", len(keys))
+            return None
+        return _InFlight(t, h, keys)
+
+    def start_load_kv(self, meta: TuttiConnectorMetadata | None) -> None:
+        """Hands each request's units to the store and starts every layer's retrieve."""
+        if self.store is None or meta is None:
+            return
+        for transfers, sink in ((meta.loads, self._loads), (meta.async_loads, self._async)):
+            for t in transfers:
+                if t.remote_from is not None:
+                    t = self._fetch_remote(t)
+                    if not t.hashes:  # all remote: done (placed, or reported as failed blocks)
+                        if sink is self._async:
+                            self._finished_recving.add(t.req_id)
+                        continue
+                f = self._begin(t, load=True)
+                if f is None:
+                    if sink is self._async:
+                        self._finished_recving.add(t.req_id)
+                    continue
+                try:
+                    for layer in range(self.store.num_layers):
+                        self.store.retrieve_layer(layer, f.handle)
+                except TuttiError as e:
+                    log.warning("Tutti load of request %s failed to start: %s", t.req_id, e)
+                    f.error = True
+                sink.append(f)  # finished in any case: the store holds its pins and IOCBs until then
+
+    def _fetch_remote(self, t: Transfer) -> Transfer:
+        """Places the transfer's remote units (other nodes' SSDs, over the Transfer Engine) into their
+        blocks, keeping a local replica; returns the local part, to load through the store."""
+        assert t.remote_from is not None
+        ub, r = self.unit_blocks, t.remote_from
+        keys = [unit_key(self.prefix, h) for h in t.hashes[r:]]
+        placed = 0
+        if self._cluster is not None:
+            try:
+                placed = self._cluster.retrieve_remote(keys, t.block_ids[r * ub :], keep_replica=True)
+            except TuttiError as e:
+                log.warning("Tutti remote fetch for request %s failed: %s", t.req_id, e)
+        self._stats.add("remote_units", placed)
+        if placed < len(keys):
+            self._invalid.update(t.block_ids[(r + placed) * ub :])
+            unit = t.first_unit + r + placed
+            self._failed[t.req_id] = min(unit, self._failed.get(t.req_id, unit))
+            self._stats.add("load_failed_units", len(keys) - placed)
+        return Transfer(t.req_id, t.hashes[:r], t.block_ids[: r * ub], t.first_unit)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        idx = self._layer_index.get(layer_name)
+        if idx is None or not self._loads:
+            return
+        for f in self._loads:
+            try:
+                self.store.wait_layer(idx, f.handle)
+            except TuttiError as e:
+                log.warning("Tutti load of request %s, layer %d: %s", f.transfer.req_id, idx, e)
+                f.error = True
+
+    def _finish_loads(self, flights: list[_InFlight]) -> None:
+        for f in flights:
+            try:
+                res = self.store.finish(f.handle)
+                failed = sorted(res.failed_units)
+            except TuttiError as e:
+                log.warning("Tutti load of request %s failed: %s", f.transfer.req_id, e)
+                failed = [0]
+            if f.error:  # a layer of it did not move (or was not waited for): no block is loaded
+                failed = [0]
+            if failed:
+                # vLLM keeps the prefix before the first invalid block and recomputes the rest.
+                first = failed[0]
+                self._invalid.update(f.transfer.block_ids[first * self.unit_blocks :])
+                req_id, unit = f.transfer.req_id, f.transfer.first_unit + first
+                self._failed[req_id] = min(unit, self._failed.get(req_id, unit))
+                self._stats.add("load_failed_units", len(f.keys) - first)
+                self._stats.add("load_units", first)
+                log.info("Tutti: %d of %d units of request %s failed to load; vLLM recomputes them",
+                         len(f.keys) - first, len(f.keys), f.transfer.req_id)
+            else:
+                self._stats.add("load_units", len(f.keys))
+
+    # ---- saves ----------------------------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str, meta: TuttiConnectorMetadata | None) -> None:
+        """Starts writing this layer of the units completed in this step (their KV is now in place)."""
+        if self.store is None or not self._owner_layer.get(layer_name, False):
+            return
+        if not self._saves_started:
+            self._start_saves(meta)
+        idx = self._layer_index[layer_name]
+        if idx in self._saved_layers or not self._saves:
+            return
+        self._saved_layers.add(idx)
+        for f in self._saves:
+            if f.error:
+                continue
+            try:
+                self.store.store_layer(idx, f.handle)
+            except TuttiError as e:  # never into the engine: the save is dropped, finished in wait_for_save
+                log.warning("Tutti store of request %s, layer %d: %s", f.transfer.req_id, idx, e)
+                f.error = True
+
+    def _start_saves(self, meta: TuttiConnectorMetadata | None) -> None:
+        self._saves_started = True
+        if meta is None:
+            return
+        for t in meta.saves:
+            if t.finish:
+                self._finishing.append(t.req_id)
+            if not t.hashes:
+                continue
+            f = self._begin(t, load=False)
+            if f is not None:
+                self._saves.append(f)
+
+    def wait_for_save(self, meta: TuttiConnectorMetadata | None) -> None:
+        """Ends the step: finishes the loads and writes it started, so no block is freed under an I/O."""
+        if self.store is None:
+            return
+        if self._loads:
+            self._finish_loads(self._loads)
+            self._loads = []
+        if not self._saves_started:
+            self._start_saves(meta)
+        for f in self._saves:
+            try:
+                # Layers that had no save_kv_layer call this step (no forward) are complete now.
+                for layer in range(self.store.num_layers):
+                    if layer not in self._saved_layers and not f.error:
+                        self.store.store_layer(layer, f.handle)
+            except TuttiError as e:
+                log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
+                f.error = True
+            try:
+                # Always finished, so that its slots and IOCBs go back; a request with a layer that
+                # did not move commits nothing.
+                res = self.store.finish(f.handle)
+            except TuttiError as e:
+                log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
+                self._stats.add("store_failed_units", len(f.keys))
+                continue
+            self._stats.add("store_units", len(res.committed_units))
+            self._stats.add("store_skipped_units", res.skipped_units)
+            self._stats.add("store_failed_units", len(res.failed_units))
+        self._saves = []
+        self._saves_started = False
+        self._saved_layers = set()
+        self._finished_sending.update(self._finishing)
+        self._finishing = []
+
+    # ---- after the step -------------------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Completes the asynchronous loads started this step; their requests are done receiving."""
+        if self._async:
+            self._finish_loads(self._async)
+            self._finished_recving.update(f.transfer.req_id for f in self._async)
+            self._async = []
+        done, self._finished_recving = self._finished_recving, set()
+        sent, self._finished_sending = self._finished_sending, set()
+        return (sent or None), (done or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def build_connector_worker_meta(self) -> TuttiWorkerMetadata | None:
+        if not self._committed and not self._evicted and not self._failed:
+            return None
+        meta = TuttiWorkerMetadata(self._committed[:], self._evicted[:], self._failed)
+        self._committed.clear()
+        self._evicted.clear()
+        self._failed = {}
+        return meta
+
+    def shutdown(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
+        if self._link is not None:
+            self._link.flush()
+            self._link.close()
+            self._link = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
