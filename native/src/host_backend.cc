@@ -45,6 +45,7 @@ class HostBackend final : public Backend {
     launch_ = SpscRing<uint32_t>(&launch_ctl_, launch_mem_.data(), launch_mem_.size());
     posted_.assign(ctx->num_iocbs, 0);
     done_.assign(ctx->num_iocbs, 0);
+    count_.assign(ctx->num_iocbs, 0);
     const Geometry& g = ctx->geom;
     group_ = g.objs_per_layer == 2 && ctx->chunk_bytes == g.obj_bytes && ctx->num_chunks >= 4 ? 2 : 1;
     for (uint32_t c = ctx->num_chunks / group_; c-- > 0;) free_slots_.push_back(c);
@@ -120,6 +121,9 @@ class HostBackend final : public Backend {
   std::vector<uint32_t> launch_mem_;
   SpscRing<uint32_t> launch_;
   std::vector<uint32_t> posted_, done_;
+  // Each IOCB's IOCTX count as launched: once its completion is published the store may give the
+  // IOCB back or refill it, so this thread never reads the IOCB's own count after that.
+  std::vector<uint32_t> count_;
   uint32_t group_ = 1;                // staging chunks per slot (2: K and V move as one I/O)
   std::vector<uint32_t> free_slots_;  // slots of group_ adjacent staging chunks
   std::vector<std::vector<struct iovec>> slot_iov_;  // scatter-gather list of each slot's I/O
@@ -152,6 +156,7 @@ void HostBackend::run() {
     uint32_t id;
     while (launch_.pop(&id)) {
       posted_[id] = done_[id] = 0;
+      count_[id] = k_->iocbs[id].ctx_count;
       active_.push_back(id);
       run_mapped(id);
       progress = true;
@@ -172,7 +177,7 @@ void HostBackend::run() {
       for (const Cqe& done : batch_) retire(done);
       progress = true;
     }
-    while (!active_.empty() && done_[active_.front()] == k_->iocbs[active_.front()].ctx_count) active_.pop_front();
+    while (!active_.empty() && done_[active_.front()] == count_[active_.front()]) active_.pop_front();
     if (progress) continue;
     k_->kernel_bell->wait([&] { return stop_.load() || !cq.empty() || !launch_.empty(); }, 100000);
   }
@@ -262,7 +267,7 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
   const auto op = static_cast<IoOp>(b.op);
   // IOCTXs finish in this walk's order (or later, on their CQE): the walk never reads the request
   // again after its last IOCTX finished, when the engine may already be releasing it.
-  while (posted_[id] < b.ctx_count) {
+  while (posted_[id] < count_[id]) {
     const uint32_t off = posted_[id];
     // Commit IOCBs walk units; layer IOCBs walk the request's IOCTX array.
     const uint32_t idx = b.ctx_first + off;
@@ -386,7 +391,7 @@ void HostBackend::retire(const Cqe& c) {
 
 void HostBackend::finish_ctx(uint32_t id) {
   Iocb& b = k_->iocbs[id];
-  if (++done_[id] == b.ctx_count) {
+  if (++done_[id] == count_[id]) {
     __atomic_store_n(&b.done_seq, b.issue_seq, __ATOMIC_RELEASE);
     k_->done_bell->notify();
   }
