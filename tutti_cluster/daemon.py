@@ -1225,19 +1225,25 @@ class NodeDaemon:
                 self._evict(name, list(r["done"]) + list(r["absent"]), count=False)
         return len([k for k in todo if k not in unreachable and k not in kept]), len(kept), len(unreachable - kept)
 
-    @handles(PinRequest)
-    def _pin_op(self, req: PinRequest) -> Reply:
-        keys = list(dict.fromkeys(req.keys))
+    def _key_command(self, cmd: str, keys: list[int]) -> tuple[set[int], set[int]]:
+        """Sends ``cmd`` for ``keys`` to each engine owning some of them: (keys it did, keys whose
+        engine did not answer or refused)."""
         by_inst = self._owners_of(keys)
-        results = self._run_commands({n: [{"cmd": "pin", "keys": ks}] for n, ks in by_inst.items()})
-        pinned: set[int] = set()
+        results = self._run_commands({n: [{"cmd": cmd, "keys": ks}] for n, ks in by_inst.items()})
+        done: set[int] = set()
         unreachable: set[int] = set()
         for name, ks in by_inst.items():
             r = results[name][0]
             if r is None or r.get("error"):
                 unreachable.update(ks)
             else:
-                pinned.update(r["done"])
+                done.update(r["done"])
+        return done, unreachable
+
+    @handles(PinRequest)
+    def _pin_op(self, req: PinRequest) -> Reply:
+        keys = list(dict.fromkeys(req.keys))
+        pinned, unreachable = self._key_command("pin", keys)
         unreachable -= pinned  # pinned where its engine answered; the others follow when they connect
         if pinned:
             with self._lock:
@@ -1249,16 +1255,7 @@ class NodeDaemon:
     @handles(UnpinRequest)
     def _unpin_op(self, req: UnpinRequest) -> Reply:
         keys = list(dict.fromkeys(req.keys))
-        by_inst = self._owners_of(keys)
-        results = self._run_commands({n: [{"cmd": "unpin", "keys": ks}] for n, ks in by_inst.items()})
-        done: set[int] = set()
-        unreachable: set[int] = set()
-        for name, ks in by_inst.items():
-            r = results[name][0]
-            if r is None or r.get("error"):
-                unreachable.update(ks)
-            else:
-                done.update(r["done"])
+        done, unreachable = self._key_command("unpin", keys)
         with self._lock:
             was = self._pins & set(keys)
             self._pins -= set(keys) - unreachable  # a pin whose engine is away stays recorded

@@ -196,26 +196,23 @@ class ClusterBackend:
             out.nodes.update(v["nodes"])
         return out
 
-    def _keys_everywhere(self, method: str, keys: list[str]) -> tuple[dict[str, Any], bool]:
+    def _keys_everywhere(self, method: str, keys: list[str], done_field: str) -> tuple[list[str], set[str], set[str]]:
+        """Pins or unpins ``keys`` on every node: (the keys normalised, those done somewhere, those
+        not done whose node did not answer; every key when a node is away)."""
         got = self._each(lambda r: self._call(r, method, "/v1/pins", json={"keys": keys}))
-        ok = {n: v for n, v in got.items() if not isinstance(v, NodeUnavailable)}
-        return ok, len(ok) < len(got)
+        ok = [v for v in got.values() if not isinstance(v, NodeUnavailable)]
+        norm = list(dict.fromkeys(k.lower().rjust(16, "0") for k in keys))
+        done = {k for v in ok for k in v[done_field]}
+        unreachable = {k for v in ok for k in v["unreachable"]} | (set(norm) if len(ok) < len(got) else set())
+        return norm, done, unreachable - done
 
     def pin(self, keys: list[str]) -> PinResult:
-        got, some_missing = self._keys_everywhere("POST", keys)
-        norm = list(dict.fromkeys(k.lower().rjust(16, "0") for k in keys))
-        pinned = {k for v in got.values() for k in v["pinned"]}
-        unreachable = {k for v in got.values() for k in v["unreachable"]} | (set(norm) if some_missing else set())
-        unreachable -= pinned
+        norm, pinned, unreachable = self._keys_everywhere("POST", keys, "pinned")
         return PinResult(pinned=[k for k in norm if k in pinned], unreachable=[k for k in norm if k in unreachable],
                          absent=[k for k in norm if k not in pinned and k not in unreachable])
 
     def unpin(self, keys: list[str]) -> UnpinResult:
-        got, some_missing = self._keys_everywhere("DELETE", keys)
-        norm = list(dict.fromkeys(k.lower().rjust(16, "0") for k in keys))
-        done = {k for v in got.values() for k in v["unpinned"]}
-        unreachable = {k for v in got.values() for k in v["unreachable"]} | (set(norm) if some_missing else set())
-        unreachable -= done
+        norm, done, unreachable = self._keys_everywhere("DELETE", keys, "unpinned")
         return UnpinResult(unpinned=[k for k in norm if k in done], unreachable=[k for k in norm if k in unreachable],
                            not_pinned=[k for k in norm if k not in done and k not in unreachable])
 
