@@ -5,24 +5,14 @@ and the admin app over them, in process (ASGI) or served by uvicorn on loopback.
 from __future__ import annotations
 
 import contextlib
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
-from cluster_fixtures import DaemonProcess, NodeProcess, free_port
+from cluster_fixtures import DaemonProcess, NodeProcess, free_port, wait_for
 from tutti_cluster import TuttiConfig
 
 TOKEN = "test-admin-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def wait_for(pred: Callable[[], Any], timeout: float = 10.0, step: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(step)
 
 
 class AdminNode:

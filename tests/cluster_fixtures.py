@@ -437,7 +437,7 @@ if __name__ == "__main__":
         sys.exit("usage: cluster_fixtures.py node|daemon <json>")
 
 
-def wait_for(pred, timeout: float, step: float = 0.1):
+def wait_for(pred, timeout: float = 10.0, step: float = 0.1):
     """Polls ``pred`` until it returns something true or ``timeout`` seconds pass; returns its last value."""
     deadline = time.monotonic() + timeout
     while True:

@@ -109,6 +109,16 @@ def _check_reply(line: bytes, raw: bytes) -> dict:
     return reply
 
 
+def _granted_over_a_new_connection(cfg) -> dict:
+    """The capacity each instance holds, as a fresh connection's stats reply says."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(socket_path(cfg)))
+        s.sendall(b'{"op": "stats"}\n')
+        stats = json.loads(s.makefile("rb").readline())
+    return {n: v["capacity"] for n, v in stats["instances"].items()}
+
+
 def test_the_daemon_answers_every_malformed_line_keeps_serving_and_restarts_cleanly(tmp_path: Path):
     ssd = tmp_path / "ssd"
     ssd.mkdir()
@@ -140,12 +150,7 @@ def test_the_daemon_answers_every_malformed_line_keeps_serving_and_restarts_clea
         f.write(b'{"op": "ping"}\n')
         f.flush()
         assert json.loads(f.readline())["ok"] is True
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s2:
-            s2.settimeout(10)
-            s2.connect(str(socket_path(cfg)))
-            s2.sendall(b'{"op": "stats"}\n')
-            stats = json.loads(s2.makefile("rb").readline())
-        assert {n: v["capacity"] for n, v in stats["instances"].items()} == granted
+        assert _granted_over_a_new_connection(cfg) == granted
         assert counts["error"] > 0 and counts["ok"] > 0, counts
     finally:
         f.close()
@@ -156,12 +161,7 @@ def test_the_daemon_answers_every_malformed_line_keeps_serving_and_restarts_clea
     assert {n: v["capacity"] for n, v in state.items()} == granted
     daemon = DaemonProcess(cfg_d, tmp_path / "daemon.log")
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s3:
-            s3.settimeout(10)
-            s3.connect(str(socket_path(cfg)))
-            s3.sendall(b'{"op": "stats"}\n')
-            stats = json.loads(s3.makefile("rb").readline())
-        assert {n: v["capacity"] for n, v in stats["instances"].items()} == granted
+        assert _granted_over_a_new_connection(cfg) == granted
         assert not (tmp_path / "node" / "instances.json.bad").exists()
         assert "Traceback" not in (tmp_path / "daemon.log").read_text()
     finally:

@@ -62,17 +62,22 @@ def pool_files(dirs: list[Path], instance: str = "default") -> list[Path]:
     return sorted(p for d in dirs for p in Path(d).glob(f"tutti-{instance}*.pool"))
 
 
-def find_slots(dirs: list[Path], instance: str = "default") -> dict[int, tuple[Path, int]]:
-    """{key: (pool file, offset of the slot's header)} for every header magic found in the pool."""
-    magic, fields, _ = header_format()
-    koff, _ = fields["key"]
-    out: dict[int, tuple[Path, int]] = {}
+def header_slots(dirs: list[Path], instance: str = "default") -> dict[tuple[Path, int], bytes]:
+    """{(pool file, offset): fixed part of the header} for every slot that starts with the header magic."""
+    magic, _, fixed = header_format()
+    out: dict[tuple[Path, int], bytes] = {}
     for f in pool_files(dirs, instance):
         data = f.read_bytes()
         for off in range(0, len(data) - 4096 + 1, 4096):
             if data[off : off + 8] == magic:
-                out[int.from_bytes(data[off + koff : off + koff + 8], "little")] = (f, off)
+                out[(f, off)] = data[off : off + fixed]
     return out
+
+
+def find_slots(dirs: list[Path], instance: str = "default") -> dict[int, tuple[Path, int]]:
+    """{key: (pool file, offset of the slot's header)} for every header magic found in the pool."""
+    koff, _ = header_format()[1]["key"]
+    return {int.from_bytes(h[koff : koff + 8], "little"): at for at, h in header_slots(dirs, instance).items()}
 
 
 def flip_bits(path: Path, offset: int, bits: list[int]) -> None:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from conftest import UNIT_TOKENS, make_kv, open_store, snapshot, zero
-from test_integrity import find_slots, flip_bits, header_format, object_offset, unit_bytes_equal
+from test_integrity import find_slots, flip_bits, header_format, header_slots, object_offset, unit_bytes_equal
 from tutti_cluster import TuttiConfig, TuttiStore
 from tutti_cluster.errors import NotFound, TuttiError
 
@@ -107,18 +107,6 @@ def _object_errors_are_misses(tmp: Path) -> None:
 
 
 # ---- headers ---------------------------------------------------------------------------------
-def _headers(dirs: list[Path], fixed: int) -> dict[tuple[Path, int], bytes]:
-    """The fixed part of every header slot that starts with the header magic, by (file, offset)."""
-    magic, _, _ = header_format()
-    out: dict[tuple[Path, int], bytes] = {}
-    for f in sorted(p for d in dirs for p in Path(d).glob("tutti-default*.pool")):
-        data = f.read_bytes()
-        for off in range(0, len(data) - 4096 + 1, 4096):
-            if data[off : off + 8] == magic:
-                out[(f, off)] = data[off : off + fixed]
-    return out
-
-
 def prop_header_errors_are_absent_units() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         _header_errors_are_absent_units(Path(tmp))
@@ -145,11 +133,11 @@ def _header_errors_are_absent_units(tmp: Path) -> None:
     def check(bits: list[int]) -> None:
         state["key"] += 1
         key = state["key"]
-        before = _headers(dirs, fixed)
+        before = header_slots(dirs)
         assert w.store([key], np.arange(ub) + 12).ok
         # The slot this store wrote: an earlier damaged header may read as this key now (a flipped
         # key bit), so match on the header bytes that changed, not on the key alone.
-        (f, off), = [at for at, h in _headers(dirs, fixed).items() if h != before.get(at)]
+        (f, off), = [at for at, h in header_slots(dirs).items() if h != before.get(at)]
         assert find_slots(dirs).get(key) is not None
         flip_bits(f, off, bits)
         note(f"unit {key}: flipped header bits {bits}")
