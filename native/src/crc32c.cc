@@ -31,6 +31,21 @@ const ByteTable& byte_table() {
   return t;
 }
 
+// x^e mod P, reflected: the product of the cached x^(2^k) over the set bits of e.
+uint32_t x_pow(uint64_t e) {
+  static const struct Powers {
+    uint32_t p[64];
+    Powers() {
+      p[0] = 1u << 30;  // x^1
+      for (int k = 1; k < 64; ++k) p[k] = crc32c_multmodp(p[k - 1], p[k - 1]);
+    }
+  } pw;
+  uint32_t r = 1u << 31;  // x^0
+  for (int k = 0; k < 64; ++k)
+    if (e >> k & 1) r = crc32c_multmodp(pw.p[k], r);
+  return r;
+}
+
 // Row T_k of the lane tables: byte b followed by k zero bytes.
 void fill_row(uint32_t k, uint32_t* row) {
   const uint32_t op = crc32c_x8n(k);
@@ -153,15 +168,6 @@ bool has_vpclmul() {
   return yes;
 }
 
-uint32_t x_pow(uint64_t e) {  // x^e mod P, reflected
-  uint32_t r = 1u << 31, p = 1u << 30;  // x^0, x^1
-  for (; e; e >>= 1) {
-    if (e & 1) r = crc32c_multmodp(p, r);
-    p = crc32c_multmodp(p, p);
-  }
-  return r;
-}
-
 // The pair of folding constants for a distance of `bytes`, as one 128-bit value: low for A, high for B.
 struct FoldKey {
   uint64_t a, b;
@@ -241,21 +247,7 @@ uint32_t raw_copy(uint32_t r, void* dst, const void* src, size_t n) {
 
 }  // namespace
 
-uint32_t crc32c_x8n(uint64_t n) {
-  // x^(2^k) mod P for k = 0..63, then x^(8 n) = product over the set bits of 8 n.
-  static const struct Powers {
-    uint32_t p[64];
-    Powers() {
-      p[0] = 1u << 30;  // x^1
-      for (int k = 1; k < 64; ++k) p[k] = crc32c_multmodp(p[k - 1], p[k - 1]);
-    }
-  } pw;
-  uint32_t r = 1u << 31;  // x^0
-  const uint64_t e = 8 * n;
-  for (int k = 0; k < 61; ++k)
-    if (e >> k & 1) r = crc32c_multmodp(pw.p[k], r);
-  return r;
-}
+uint32_t crc32c_x8n(uint64_t n) { return x_pow(8 * n); }
 
 uint32_t crc32c_zeros_xor(uint64_t n) { return ~crc32c_multmodp(crc32c_x8n(n), 0xffffffffu); }
 
