@@ -294,7 +294,8 @@ def _node_main(cfg_json: str) -> None:
                 res = store.retrieve(keys[:local], list(range(local * ub))) if local else None
                 placed = 0
                 if client:
-                    placed = client.retrieve_remote(keys[local:n], list(range(local * ub, n * ub)),
+                    base = int(msg.get("block_base", local * ub))  # past the KV: a fault of our own
+                    placed = client.retrieve_remote(keys[local:n], list(range(base, base + (n - local) * ub)),
                                                     keep_replica=bool(msg.get("keep", False)), owners=owners)
                 secs = time.monotonic() - t0
                 exact = []

@@ -342,6 +342,23 @@ def test_corrupt_unit_on_owner_is_a_miss_never_wrong_data(cluster):
     assert nodes["C"].call(op="lookup", keys=KEYS_A)["hits"] == 0
 
 
+def test_a_failure_of_the_requester_is_not_reported_against_the_owner(cluster):
+    """B places remote units into block ids its KV cache does not have (a real error of B's own,
+    as a device error would be): nothing is placed, yet A is not told its healthy units are
+    corrupt, and B neither forgets A nor stops finding its units."""
+    _, nodes = cluster
+    assert nodes["A"].call(op="store", keys=KEYS_A)["ok"]
+    assert wait_for(lambda: nodes["B"].call(op="lookup", keys=KEYS_A)["hits"] == len(KEYS_A), 5)
+    f = nodes["B"].call(op="fetch", keys=KEYS_A, block_base=1 << 20)
+    assert f["ok"] and f["placed"] == 0, f
+    assert nodes["B"].call(op="stats")["client"]["remote_failures"] >= 1
+    a = nodes["A"].call(op="stats")["daemon"]
+    assert a["stage"]["corrupt_reports"] == 0 and a["unreadable_units"] == 0, a
+    assert nodes["C"].call(op="lookup", keys=KEYS_A)["hits"] == len(KEYS_A)
+    f = nodes["B"].call(op="fetch", keys=KEYS_A)
+    assert f["placed"] == len(KEYS_A) and all(f["exact"]), f
+
+
 HEADER_MAGIC = (0x31495454554E4B56).to_bytes(8, "little")  # b"VKNUTTI1", the first field of a slot header
 HEADER_KEY_OFFSET = 16  # magic u64, version u32, num_objs u32, then the key (layout.h, HeaderFixed)
 

@@ -304,6 +304,46 @@ def test_concurrent_requests(shm_dirs: list[Path]) -> None:
 
 
 @gpu
+@pytest.mark.parametrize("layout", ["kv_first", "interleaved"])
+def test_scatter_unit_from_host_memory_into_gpu_blocks(dirs: list[Path], layout: str) -> None:
+    """The remote path on a GPU engine: units as another node sends them (read_unit's bytes) land
+    byte-exact in GPU blocks, read in place from registered host memory (as the Transfer Engine's
+    arena is) and from plain memory (copied first); a corrupt one is a miss (NotFound, counted)
+    and changes no other unit's blocks; block ids past the cache are a LayoutError, not a miss."""
+    from tutti_cluster.errors import LayoutError, NotFound
+
+    kv = make_gpu_kv(layout, layers=3, blocks=64, seed=9)
+    want = clone(kv)
+    with open_gpu_store(dirs[:1], kv, layout) as s:
+        ub = s.unit_blocks
+        keys = [11, 12, 13]
+        assert s.store(keys, list(range(3 * ub))).ok
+        units = [s.read_unit(k) for k in keys]
+    n = len(units[0])
+    arena = bytearray(3 * n)
+    for i, u in enumerate(units):
+        arena[i * n:(i + 1) * n] = u
+    arena[3 * n - 100] ^= 0x01  # one bit in the third unit's last object
+    got = make_gpu_kv(layout, layers=3, blocks=64, seed=10)
+    with open_gpu_store(dirs[1:], got, layout) as b:
+        addr = b.register_host(arena)
+        view = memoryview(arena)
+        b.scatter_unit(view[:n], list(range(32, 32 + ub)))       # in place
+        b.scatter_unit(bytes(units[1]), list(range(48, 48 + ub)))  # from a copy
+        torch.cuda.synchronize()
+        assert_moved(want, list(range(2 * ub)), got, list(range(32, 32 + ub)) + list(range(48, 48 + ub)), layout)
+        before = clone(got)
+        with pytest.raises(NotFound, match="checksum"):
+            b.scatter_unit(view[2 * n:], list(range(ub)))
+        assert b.stats()["checksum_failures"] == 1
+        assert_moved(before, list(range(ub, 64)), got, list(range(ub, 64)), layout)  # nothing else touched
+        with pytest.raises(LayoutError):
+            b.scatter_unit(view[:n], list(range(64, 64 + ub)))
+        view.release()
+        b.unregister_host(addr)
+
+
+@gpu
 def test_corrupt_object_is_a_miss(dirs: list[Path]) -> None:
     kv = make_gpu_kv("block_first", layers=2, blocks=64, seed=6)
     with open_gpu_store(dirs[:1], kv, "block_first") as s:

@@ -222,6 +222,42 @@ def test_read_import_scatter_unit(tmp_path, store_dirs):
                 np.testing.assert_array_equal(want[l][:, :ub], kv2[l][:, 20 : 20 + ub])
 
 
+def test_scatter_unit_from_registered_host_memory(tmp_path, store_dirs):
+    """Units scattered from a registered buffer (as the remote path's arena is): byte-exact, a
+    corrupt one is a miss; the store keeps the buffer exported until unregister_host or close."""
+    from tutti_cluster.errors import NotFound
+
+    kv = make_kv(seed=12)
+    with open_store(store_dirs, kv) as a:
+        ub = a.unit_blocks
+        assert a.store([7], np.arange(ub)).ok
+        data = a.read_unit(7)
+        want = snapshot(kv)
+    arena = bytearray(2 * len(data))
+    arena[:len(data)] = data
+    arena[len(data):] = data
+    arena[-100] ^= 0xFF  # the second copy's last object
+    kv2 = make_kv(seed=13)
+    other = tmp_path / "other"
+    other.mkdir()
+    with open_store([other], kv2) as b:
+        addr = b.register_host(arena)
+        with pytest.raises(BufferError):
+            arena.extend(b"x")  # exported while registered
+        view = memoryview(arena)
+        b.scatter_unit(view[:len(data)], np.arange(ub) + 5)
+        for l in range(len(kv)):
+            np.testing.assert_array_equal(want[l][:, :ub], kv2[l][:, 5:5 + ub])
+        with pytest.raises(NotFound, match="checksum"):
+            b.scatter_unit(view[len(data):], np.arange(ub) + 5)
+        view.release()
+        b.unregister_host(addr)
+        b.unregister_host(addr)  # a second time: nothing
+        arena.extend(b"x")
+        b.register_host(arena)
+    arena.extend(b"x")  # close released it
+
+
 def test_gio_uring_api(store_dirs):
     kv = make_kv(seed=12)
     with open_store(store_dirs, kv, iocb_depth=8) as s:

@@ -107,6 +107,7 @@ class TuttiStore:
         self.on_commit: Callable[[int], None] | None = None
         self.on_evict: Callable[[int], None] | None = None
         self._kv_refs: list[Any] = []
+        self._host_regions: dict[int, memoryview] = {}  # register_host: address -> the exported view
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(
@@ -360,9 +361,30 @@ class TuttiStore:
     def scatter_unit(self, data: bytes | bytearray | memoryview, block_ids: Any) -> None:
         """Scatters a GPU file's bytes into one unit's KV blocks, verifying them as it copies.
 
-        Raises NotFound (a miss) when an object fails its checksum: the blocks then hold no valid KV.
+        Works on every backend: on CUDA a kernel reads the unit from host memory in place when it is
+        in memory given to :meth:`register_host` (else from a pinned copy) and returns once the
+        blocks are written. Raises NotFound (a miss) when the header or an object fails its
+        checksum (the blocks then hold no valid KV), DeviceError when the device fails.
         """
         self._n.scatter_unit(data, _block_array(block_ids))
+
+    def register_host(self, buffer: Any) -> int:
+        """Lets :meth:`scatter_unit` read units in ``buffer`` (host memory, e.g. the Transfer
+        Engine's staging arena) in place: a GPU backend maps it. Returns its address, for
+        :meth:`unregister_host`; the store keeps ``buffer`` exported until then or :meth:`close`.
+        A no-op on the CPU backend."""
+        view = memoryview(buffer)
+        addr = int(self._n.register_host(view))
+        self._host_regions[addr] = view
+        return addr
+
+    def unregister_host(self, addr: int) -> None:
+        """Undoes :meth:`register_host` (nothing for an address it did not return)."""
+        view = self._host_regions.pop(addr, None)
+        if view is not None:
+            if self._native is not None:
+                self._native.unregister_host(addr)
+            view.release()
 
     # ---- capacity ----------------------------------------------------------------------------
     def pin(self, keys: Sequence[Key]) -> None:
@@ -400,6 +422,9 @@ class TuttiStore:
             self._native.close()
             self._native = None
             self._kv_refs = []
+            for view in self._host_regions.values():
+                view.release()
+            self._host_regions = {}
 
     def __enter__(self) -> "TuttiStore":
         return self

@@ -235,6 +235,13 @@ PYBIND11_MODULE(_native, m) {
         ok(without_gil([&] { return s.scatter_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), blocks.data(),
                           static_cast<uint64_t>(blocks.size())); }));
       })
+      .def("register_host", [](PyStore& p, py::buffer data) {
+        Store& s = p.get();
+        py::buffer_info i = data.request();
+        ok(s.register_host(i.ptr, static_cast<uint64_t>(i.size * i.itemsize)));
+        return reinterpret_cast<uint64_t>(i.ptr);
+      })
+      .def("unregister_host", [](PyStore& p, uint64_t addr) { p.get().unregister_host(reinterpret_cast<void*>(addr)); })
       .def("pin", [](PyStore& p, U64Array keys, bool on) { p.get().pin(keys.data(), static_cast<uint32_t>(keys.size()), on); })
       .def("remove", [](PyStore& p, uint64_t key) { return p.get().remove(key); })
       .def("keys", [](PyStore& p) { return p.get().keys(); })

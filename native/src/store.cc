@@ -780,7 +780,6 @@ Status Store::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
 
 Status Store::scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks) {
   if (!started_) return {Code::kInvalid, "store is closed or read-only"};
-  if (backend_->name() != "cpu") return {Code::kDevice, "scatter_unit from host memory needs the cpu backend here"};
   const Geometry& g = geom_;
   if (n_blocks != g.unit_blocks) return {Code::kLayout, "scatter_unit needs exactly one unit of block ids"};
   uint64_t key;
@@ -790,23 +789,33 @@ Status Store::scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block
   std::vector<Extent> ext;
   st = extents_.build(block_ids, g.unit_blocks, &ext);
   if (!st.ok()) return st;
-  // One pass: copy each object into its blocks while summing it, as the I/O kernel does.
-  const uint64_t payload = g.payload_bytes();
+  std::vector<uint64_t> dst(static_cast<uint64_t>(g.num_objs()) * g.unit_blocks);
   for (uint32_t l = 0; l < g.num_layers; ++l)
     for (uint32_t o = 0; o < g.objs_per_layer; ++o) {
-      const uint8_t* src = data + g.obj_offset(l, o);
-      uint32_t sum = 0;
+      uint64_t* d = dst.data() + (static_cast<uint64_t>(l) * g.objs_per_layer + o) * g.unit_blocks;
       for (const Extent& e : ext)
-        for (uint32_t j = 0; j < e.num_blocks; ++j) {
-          const uint64_t at = (e.unit_offset_blocks + j) * g.block_bytes;
-          sum = crc32c_copy(sum, extents_.addr(l, o, e.first_block + j), src + at, g.block_bytes);
-        }
-      sum = crc32c_extend(sum, src + payload, g.obj_bytes - payload);
-      if (sum != sums[l * g.objs_per_layer + o])
-        return {Code::kNotFound, "unit object " + std::to_string(l * g.objs_per_layer + o) +
-                                     " fails its checksum: its blocks hold no valid KV"};
+        for (uint32_t j = 0; j < e.num_blocks; ++j)
+          d[e.unit_offset_blocks + j] = reinterpret_cast<uint64_t>(extents_.addr(l, o, e.first_block + j));
     }
+  int64_t bad = -1;
+  st = backend_->scatter_from_host(data, dst.data(), sums.data(), &bad);
+  if (!st.ok()) return st;
+  if (bad >= 0) {
+    std::lock_guard<std::mutex> lk(mu_);
+    checksum_failures_++;
+    return {Code::kNotFound, "unit object " + std::to_string(bad) + " fails its checksum: its blocks hold no valid KV"};
+  }
   return Status::Ok();
+}
+
+Status Store::register_host(void* p, uint64_t n) {
+  if (!started_) return {Code::kInvalid, "store is closed or read-only"};
+  if (!p || n == 0) return {Code::kInvalid, "register_host needs a non-empty buffer"};
+  return backend_->register_host(p, n);
+}
+
+void Store::unregister_host(void* p) {
+  if (started_) backend_->unregister_host(p);
 }
 
 void Store::pin(const uint64_t* keys, uint32_t n, bool on) {

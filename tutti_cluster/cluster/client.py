@@ -7,8 +7,11 @@
 - ``retrieve_remote(keys, block_ids)``: for each run of keys held by one owner, a stage stream
   (:class:`~tutti_cluster.cluster.stage.StageStream`) has the owner read the units from its SSD into
   its registered arena, our Transfer Engine pulls each into our registered arena, and
-  ``store.scatter_unit`` places it into the KV blocks (the store's normal scatter path, checksums
-  verified). With ``keep_replica`` the unit is also committed locally (``store.import_unit``).
+  ``store.scatter_unit`` places it into the KV blocks, checksums verified on the same pass (on a
+  GPU store by a kernel reading the arena, which is registered with the store, in place). With
+  ``keep_replica`` the unit is also committed locally (``store.import_unit``). A unit that fails
+  verification is reported to its owner, which drops it; a failure of our own (the device) is
+  not.
 
 Counters (``stats``: remote lookups and hits, units and bytes fetched, fetches that ended early)
 reach the node daemon's stats, and so the admin plane's ``/metrics``, when the client is given the
@@ -27,7 +30,7 @@ from collections import OrderedDict
 from typing import Any, Sequence
 
 from tutti_cluster.cluster.directory import EtcdDirectory, advertised_host, local_address_towards
-from tutti_cluster.errors import ConfigError, TuttiError
+from tutti_cluster.errors import ConfigError, NotFound, TuttiError
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class ClusterClient:
                              local_address_towards(",".join(f"{h}:{p}" for h, p in directory.endpoints)))
         self.arena_bytes = arena_bytes
         self._transfer: Any = None
+        self._arena_addr: int | None = None  # the arena as registered with the store (register_host)
         self._owners: OrderedDict[int, list[str]] = OrderedDict()  # from the last lookups
         self.stats: dict[str, float] = {"remote_lookups": 0, "remote_hits": 0, "remote_units": 0,
                                         "remote_bytes": 0, "remote_failures": 0, "replicas_kept": 0,
@@ -72,6 +76,13 @@ class ClusterClient:
             slot = int(self.store.geometry()["slot_bytes"]) if callable(getattr(self.store, "geometry", None)) else 0
             arena = self.arena_bytes or max(default_depth() * slot, 64 << 20)
             self._transfer = TransferNode(self.host, self.config.protocol, arena, slot_bytes=slot)
+            # A GPU store then scatters each unit straight from the arena (mapped), with no copy.
+            if callable(getattr(self.store, "register_host", None)):
+                try:
+                    self._arena_addr = self.store.register_host(
+                        self._transfer.view(self._transfer.base, self._transfer.arena_bytes))
+                except TuttiError as exc:
+                    log.warning("staging arena not mapped for the device (%s): units are copied first", exc)
         return self._transfer
 
     def lookup(self, keys: Sequence[Any]) -> int:
@@ -138,6 +149,7 @@ class ClusterClient:
                 break
             stream = StageStream(transfer, rec.stage, rec.segment, ks[placed:run], self.window, self.timeout_s)
             got = 0
+            local_error: TuttiError | None = None
             units = iter(stream)
             try:
                 for key, view in units:
@@ -148,11 +160,17 @@ class ClusterClient:
                         if keep_replica:
                             self.store.import_unit(view)
                             self.stats["replicas_kept"] += 1
-                    except TuttiError as exc:
+                    except NotFound as exc:
                         # A unit that fails verification is a miss, never wrong data.
                         log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
                         stream.report_corrupt(key)
                         stream.error = str(exc)
+                        break
+                    except TuttiError as exc:
+                        # Our own failure (the device, bad block ids): the owner's unit may be
+                        # healthy, so it is neither reported nor the owner forgotten.
+                        log.warning("placing remote unit %x failed here: %s", key, exc)
+                        local_error = exc
                         break
                     got += 1
                     self.stats["scatter_s"] += time.perf_counter() - t0
@@ -162,6 +180,9 @@ class ClusterClient:
             self.stats["remote_bytes"] += stream.bytes
             self.stats["pull_s"] += stream.pull_s
             placed += got
+            if local_error is not None:
+                self.stats["remote_failures"] += 1
+                break
             if placed < run:
                 self.stats["remote_failures"] += 1
                 log.info("remote fetch from %s stopped after %d of %d units: %s", owner, got, run - (placed - got),
@@ -181,6 +202,9 @@ class ClusterClient:
                 o.remove(owner)
 
     def close(self) -> None:
+        if self._arena_addr is not None:
+            self.store.unregister_host(self._arena_addr)
+            self._arena_addr = None
         if self._transfer is not None:
             self._transfer.close()
             self._transfer = None

@@ -63,6 +63,21 @@ class Backend {
   virtual Status alloc_host(uint64_t bytes, void** ptr) = 0;
   virtual void free_host(void* ptr, uint64_t bytes) = 0;
   virtual Status start(KernelContext* ctx, uint32_t workers) = 0;
+  // Places one unit held in host memory (a GPU file, header first: a unit another node sent) into
+  // the KV blocks and verifies each object's CRC32C in the same pass. `dst`: the block addresses,
+  // num_objs x unit_blocks, object-major; `sums`: the objects' CRC32C from the unit's verified
+  // header. *bad = the first object that fails, or -1. Returns once the blocks are written, so that
+  // whatever the engine queues afterwards sees them. A failure of the device is the Status, never a
+  // bad object.
+  virtual Status scatter_from_host(const uint8_t* unit, const uint64_t* dst, const uint64_t* sums, int64_t* bad) = 0;
+  // Host memory that scatter_from_host may then read in place (a GPU maps it: the remote path's
+  // staging arena). Without it a GPU backend first copies each unit into pinned memory of its own.
+  virtual Status register_host(void* p, uint64_t n) {
+    (void)p;
+    (void)n;
+    return Status::Ok();
+  }
+  virtual void unregister_host(void* p) { (void)p; }
   // Enqueues the I/O kernel for these IOCBs (issue_io). `event` orders it after the caller's stream
   // on devices that have streams; 0 means "now".
   virtual Status launch(const uint32_t* iocb_ids, uint32_t n, uint32_t sms, uint64_t event) = 0;

@@ -113,6 +113,9 @@ class Store {
   Status refresh();
   Status import_unit(const uint8_t* data, uint64_t n, uint64_t* key);
   Status scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks);
+  // Host memory that scatter_unit may read in place from then on (see Backend::register_host).
+  Status register_host(void* p, uint64_t n);
+  void unregister_host(void* p);
 
   void pin(const uint64_t* keys, uint32_t n, bool on);
   bool remove(uint64_t key);

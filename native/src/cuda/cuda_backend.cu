@@ -30,6 +30,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -281,6 +282,16 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
   if (!early) release();
 }
 
+// Copies the lane scheme's tables into shared memory (every thread of the block takes part; the
+// caller synchronises the block before any lookup).
+__device__ __forceinline__ void load_crc_tables(const CrcLaneTables* crc, uint32_t tid) {
+  for (uint32_t i = tid; i < kCrcRows * 256; i += blockDim.x) crc_t[i / 256][i % 256] = crc->t[i / 256][i % 256];
+  if (tid < 32) {
+    crc_shift[tid] = crc->lane_shift16[tid];
+    crc_shift[32 + tid] = crc->lane_shift4[tid];
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_constant__ LaunchParams p) {
   extern __shared__ uint32_t smem[];
   const uint32_t C = p.chunks_per_worker;
@@ -294,11 +305,7 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
 
   const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned long long t_start = now_ns();
-  for (uint32_t i = tid; i < kCrcRows * 256; i += blockDim.x) crc_t[i / 256][i % 256] = p.crc->t[i / 256][i % 256];
-  if (tid < 32) {
-    crc_shift[tid] = p.crc->lane_shift16[tid];
-    crc_shift[32 + tid] = p.crc->lane_shift4[tid];
-  }
+  load_crc_tables(p.crc, tid);
   for (uint32_t i = tid; i < C; i += blockDim.x) freed[i] = 0;
   if (tid < kMaxLaunchIocbs) errors[tid] = 0;
   if (tid == 0) ready_head = ready_claim = freed_claim = all_done = io_slots = 0;
@@ -542,6 +549,38 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
   }
 }
 
+// The remote path: one unit in mapped host memory (a GPU file, header first) scattered into the KV
+// blocks, each object verified on the same pass. One warp per object.
+struct ScatterParams {
+  const uint8_t* unit;      // device view of the unit (mapped host memory)
+  const uint64_t* dst;      // device, [obj][unit block]: block addresses
+  const uint64_t* expect;   // device, [obj]: CRC32C from the unit's header
+  uint8_t* bad;             // mapped host, [obj]: 1 when the object fails
+  uint32_t num_objs, unit_blocks, vec16, crc_xor;
+  uint64_t block_bytes, obj_bytes, header_bytes;
+  const CrcLaneTables* crc;
+};
+constexpr uint32_t kScatterWarps = 8;
+
+__global__ void __launch_bounds__(32 * kScatterWarps) scatter_kernel(const __grid_constant__ ScatterParams p) {
+  const uint32_t tid = threadIdx.x, lane = tid & 31;
+  load_crc_tables(p.crc, tid);
+  __syncthreads();
+  const uint32_t o = blockIdx.x * kScatterWarps + (tid >> 5);
+  if (o >= p.num_objs) return;
+  CrcRows t = crc_t;
+  const uint8_t* src = p.unit + p.header_bytes + static_cast<uint64_t>(o) * p.obj_bytes;
+  const uint64_t payload = static_cast<uint64_t>(p.unit_blocks) * p.block_bytes;
+  uint32_t acc = 0;
+  for (uint32_t b = 0; b < p.unit_blocks; ++b) {
+    uint8_t* kv = reinterpret_cast<uint8_t*>(p.dst[static_cast<uint64_t>(o) * p.unit_blocks + b]);
+    warp_move<true, true>(p.vec16, src + b * p.block_bytes, kv, p.block_bytes, b * p.block_bytes, t, acc, lane);
+  }
+  if (payload < p.obj_bytes) warp_move<false, true>(p.vec16, src + payload, nullptr, p.obj_bytes - payload, payload, t, acc, lane);
+  const uint64_t sum = warp_crc(p.vec16, crc_shift, crc_shift + 32, acc, p.crc_xor, lane);
+  if (lane == 0) vstore<uint8_t>(&p.bad[o], sum != p.expect[o] ? 1 : 0);
+}
+
 // ---- host side ---------------------------------------------------------------------------------
 
 std::string cuda_msg(const char* what, cudaError_t e) { return std::string(what) + ": " + cudaGetErrorString(e); }
@@ -638,6 +677,9 @@ class CudaBackend final : public Backend {
   Status end_request(uint32_t id, RequestView* view) override;
   bool stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) override;
   Status record_on(uint64_t stream, uint64_t* event) override;
+  Status scatter_from_host(const uint8_t* unit, const uint64_t* dst, const uint64_t* sums, int64_t* bad) override;
+  Status register_host(void* p, uint64_t n) override;
+  void unregister_host(void* p) override;
 
  private:
   Status make_partition(uint32_t sms);
@@ -649,6 +691,7 @@ class CudaBackend final : public Backend {
       s = nullptr;
     };
     for (cudaStream_t& s : io_streams_) destroy(s);
+    destroy(scatter_stream_);
     destroy(compute_stream_);
   }
   Status host_commit(const uint32_t* ids, uint32_t n);
@@ -674,6 +717,15 @@ class CudaBackend final : public Backend {
   CUgreenCtx io_green_ = nullptr, compute_green_ = nullptr;
   CUcontext io_ctx_ = nullptr;
   cudaStream_t io_streams_[kLanes] = {}, compute_stream_ = nullptr;
+  cudaStream_t scatter_stream_ = nullptr;  // the remote path's scatter kernel, on the I/O partition
+  // The remote path (scatter_from_host), one unit at a time: device [dst][expect], mapped host
+  // [dst][expect][bad], and a mapped copy of a unit that is not in registered memory.
+  std::mutex scatter_mu_;
+  uint8_t* scatter_dev_ = nullptr;
+  uint8_t* scatter_host_ = nullptr;
+  uint64_t scatter_host_bytes_ = 0;
+  uint8_t* scatter_bounce_ = nullptr;
+  std::vector<void*> host_regions_;  // register_host
   KernelContext* k_ = nullptr;
   uint32_t workers_ = 0, grid_ = 0, per_worker_ = 0;
   std::vector<cudaEvent_t> events_;
@@ -767,11 +819,11 @@ Status CudaBackend::make_partition(uint32_t sms) {
   if (drv_.GreenCtxCreate(&io_green_, d_io, dev, CU_GREEN_CTX_DEFAULT_STREAM) != CUDA_SUCCESS)
     return {Code::kDevice, "cuGreenCtxCreate (I/O partition) failed"};
   if (drv_.CtxFromGreenCtx(&io_ctx_, io_green_) != CUDA_SUCCESS) return {Code::kDevice, "cuCtxFromGreenCtx failed"};
-  for (cudaStream_t& io : io_streams_) {
+  for (cudaStream_t* io : {&io_streams_[0], &io_streams_[1], &scatter_stream_}) {
     CUstream s = nullptr;
     if (drv_.GreenCtxStreamCreate(&s, io_green_, CU_STREAM_NON_BLOCKING, 0) != CUDA_SUCCESS)
       return {Code::kDevice, "cuGreenCtxStreamCreate (I/O) failed"};
-    io = reinterpret_cast<cudaStream_t>(s);
+    *io = reinterpret_cast<cudaStream_t>(s);
   }
   grid_ = group.sm.smCount;
   if (rest.sm.smCount > 0 && drv_.GreenCtxCreate(&compute_green_, d_rest, dev, CU_GREEN_CTX_DEFAULT_STREAM) == CUDA_SUCCESS) {
@@ -799,8 +851,8 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     destroy_streams();  // any a failed partition made
     green_ = false;
     io_ctx_ = nullptr;
-    for (cudaStream_t& io : io_streams_) {
-      cudaError_t e = cudaStreamCreateWithFlags(&io, cudaStreamNonBlocking);
+    for (cudaStream_t* io : {&io_streams_[0], &io_streams_[1], &scatter_stream_}) {
+      cudaError_t e = cudaStreamCreateWithFlags(io, cudaStreamNonBlocking);
       if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaStreamCreate", e)};
     }
     grid_ = workers;
@@ -1053,6 +1105,94 @@ bool CudaBackend::stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) 
   return true;
 }
 
+Status CudaBackend::scatter_from_host(const uint8_t* unit, const uint64_t* dst, const uint64_t* sums, int64_t* bad) {
+  if (!started_) return {Code::kDevice, "CUDA backend not started"};
+  const Geometry& g = k_->geom;
+  const uint64_t nd = static_cast<uint64_t>(g.num_objs()) * g.unit_blocks;
+  const uint64_t dev_bytes = (nd + g.num_objs()) * 8;
+  std::lock_guard<std::mutex> lk(scatter_mu_);
+  cudaSetDevice(device_);
+  cudaError_t e = cudaSuccess;
+  if (!scatter_host_) {
+    void* h = nullptr;
+    scatter_host_bytes_ = align_up(dev_bytes + g.num_objs());
+    Status st = alloc_host(scatter_host_bytes_, &h);
+    if (!st.ok()) return st;
+    scatter_host_ = static_cast<uint8_t*>(h);
+    if ((e = cudaMalloc(&scatter_dev_, dev_bytes)) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc (scatter)", e)};
+  }
+  // The kernel reads the unit in place when it is in registered host memory, else from a copy.
+  cudaPointerAttributes a{};
+  const bool mapped = cudaPointerGetAttributes(&a, unit) == cudaSuccess && a.type == cudaMemoryTypeHost && a.devicePointer == unit;
+  cudaGetLastError();
+  const uint8_t* src = unit;
+  if (!mapped) {
+    if (!scatter_bounce_) {
+      void* b = nullptr;
+      Status st = alloc_host(g.slot_bytes, &b);
+      if (!st.ok()) return st;
+      scatter_bounce_ = static_cast<uint8_t*>(b);
+    }
+    std::memcpy(scatter_bounce_, unit, g.slot_bytes);
+    src = scatter_bounce_;
+  }
+  std::memcpy(scatter_host_, dst, nd * 8);
+  std::memcpy(scatter_host_ + nd * 8, sums, g.num_objs() * 8);
+  uint8_t* bad_host = scatter_host_ + dev_bytes;
+  std::memset(bad_host, 0, g.num_objs());
+  ScatterParams p{};
+  p.unit = reinterpret_cast<const uint8_t*>(dev_addr(src));
+  p.dst = reinterpret_cast<const uint64_t*>(scatter_dev_);
+  p.expect = reinterpret_cast<const uint64_t*>(scatter_dev_ + nd * 8);
+  p.bad = reinterpret_cast<uint8_t*>(dev_addr(bad_host));
+  p.num_objs = g.num_objs();
+  p.unit_blocks = g.unit_blocks;
+  p.vec16 = vec16_ && reinterpret_cast<uintptr_t>(src) % 16 == 0 && g.header_bytes % 16 == 0 && g.obj_bytes % 16 == 0;
+  p.crc_xor = crc_xor_;
+  p.block_bytes = g.block_bytes;
+  p.obj_bytes = g.obj_bytes;
+  p.header_bytes = g.header_bytes;
+  p.crc = dev_crc_;
+  push();
+  e = cudaMemcpyAsync(scatter_dev_, scatter_host_, dev_bytes, cudaMemcpyHostToDevice, scatter_stream_);
+  if (e == cudaSuccess) {
+    scatter_kernel<<<(p.num_objs + kScatterWarps - 1) / kScatterWarps, 32 * kScatterWarps, 0, scatter_stream_>>>(p);
+    e = cudaGetLastError();
+  }
+  if (e == cudaSuccess) e = cudaStreamSynchronize(scatter_stream_);
+  pop();
+  if (e != cudaSuccess) return {Code::kDevice, cuda_msg("scatter kernel", e)};
+  *bad = -1;
+  for (uint32_t o = 0; o < g.num_objs(); ++o)
+    if (bad_host[o]) {  // the stream is synchronised: the kernel's stores are visible
+      *bad = o;
+      break;
+    }
+  return Status::Ok();
+}
+
+Status CudaBackend::register_host(void* p, uint64_t n) {
+  std::lock_guard<std::mutex> lk(scatter_mu_);
+  if (std::find(host_regions_.begin(), host_regions_.end(), p) != host_regions_.end()) return Status::Ok();
+  cudaSetDevice(device_);
+  const cudaError_t e = cudaHostRegister(p, n, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return {Code::kDevice, cuda_msg("cudaHostRegister (remote staging arena)", e)};
+  }
+  host_regions_.push_back(p);
+  return Status::Ok();
+}
+
+void CudaBackend::unregister_host(void* p) {
+  std::lock_guard<std::mutex> lk(scatter_mu_);
+  auto it = std::find(host_regions_.begin(), host_regions_.end(), p);
+  if (it == host_regions_.end()) return;  // only what register_host registered
+  cudaSetDevice(device_);
+  cudaHostUnregister(p);
+  host_regions_.erase(it);
+}
+
 // Writes the headers of a store's units through the host-owned queue pair (commit after write).
 Status CudaBackend::host_commit(const uint32_t* ids, uint32_t n) {
   const Geometry& g = k_->geom;
@@ -1139,6 +1279,15 @@ void CudaBackend::stop() {
   order_event_ = nullptr;
   for (auto& m : req_) free_host(m.host, m.host_bytes);
   req_.clear();
+  {
+    std::lock_guard<std::mutex> lk(scatter_mu_);
+    free_host(scatter_host_, scatter_host_bytes_);
+    free_host(scatter_bounce_, k_->geom.slot_bytes);
+    if (scatter_dev_) cudaFree(scatter_dev_);
+    scatter_host_ = scatter_bounce_ = scatter_dev_ = nullptr;
+    for (void* r : host_regions_) cudaHostUnregister(r);
+    host_regions_.clear();
+  }
   if (trace_ && print_trace_) {
     unsigned long long t[4] = {0, 0, 0, 0};
     cudaMemcpy(t, trace_, sizeof(t), cudaMemcpyDeviceToHost);
