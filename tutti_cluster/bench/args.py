@@ -8,6 +8,9 @@ from pathlib import Path
 from tutti_cluster.config import add_config_arguments
 
 SYSTEMS = ("tutti", "tutti-mapped", "per-block", "per-chunk", "kvikio")
+# --pipeline's systems (tutti_cluster.pipeline.harness.SYSTEMS, kept here so --help needs no torch).
+PIPELINE_SYSTEMS = ("ideal", "tutti", "naive", "load-all", "per-chunk", "recompute")
+MODEL_SHAPES = ("llama3-8b", "glm4-9b-1m", "tiny")
 # The store settings a bench run takes from the command line; the others (cluster, admin) play no
 # part in it, and the device is --device's.
 BENCH_CONFIG_FIELDS = ("paths", "capacity_gb", "data_dir", "direct_io", "pool_files", "prewrite_pool",
@@ -39,6 +42,40 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--limit-buffer-mb", type=int, metavar="MB",
                    help="host buffer the storage-limit reads land in (default: the store's staging area)")
     p.add_argument("--seed", type=int, default=0)
+    _pipeline_arguments(p)
     add_config_arguments(p, BENCH_CONFIG_FIELDS,
                          default_notes={"capacity_gb": "sized to the prefix"})
     return p
+
+
+def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "pipeline (--pipeline)",
+        "TTFT of a model-shaped prefill whose prefix is restored layer by layer while the suffix is computed, "
+        "against the HBM ideal, a naive per-layer pipeline, load-then-compute, the per-chunk baseline and "
+        "full recompute (docs/BENCH.md, Pipeline). --prefix-tokens, --systems, --repeat, --json, --plot, "
+        "--device and the store flags apply to it too.")
+    g.add_argument("--pipeline", action="store_true", help="run the pipeline benchmark instead of bandwidth")
+    g.add_argument("--model", choices=MODEL_SHAPES, help="model shape [default: tiny on --device cpu, else llama3-8b]")
+    g.add_argument("--model-layers", type=int, metavar="N", help="override the shape's layer count")
+    g.add_argument("--inputs", nargs="+", metavar="N",
+                   help="input lengths [default: 64K,128K; on the CPU 1K,2K]")
+    g.add_argument("--attention", choices=("auto", "flex", "sdpa"), default="auto",
+                   help="attention kernel: auto is flex_attention for a cached prefix on CUDA, SDPA otherwise")
+    g.add_argument("--naive-ahead", type=int, default=0, metavar="N",
+                   help="naive and per-chunk: issue reads N layers ahead of the compute (0: every layer up front)")
+    g.add_argument("--iocb-ioctx", type=int, default=1024, metavar="N",
+                   help="scheduler: IOCTXs per read IOCB (1..2048), the granularity reads fill windows with")
+    g.add_argument("--writeback", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run tutti writing the suffix's new KV back (scheduled into slack, flushed in decode)")
+    g.add_argument("--decode-steps", type=int, metavar="N",
+                   help="decode steps timed for inter-token latency [default: 16; on the CPU 4]")
+    g.add_argument("--profile", type=Path, metavar="PATH",
+                   help="slack windows from `tutti profile`'s file [default: the resident run's per-layer times]")
+    g.add_argument("--output-tokens", type=int, default=512, metavar="N",
+                   help="cost model: tokens generated per request")
+    g.add_argument("--gpu-price-hour", type=float, default=3.50, metavar="USD", help="cost model: one GPU-hour")
+    g.add_argument("--dram-price-gb-hour", type=float, default=0.004, metavar="USD",
+                   help="cost model: one GB of host memory for an hour")
+    g.add_argument("--ssd-price-gb-hour", type=float, default=0.0001, metavar="USD",
+                   help="cost model: one GB of NVMe for an hour")

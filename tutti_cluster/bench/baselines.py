@@ -352,3 +352,74 @@ class KvikioBaseline:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class LayerwisePerChunk(PerChunkBaseline):
+    """The per-chunk files read one layer at a time, as LMCache's layer-wise mode reads its disk
+    backend: per layer and chunk, one job reads the layer's K and V ranges of the chunk file
+    (``KV_2LTD``: each is contiguous) into its staging buffer and scatters them into the chunk's
+    blocks; ``wait_layer`` waits for the layer's jobs (the engine thread blocks, as it does there).
+
+    For the pipeline harness: ``kv`` is any object with the ``shape``, ``device`` and ``all``
+    (``[layers, 2, blocks, ...]``) of :class:`KVData`.
+    """
+
+    name = "per-chunk-lw"
+
+    def __init__(self, kv: KVData, dirs: Sequence[Path], threads: int) -> None:
+        super().__init__(kv, dirs, threads)
+        s = kv.shape
+        self._layer_bytes = self.chunk_blocks * s.object_bytes  # one layer's K (or V) of a chunk
+        self._round: Round | None = None
+        self._chunks_now: list[torch.Tensor] = []
+        self._pending: dict[int, list[Future[None]]] = {}
+
+    def store_prefix(self, block_ids: torch.Tensor) -> None:
+        """Writes the chunk files of a prefix held in ``block_ids`` (untimed setup)."""
+        n = int(block_ids.numel())
+        self._round = Round(n * self.kv.shape.block_tokens, n, block_ids, block_ids, tag="lw")
+        self.prepare(self._round)
+        self.store(self._round)
+
+    def begin(self, block_ids: torch.Tensor) -> None:
+        """Starts a request: the first ``len(block_ids)`` blocks' chunks land in ``block_ids``."""
+        if self._round is None:
+            raise ValueError("store_prefix() first")
+        if block_ids.numel() > self._round.n_blocks:
+            raise ValueError(f"{block_ids.numel()} blocks requested, {self._round.n_blocks} stored")
+        self._chunks_now = self._chunks(block_ids)
+        self._pending = {}
+
+    def _load_layer(self, path: Path, ids: torch.Tensor, layer: int) -> None:
+        st = self._staging()
+        lb, layers = self._layer_bytes, self.kv.shape.layers
+        buf = _bytes(st)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for kv in (0, 1):
+                fsutil.read_all(fd, buf[kv * lb : (kv + 1) * lb], offset=(kv * layers + layer) * lb)
+        finally:
+            os.close(fd)
+        s = self.kv.shape
+        src = st[: 2 * lb].view(s.dtype).view(2, self.chunk_blocks, s.block_tokens, s.kv_heads, s.head_size)
+        dst = self.kv.all[layer]
+        if self._cuda:
+            with torch.cuda.stream(self._local.stream):
+                gst = self._device_staging()[:, 0]  # [2, chunk_blocks, ...] of this thread
+                gst.copy_(src, non_blocking=True)
+                dst.index_copy_(1, ids, gst)
+                self._local.stream.synchronize()
+        else:
+            dst.index_copy_(1, ids, src)
+
+    def retrieve_layer(self, layer: int) -> None:
+        self._pending[layer] = [self._pool.submit(self._load_layer, self._files[c], ids, layer)
+                                for c, ids in enumerate(self._chunks_now)]
+
+    def wait_layer(self, layer: int) -> None:
+        for fut in self._pending.pop(layer, []):
+            fut.result()
+
+    def remove_files(self) -> None:
+        self.end_round(None)  # type: ignore[arg-type]
+        self._round = None

@@ -56,3 +56,68 @@ def plot(report: Mapping[str, Any], path: Path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+_PIPELINE_COLORS = {"ideal": "k", "tutti": "C2", "tutti-writeback": "C4", "naive": "C0", "load-all": "C1",
+                    "per-chunk": "C3", "recompute": "C7"}
+
+
+def plot_pipeline(report: Mapping[str, Any], path: Path, title: str = "") -> None:
+    """``tutti bench --pipeline``'s report as a PNG: per input, TTFT against prefix length per system
+    (recompute dashed), and the latency breakdown against hit rate (compute, bubble, load phase)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results: Sequence[Mapping[str, Any]] = report["results"]
+    inputs = sorted({r["input_tokens"] for r in results})
+    fig, axes = plt.subplots(len(inputs), 2, figsize=(13, 4.5 * len(inputs)), squeeze=False)
+    for (ax, bx), n in zip(axes, inputs):
+        rows = [r for r in results if r["input_tokens"] == n]
+        systems = [s for s in _PIPELINE_COLORS if any(r["system"] == s and r["prefix_tokens"] for r in rows)]
+        for s in systems:
+            pts = sorted((r["prefix_tokens"], r["ttft_s"]) for r in rows if r["system"] == s and r["prefix_tokens"])
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s, color=_PIPELINE_COLORS[s])
+        for r in rows:
+            if r["system"] == "recompute":
+                ax.axhline(r["ttft_s"], linestyle="--", color=_PIPELINE_COLORS["recompute"],
+                           label=f"recompute ({r['ttft_s']:.2f} s)")
+        xs = sorted({r["prefix_tokens"] for r in rows if r["prefix_tokens"]})
+        ax.set_xticks(xs, [f"{x // 1024}K" if x % 1024 == 0 else str(x) for x in xs], rotation=30)
+        ax.set_xlabel("prefix length (tokens)")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title(f"input {n // 1024}K tokens" if n % 1024 == 0 else f"input {n} tokens")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+        # Breakdown: per hit rate, tutti's compute (the ideal) and bubble; load-all's load and compute.
+        hits = sorted({r["hit_rate"] for r in rows if r["prefix_tokens"]})
+        pos = range(len(hits))
+        ideal = {r["hit_rate"]: r["ttft_s"] for r in rows if r["system"] == "ideal"}
+        width = 0.38
+        for k, (s, shift) in enumerate((("tutti", -width / 2), ("load-all", width / 2))):
+            by = {r["hit_rate"]: r for r in rows if r["system"] == s}
+            if not by:
+                continue
+            comp = [ideal.get(h, 0.0) for h in hits]
+            if s == "load-all":
+                load = [by[h].get("load_s", 0.0) if h in by else 0.0 for h in hits]
+                rest = [max(0.0, by[h]["ttft_s"] - l) if h in by else 0.0 for h, l in zip(hits, load)]
+                bx.bar([p + shift for p in pos], load, width, color="C1", label="load-all: load")
+                bx.bar([p + shift for p in pos], rest, width, bottom=load, color="C1", alpha=0.45,
+                       label="load-all: compute")
+            else:
+                bubble = [max(0.0, by[h]["ttft_s"] - c) if h in by else 0.0 for h, c in zip(hits, comp)]
+                bx.bar([p + shift for p in pos], comp, width, color="C2", alpha=0.45, label="tutti: compute (ideal)")
+                bx.bar([p + shift for p in pos], bubble, width, bottom=comp, color="C3", label="tutti: bubble")
+        bx.set_xticks(list(pos), [f"{h * 100:.1f}%" for h in hits], rotation=30)
+        bx.set_xlabel("hit rate (prefix / input)")
+        bx.set_ylabel("seconds")
+        bx.set_title("latency breakdown")
+        bx.grid(True, axis="y", alpha=0.3)
+        bx.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -411,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_args(args: argparse.Namespace) -> int:
     """``tutti bench`` with its flags parsed."""
+    if getattr(args, "pipeline", False):
+        from tutti_cluster.bench.pipeline import run_args as run_pipeline
+
+        return run_pipeline(args)
     plan = make_plan(args)
     m = plan
     print(

@@ -1,0 +1,441 @@
+"""``tutti bench --pipeline``: TTFT of a model-shaped prefill whose prefix is restored from the store
+layer by layer, against the HBM ideal, a naive pipeline, load-then-compute, the per-chunk baseline
+and full recompute (systems of :mod:`tutti_cluster.pipeline.harness`), with the GPU bubble, the
+crossover hit rate, write-back's effect on TTFT and inter-token latency, and the cost per 1M
+generated tokens.  See docs/BENCH.md, "Pipeline"."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tutti_cluster.bench import fsutil, machine
+from tutti_cluster.bench.args import BENCH_CONFIG_FIELDS
+from tutti_cluster.bench.baselines import LayerwisePerChunk
+from tutti_cluster.bench.errors import BenchVerificationError
+from tutti_cluster.bench.runner import _resolve_device, _split, parse_tokens, remove_stale_runs
+from tutti_cluster.bench.tutti_system import pool_bytes_per_path
+from tutti_cluster.errors import CapacityExceeded, ConfigError
+from tutti_cluster.pipeline import harness as hz
+from tutti_cluster.pipeline.model import Decoder, ModelShape, PagedKV, model_shape
+
+logger = logging.getLogger(__name__)
+
+GIB = 1 << 30
+DEFAULT_INPUTS = ("64K", "128K")
+CPU_INPUTS = ("1K", "2K")
+DEFAULT_PREFIXES = ("16K", "32K", "64K", "96K", "-1u")
+CPU_PREFIXES = ("25%", "50%", "75%", "-1u")
+
+
+def prefix_for(spec: str, n: int, unit: int) -> int:
+    """A prefix spec for an input of ``n`` tokens: tokens (``16K``), a share (``75%``) rounded down
+    to whole units, or ``-1u`` (the input minus one unit)."""
+    t = spec.strip().lower()
+    if t in ("-1u", "input-1u", "input-minus-one-unit"):
+        return n - unit
+    if t.endswith("%"):
+        try:
+            share = float(t[:-1])
+        except ValueError:
+            raise ConfigError(f"not a prefix share: {spec!r} (use e.g. 75%)") from None
+        if not 0 < share < 100:
+            raise ConfigError(f"prefix share {spec!r} must lie strictly between 0% and 100%")
+        return int(n * share / 100) // unit * unit
+    return parse_tokens(spec)
+
+
+@dataclass
+class PipelinePlan:
+    dirs: list[Path]
+    shape: ModelShape
+    inputs: list[int]
+    prefixes: dict[int, list[int]]  # input -> its prefixes
+    systems: list[str]
+    repeat: int
+    device: torch.device
+    cfg: Any
+    attention: str
+    naive_ahead: int
+    iocb_ioctx: int
+    writeback: bool
+    decode_steps: int
+    output_tokens: int
+    prices: hz.Prices
+    profile: Path | None
+    baseline_threads: int
+    seed: int
+    capacity_gb: list[float] | None
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def make_plan(args: argparse.Namespace) -> PipelinePlan:
+    """Validates the flags of ``--pipeline``; ConfigError/DeviceError on bad input."""
+    from tutti_cluster.config import config_arguments, load_config
+
+    cfg = load_config(**config_arguments(args, BENCH_CONFIG_FIELDS))
+    dirs = cfg.storage_paths()
+    if not cfg.paths:
+        dirs[0].mkdir(parents=True, exist_ok=True)
+    for d in dirs:
+        if not d.is_dir():
+            raise ConfigError(f"storage path {d} is not a directory")
+        if not os.access(d, os.W_OK):
+            raise ConfigError(f"storage path {d} is not writable")
+    device = _resolve_device(args.device)
+    cpu = device.type == "cpu"
+    if args.model_layers is not None and args.model_layers <= 0:
+        raise ConfigError("--model-layers must be positive")
+    shape = model_shape(args.model or ("tiny" if cpu else "llama3-8b"), args.model_layers)
+    unit = cfg.unit_tokens
+    if unit % shape.block_tokens:
+        raise ConfigError(f"unit_tokens={unit} must be a multiple of the model's {shape.block_tokens}-token blocks")
+    if unit % 256:
+        raise ConfigError(f"unit_tokens={unit}: the per-chunk baseline's chunks are 256 tokens; use a multiple of 256")
+    inputs = sorted({parse_tokens(t) for t in _split(args.inputs) or (CPU_INPUTS if cpu else DEFAULT_INPUTS)})
+    specs = _split(args.prefix_tokens) or list(CPU_PREFIXES if cpu else DEFAULT_PREFIXES)
+    prefixes: dict[int, list[int]] = {}
+    for n in inputs:
+        if n <= unit or n % unit:
+            raise ConfigError(f"input of {n} tokens: must be a multiple of unit_tokens={unit} above one unit")
+        ps = set()
+        for spec in specs:
+            p = prefix_for(spec, n, unit)
+            if p <= 0 or p % unit:
+                raise ConfigError(f"prefix {spec!r} ({p} tokens) for an input of {n}: must be a positive multiple "
+                                  f"of unit_tokens={unit}")
+            if p < n:  # a prefix as long as the input leaves nothing to compute
+                ps.add(p)
+        if not ps:
+            raise ConfigError(f"no prefix of {', '.join(specs)} is shorter than the input of {n} tokens")
+        prefixes[n] = sorted(ps)
+    systems = _split(args.systems) or list(hz.SYSTEMS)
+    for s in systems:
+        if s not in hz.SYSTEMS:
+            raise ConfigError(f"unknown pipeline system {s!r}; choose from {', '.join(hz.SYSTEMS)}")
+    repeat = args.repeat if args.repeat is not None else 1
+    if repeat < 1:
+        raise ConfigError("--repeat must be at least 1")
+    if args.naive_ahead < 0:
+        raise ConfigError("--naive-ahead must be 0 (every layer up front) or positive")
+    if not 0 < args.iocb_ioctx <= 2048:
+        raise ConfigError("--iocb-ioctx must be in [1, 2048]")
+    decode = args.decode_steps if args.decode_steps is not None else (4 if cpu else 16)
+    if decode < 0:
+        raise ConfigError("--decode-steps must be non-negative")
+    if args.writeback and decode == 0 and "tutti" in systems:
+        raise ConfigError("--writeback flushes during decode: give --decode-steps of at least 1 (or --no-writeback)")
+    if args.output_tokens <= 0:
+        raise ConfigError("--output-tokens must be positive")
+    if args.baseline_threads < 1:
+        raise ConfigError("--baseline-threads must be at least 1")
+    if args.attention == "flex" and cpu:
+        raise ConfigError("--attention flex runs compiled on CUDA only; use sdpa (or auto) on the CPU")
+    if args.profile is not None and not args.profile.is_file():
+        raise ConfigError(f"--profile {args.profile}: no such file (write one with `tutti profile`)")
+    prices = hz.Prices(args.gpu_price_hour, args.dram_price_gb_hour, args.ssd_price_gb_hour)
+    return PipelinePlan(
+        dirs=dirs, shape=shape, inputs=inputs, prefixes=prefixes, systems=[s for s in hz.SYSTEMS if s in systems],
+        repeat=repeat, device=device, cfg=cfg, attention=args.attention, naive_ahead=args.naive_ahead,
+        iocb_ioctx=args.iocb_ioctx, writeback=bool(args.writeback), decode_steps=decode,
+        output_tokens=args.output_tokens, prices=prices, profile=args.profile,
+        baseline_threads=args.baseline_threads, seed=args.seed,
+        capacity_gb=list(cfg.capacity_gb) if args.capacity_gb else None,
+    )
+
+
+def _weights_bytes(s: ModelShape) -> int:
+    per_layer = s.hidden * (s.q_heads + 2 * s.kv_heads) * s.head_dim + s.q_heads * s.head_dim * s.hidden
+    per_layer += 3 * s.hidden * s.ffn
+    return 2 * (s.layers * per_layer + s.vocab * s.hidden)
+
+
+def check_room(plan: PipelinePlan) -> None:
+    """Fails early, with the numbers, when the paths or the device cannot hold the run."""
+    n = max(plan.inputs)
+    kv_bytes = n * plan.shape.kv_bytes_per_token
+    per_path = 2 * pool_bytes_per_path(kv_bytes, len(plan.dirs))  # the pool and the per-chunk files
+    for d in plan.dirs:
+        free = shutil.disk_usage(d).free
+        if free < per_path:
+            raise CapacityExceeded(f"{d}: {free / GIB:.1f} GiB free, the pipeline benchmark needs "
+                                   f"{per_path / GIB:.1f} GiB there for inputs of {n} tokens; pass smaller --inputs")
+    if plan.device.type == "cuda":
+        s = plan.shape
+        act = n * (6 * s.hidden + 2 * (s.q_heads + 2 * s.kv_heads) * s.head_dim) * 2
+        act += min(n, 16384) * 3 * s.ffn * 2
+        need = _weights_bytes(s) + kv_bytes + act + 2 * GIB
+        free_dev, _ = torch.cuda.mem_get_info(plan.device)
+        if free_dev < need:
+            raise CapacityExceeded(f"GPU has {free_dev / GIB:.1f} GiB free, the pipeline benchmark needs about "
+                                   f"{need / GIB:.1f} GiB (weights, KV of {n} tokens, activations)")
+
+
+class _Progress:
+    def __init__(self, total: int) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc="tutti bench --pipeline", unit="run", file=sys.stderr, dynamic_ncols=True)
+
+    def step(self, text: str) -> None:
+        self._bar.set_postfix_str(text, refresh=False)
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path]) -> Any:
+    from tutti_cluster import TuttiStore
+    from tutti_cluster.config import load_config
+
+    kv_bytes = max(plan.inputs) * plan.shape.kv_bytes_per_token
+    caps = plan.capacity_gb or [pool_bytes_per_path(kv_bytes, len(dirs)) / GIB]
+    fields = plan.cfg.model_dump()
+    fields.update(paths=dirs, capacity_gb=caps, instance="pipeline",
+                  backend="cuda" if plan.device.type == "cuda" else "cpu")
+    if plan.device.type == "cuda" and plan.device.index is not None:
+        fields["device"] = plan.device.index
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+    store = TuttiStore(load_config(**fields))
+    try:
+        store.register_kv_caches(kv.layers, block_tokens=plan.shape.block_tokens, layout="kv_first")
+    except BaseException:
+        store.close()
+        raise
+    return store
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def run(plan: PipelinePlan) -> dict[str, Any]:
+    """Runs the pipeline benchmark; returns the report (the JSON object). Cleans up its files."""
+    remove_stale_runs(plan.dirs)
+    check_room(plan)
+    work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
+    store: Any = None
+    reader: Any = None
+    progress: _Progress | None = None
+    rows: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    try:
+        for w in work:
+            w.mkdir()
+        direct = {w: fsutil.probe_direct_io(w) for w in work}
+        info = machine.describe(plan.dirs, {d: direct[w] for d, w in zip(plan.dirs, work)}, plan.device)
+        if plan.device.type == "cuda":
+            info["gpu"] = torch.cuda.get_device_name(plan.device)
+        s = plan.shape
+        extra_blocks = -(-plan.decode_steps // s.block_tokens) + 1
+        kv = PagedKV(s, max(plan.inputs) // s.block_tokens + extra_blocks, plan.device)
+        model = Decoder(s, plan.device, seed=plan.seed, attention=plan.attention)
+        store = _open_store(plan, kv, [w / "tutti" for w in work])
+        if "per-chunk" in plan.systems:
+            reader = LayerwisePerChunk(kv, [w / "per-chunk" for w in work], plan.baseline_threads)  # type: ignore[arg-type]
+            for w in work:
+                (w / "per-chunk").mkdir()
+        h = hz.Harness(model, kv, store, per_chunk=reader, naive_ahead=plan.naive_ahead, iocb_ioctx=plan.iocb_ioctx,
+                       seed=plan.seed)
+        if plan.profile is not None:
+            from tutti_cluster.pipeline.profile import SlackTable
+
+            h.windows = SlackTable.load(plan.profile, s, plan.device, int(plan.cfg.io_sms)).windows
+        # cuBLAS and the allocator start up here, not in a timed run.
+        warm = h.new_case(2 * store.unit_tokens, store.unit_tokens)
+        model.prefill(kv, warm.tokens, 0, warm.block_ids)
+        restoring = [x for x in plan.systems if x not in ("ideal", "recompute")]
+        per_p = plan.repeat * (1 + len(restoring) + (plan.writeback and "tutti" in plan.systems))
+        progress = _Progress(sum(1 + len(plan.prefixes[n]) * per_p for n in plan.inputs))
+        for n in plan.inputs:
+            rows_n, summary[str(n)] = _run_input(plan, h, n, progress)
+            rows.extend(rows_n)
+        info["store"] = {"unit_tokens": store.unit_tokens, "staging_mb": plan.cfg.staging_mb,
+                         "io_sms": plan.cfg.io_sms, "compute_stream": h._stream is not None}
+    finally:
+        if progress is not None:
+            progress.close()
+        if reader is not None:
+            reader.close()
+        if store is not None:
+            store.close()
+        for w in work:
+            shutil.rmtree(w, ignore_errors=True)
+    return {
+        "machine": info,
+        "model": {"name": plan.shape.name, "layers": plan.shape.layers, "q_heads": plan.shape.q_heads,
+                  "kv_heads": plan.shape.kv_heads, "head_dim": plan.shape.head_dim, "hidden": plan.shape.hidden,
+                  "ffn": plan.shape.ffn, "kv_bytes_per_token": plan.shape.kv_bytes_per_token,
+                  "attention": plan.attention},
+        "prices": {"gpu_per_hour": plan.prices.gpu_per_hour, "dram_per_gb_hour": plan.prices.dram_per_gb_hour,
+                   "ssd_per_gb_hour": plan.prices.ssd_per_gb_hour, "output_tokens": plan.output_tokens},
+        "results": rows,
+        "summary": summary,
+    }
+
+
+def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress) -> tuple[list[dict[str, Any]], dict]:
+    s = plan.shape
+    prefixes = plan.prefixes[n]
+    case = h.new_case(n, max(prefixes))
+    rows: list[dict[str, Any]] = []
+    try:
+        rec = h.prepare(case)
+        rec_times = [rec.ttft_s]
+        for _ in range(plan.repeat - 1):
+            rec_times.append(h.run("recompute", case, 0).ttft_s)
+        progress.step(f"{n // 1024}K recompute")
+        itl = h.itl(case, plan.decode_steps)
+        staging_gb = plan.cfg.staging_mb / 1024
+        chunk_gb = plan.baseline_threads * 256 // s.block_tokens * s.kv_shape().block_bytes / GIB
+        dram = {"tutti": staging_gb, "naive": staging_gb, "load-all": staging_gb, "per-chunk": chunk_gb}
+        cross_pts: list[tuple[float, float, float]] = []
+        for p in prefixes:
+            h.warm_up(case, p)
+            runs: dict[str, list[hz.Outcome]] = {}
+            for _ in range(plan.repeat):
+                ideal = h.run("ideal", case, p)
+                runs.setdefault("ideal", []).append(ideal)
+                for system in plan.systems:
+                    if system in ("ideal", "recompute"):
+                        continue
+                    o = h.run(system, case, p)
+                    c = hz.compare(ideal.out, o.out)
+                    if not c["exact"]:
+                        raise BenchVerificationError(
+                            f"{system} at {n} tokens, prefix {p}: output differs from the resident run "
+                            f"(max |diff| {c['max_abs_diff']:.3g}{'' if c['finite'] else ', not finite'})")
+                    runs.setdefault(system, []).append(o)
+                    progress.step(f"{n // 1024}K P={p // 1024}K {system}")
+                    if system == "tutti" and plan.writeback:
+                        o = h.run("tutti", case, p, writeback=True, decode_steps=plan.decode_steps)
+                        if not hz.compare(ideal.out, o.out)["exact"]:
+                            raise BenchVerificationError(f"tutti with write-back at {n}, prefix {p}: output differs")
+                        for k in case.write_keys:  # room for the next run's new units
+                            h.store.remove(k)
+                        case.write_keys.clear()
+                        runs.setdefault("tutti-writeback", []).append(o)
+                        progress.step(f"{n // 1024}K P={p // 1024}K tutti write-back")
+                progress.step(f"{n // 1024}K P={p // 1024}K ideal")
+            ideal_s = _median([o.ttft_s for o in runs["ideal"]])
+            hit = p / n
+            prefix_gb = p * s.kv_bytes_per_token / 1e9
+            for system, outs in runs.items():
+                ttft = _median([o.ttft_s for o in outs])
+                base = "tutti" if system == "tutti-writeback" else system
+                row: dict[str, Any] = {
+                    "input_tokens": n, "prefix_tokens": p, "hit_rate": round(hit, 5), "system": system,
+                    "number": hz.SYSTEM_NUMBERS.get(base), "ttft_s": round(ttft, 5),
+                    "ttft_runs_s": [round(o.ttft_s, 5) for o in outs],
+                    "bubble_s": round(ttft - ideal_s, 5), "x_ideal": round(ttft / ideal_s, 4),
+                    "matches_ideal": "bitwise", "rounds": len(outs),
+                    "cost_per_1m_tokens": round(hz.cost_per_million(
+                        plan.prices, ttft_s=ttft, itl_s=itl, output_tokens=plan.output_tokens,
+                        dram_gb=dram.get(base, 0.0), ssd_gb=prefix_gb if base != "ideal" else 0.0), 4),
+                }
+                last = outs[-1].extra
+                if "load_s" in last:
+                    load = _median([o.extra["load_s"] for o in outs])
+                    row["load_s"] = round(load, 5)
+                    cross_pts.append((hit, load, ideal_s))
+                for k in ("layer_ms", "schedule", "windows_ms", "ahead", "threads"):
+                    if k in last:
+                        row[k] = last[k]
+                if system == "tutti-writeback":
+                    wb_itl = _median([o.extra["itl_s"] for o in outs])
+                    row["itl_s"] = round(wb_itl, 6)
+                    row["itl_base_s"] = round(itl, 6)
+                    row["itl_increase"] = round(wb_itl / itl - 1, 4) if itl else None
+                    plain = _median([o.ttft_s for o in runs["tutti"]])
+                    row["ttft_increase"] = round(ttft / plain - 1, 4)
+                rows.append(row)
+        rec_s = _median(rec_times)
+        comp = hz.compare(rec.out, runs["ideal"][-1].out) if prefixes else {}
+        rows.append({"input_tokens": n, "prefix_tokens": 0, "hit_rate": 0.0, "system": "recompute",
+                     "number": 6, "ttft_s": round(rec_s, 5), "ttft_runs_s": [round(t, 5) for t in rec_times],
+                     "rounds": len(rec_times), "matches_ideal": "within bf16" if _close(comp) else "differs",
+                     "max_abs_diff_vs_ideal": comp.get("max_abs_diff"),
+                     "cost_per_1m_tokens": round(hz.cost_per_million(
+                         plan.prices, ttft_s=rec_s, itl_s=itl, output_tokens=plan.output_tokens, dram_gb=0.0,
+                         ssd_gb=0.0), 4)})
+        tutti_bubbles = [r["bubble_s"] for r in rows if r["system"] == "tutti"]
+        out = {
+            "recompute_s": round(rec_s, 5), "itl_s": round(itl, 6),
+            "crossover_hit_rate": hz.crossover_hit_rate(cross_pts),
+            "crossover_note": "tutti's whole-prefix retrieve time equals the suffix's compute time "
+                              "(load-all's load phase against the ideal); null: above every hit rate measured",
+            "median_bubble_s": {sy: round(_median([r["bubble_s"] for r in rows if r["system"] == sy]), 5)
+                                for sy in {r["system"] for r in rows if "bubble_s" in r}},
+            "read_gbps": round(h.read_bps / 1e9, 3), "write_gbps": round(h.write_bps / 1e9, 3),
+        }
+        if tutti_bubbles:
+            out["tutti_max_x_ideal"] = max(r["x_ideal"] for r in rows if r["system"] == "tutti")
+        return rows, out
+    finally:
+        h.release(case)
+
+
+def _close(c: dict[str, Any]) -> bool:
+    return bool(c) and c["finite"] and c["max_abs_diff"] <= hz.RECOMPUTE_RTOL * max(c["logit_scale"], 1.0)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = f"{'input':>7} {'prefix':>8} {'hit %':>6} {'system':<16} {'TTFT s':>9} {'x ideal':>8} {'bubble ms':>10} {'$/1M tok':>9}"
+    lines = [head, "-" * len(head)]
+    order = {s: i for i, s in enumerate((*hz.SYSTEMS, "tutti-writeback"))}
+    for r in sorted(report["results"], key=lambda r: (r["input_tokens"], r["prefix_tokens"], order.get(r["system"], 99))):
+        bubble = f"{r['bubble_s'] * 1e3:10.1f}" if "bubble_s" in r else f"{'':>10}"
+        xi = f"{r['x_ideal']:8.3f}" if "x_ideal" in r else f"{'':>8}"
+        lines.append(f"{_k(r['input_tokens']):>7} {_k(r['prefix_tokens']):>8} {r['hit_rate'] * 100:6.1f} "
+                     f"{r['system']:<16} {r['ttft_s']:9.4f} {xi} {bubble} {r['cost_per_1m_tokens']:9.3f}")
+    for n, sm in report["summary"].items():
+        cross = sm["crossover_hit_rate"]
+        lines.append(f"input {_k(int(n))}: recompute {sm['recompute_s']:.3f} s, ITL {sm['itl_s'] * 1e3:.2f} ms, "
+                     f"read {sm['read_gbps']} GB/s, crossover hit rate "
+                     f"{'above the range measured' if cross is None else f'{cross * 100:.1f} %'}")
+    for r in report["results"]:
+        if r["system"] == "tutti-writeback":
+            lines.append(f"write-back {_k(r['input_tokens'])}/{_k(r['prefix_tokens'])}: TTFT {r['ttft_increase'] * 100:+.1f} %, "
+                         f"ITL {(r['itl_increase'] or 0) * 100:+.1f} %, units committed "
+                         f"{r['schedule']['committed_units']}/{r['schedule']['store_units']} "
+                         f"(prefill {r['schedule']['writes_in_prefill']}, decode {r['schedule']['writes_in_decode']}, "
+                         f"flushed {r['schedule']['writes_flushed']} layers)")
+    return "\n".join(lines)
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 and tokens else str(tokens)
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """``tutti bench --pipeline`` with its flags parsed."""
+    plan = make_plan(args)
+    s = plan.shape
+    print(f"tutti bench --pipeline: {s.name} ({s.layers} layers, {s.q_heads}/{s.kv_heads} heads of {s.head_dim}, "
+          f"hidden {s.hidden}, FFN {s.ffn}, bf16) on {plan.device}, store on {', '.join(map(str, plan.dirs))}; "
+          f"inputs {', '.join(_k(n) for n in plan.inputs)}; systems {', '.join(plan.systems)}; "
+          f"{plan.repeat} round(s)")
+    report = run(plan)
+    print(format_table(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        from tutti_cluster.bench.plot import plot_pipeline
+
+        plot_pipeline(report, args.plot, title=f"tutti bench --pipeline: {s.name} on "
+                      f"{', '.join(map(str, plan.dirs))} ({plan.device.type})")
+        print(f"wrote {args.plot}")
+    return 0
