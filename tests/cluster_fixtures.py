@@ -242,7 +242,25 @@ def _node_main(cfg_json: str) -> None:
     cfg = TuttiConfig(**opts["config"])
     # An engine-only process (with_daemon false) talks to a daemon that runs elsewhere, if any.
     daemon = NodeDaemon(cfg).start() if opts.get("with_daemon", True) else None
-    kv = [np.zeros((2, NODE_BLOCKS, NODE_BLOCK_BYTES), dtype=np.uint8) for _ in range(NODE_LAYERS)]
+    if cfg.backend == "cuda":  # a GPU engine: its KV cache in GPU memory
+        import torch
+
+        kv = [torch.zeros((2, NODE_BLOCKS, NODE_BLOCK_BYTES), dtype=torch.uint8, device="cuda") for _ in range(NODE_LAYERS)]
+
+        def put(layer: int, cols: slice, data: np.ndarray) -> None:
+            kv[layer][:, cols] = torch.from_numpy(data).to("cuda")
+
+        def get(layer: int, cols: slice) -> np.ndarray:
+            torch.cuda.synchronize()
+            return kv[layer][:, cols].cpu().numpy()
+    else:
+        kv = [np.zeros((2, NODE_BLOCKS, NODE_BLOCK_BYTES), dtype=np.uint8) for _ in range(NODE_LAYERS)]
+
+        def put(layer: int, cols: slice, data: np.ndarray) -> None:
+            kv[layer][:, cols] = data
+
+        def get(layer: int, cols: slice) -> np.ndarray:
+            return kv[layer][:, cols]
     store = TuttiStore(cfg)
     store.register_kv_caches(kv, block_tokens=NODE_BLOCK_TOKENS, layout="kv_first")
     link = DaemonLink(cfg)
@@ -265,7 +283,7 @@ def _node_main(cfg_json: str) -> None:
                 keys = [int(k) for k in msg["keys"]]
                 for i, k in enumerate(keys):
                     for layer in range(NODE_LAYERS):
-                        kv[layer][:, i * ub:(i + 1) * ub] = unit_payload(k, layer, ub)
+                        put(layer, slice(i * ub, (i + 1) * ub), unit_payload(k, layer, ub))
                 res = store.store(keys, list(range(len(keys) * ub)))
                 link.flush()
                 reply({"ok": True, "units": res.units, "failed": list(res.failed_units)})
@@ -278,7 +296,7 @@ def _node_main(cfg_json: str) -> None:
             elif op == "fetch":
                 keys = [int(k) for k in msg["keys"]]
                 for layer in range(NODE_LAYERS):
-                    kv[layer][:] = 0
+                    put(layer, slice(None), np.zeros((2, NODE_BLOCKS, NODE_BLOCK_BYTES), dtype=np.uint8))
                 t0 = time.monotonic()
                 owners = None
                 if msg.get("via_daemon"):
@@ -300,7 +318,7 @@ def _node_main(cfg_json: str) -> None:
                 secs = time.monotonic() - t0
                 exact = []
                 for i, k in enumerate(keys[:local + placed]):
-                    exact.append(all(np.array_equal(kv[layer][:, i * ub:(i + 1) * ub], unit_payload(k, layer, ub))
+                    exact.append(all(np.array_equal(get(layer, slice(i * ub, (i + 1) * ub)), unit_payload(k, layer, ub))
                                      for layer in range(NODE_LAYERS)))
                 link.flush()
                 reply({"ok": True, "lookup": n, "local": local, "placed": placed, "exact": exact,
@@ -331,7 +349,7 @@ class NodeProcess:
     def __init__(self, name: str, etcd: str, workdir: Path, lease_ttl_s: int = 3, capacity_gb: float = 0.05,
                  paths: list[str] | None = None, timeout_s: float = 3.0, with_daemon: bool = True,
                  instance: str = "engine0", data_dir: Path | None = None, mooncake_master: str | None = None,
-                 prefix: list[str] | None = None) -> None:
+                 prefix: list[str] | None = None, backend: str = "auto") -> None:
         self.name = name
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -341,7 +359,7 @@ class NodeProcess:
             paths = [str(store_dir)]
         self.config = {"paths": paths, "capacity_gb": capacity_gb, "unit_tokens": 64,
                        "data_dir": str(data_dir or self.workdir), "etcd": etcd, "node_id": name,
-                       "lease_ttl_s": lease_ttl_s, "instance": instance}
+                       "lease_ttl_s": lease_ttl_s, "instance": instance, "backend": backend}
         if mooncake_master:
             self.config["mooncake_master"] = mooncake_master
         self.timeout_s = timeout_s

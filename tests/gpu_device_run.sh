@@ -5,8 +5,9 @@
 # systems, /dev/shm as a stand-in for an NVMe array, tutti-mapped included),
 # disk (bench on the real disk, O_DIRECT, caches dropped), driver (640K tokens through the fixed
 # staging area), cpudisk and cpushm (the bench with the KV cache in host memory: the CPU backend on
-# this host's disk and on /dev/shm), cluster (the cluster benchmark; needs .cdeb/ and the Mooncake
-# wheel in .whl/),
+# this host's disk and on /dev/shm), cluster (the cluster benchmark; needs .cdeb/ with etcd-server
+# and the Mooncake and python3-etcd3 wheels in .cwhl/ or .whl/; CLUSTER_DEVICE=cuda: the requesting
+# engine on the GPU, after the GPU cluster tests; CLUSTER_RUNS: owner store and units, default "shm:16 shm:64 tmp:16"),
 # none (build only). The native module is built first (CUDA on, sm_90; CUDA off when the only step
 # is cluster), with liburing from the Debian packages in .deb/ and the wheels the image lacks in
 # .whl/. Logs and JSON go to $OUT (or ./gpu-out). Environment: STAGING_MB and QD for the /dev/shm
@@ -28,7 +29,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p /tmp/uring && for f in .deb/*.deb; do dpkg -x "$f" /tmp/uring; done
 
 CUDA=on
-[ "$*" = cluster ] && CUDA=off
+[ "$*" = cluster ] && [ "${CLUSTER_DEVICE:-cpu}" = cpu ] && CUDA=off
 log "build (CUDA $CUDA)"
 cmake -S . -B ${BUILD_DIR:-/tmp/b} -G Ninja -DTUTTI_CUDA=$CUDA -DPython_EXECUTABLE="$(which python3)" \
   -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" -DLIBURING_INCLUDE=/tmp/uring/usr/include \
@@ -92,14 +93,20 @@ for step in "$@"; do
       ldconfig -p | grep -q "$(basename "$lib") " || ln -sf "$lib" /tmp/clibs/
     done
     export PATH=/tmp/cdeb/usr/bin:$PATH LD_LIBRARY_PATH=/tmp/clibs:${LD_LIBRARY_PATH:-}
+    [ -d .cwhl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .cwhl/*.whl || exit 1; }
     python3 -c "import mooncake.engine; print('mooncake ok')" || exit 1
-    for run in "shm 16" "shm 64" "tmp 16"; do
-      set -- $run
+    if [ "${CLUSTER_DEVICE:-cpu}" = cuda ]; then
+      log "GPU engine cluster tests"
+      timeout 240 python3 -m pytest -q -m gpu --timeout=120 tests/test_gpu_cluster.py 2>&1 | tee "$OUT/cluster_tests.log" | tail -6
+    fi
+    for run in ${CLUSTER_RUNS:-shm:16 shm:64 tmp:16}; do
+      set -- ${run/:/ }
       owner=$([ $1 = shm ] && echo /dev/shm/owner || echo /var/tmp/owner)
       log "cluster bench, $2 units, owner store on $owner"
       mkdir -p $owner
       timeout $(left) python3 -m tutti_cluster.cluster.bench --only fetch --owner-path $owner --units $2 \
-        --json "$OUT/cluster_$1_$2.json" 2>&1 | grep -v "^[IWE][0-9]\{4\} " | tail -8
+        --device ${CLUSTER_DEVICE:-cpu} --json "$OUT/cluster_$1_$2.json" 2>&1 | grep -v "^[IWE][0-9]\{4\} " | tail -8
       rm -rf $owner
     done ;;
   none) ;;

@@ -214,10 +214,16 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
         req_cfg: dict[str, Any] = {"paths": [str(req_dir)], "capacity_gb": max(0.1, 2 * unit_guess / GiB),
                                    "unit_tokens": UNIT_TOKENS, "data_dir": str(work / "req"), "etcd": [etcd],
                                    "node_id": "bench-requester", "instance": "engine0", "protocol": args.protocol}
+        if args.device == "cuda":
+            import torch
+
+            req_cfg["backend"] = "cuda"
+            kv = [torch.ones((2, n * ub, BLOCK_BYTES), dtype=torch.uint8, device="cuda") for _ in range(layers)]
+        else:
+            kv = _kv(n * ub, layers)
+            for t in kv:
+                t.fill(1)  # an engine's KV memory is in use: no first-touch page faults in the figures
         cfg = TuttiConfig(**req_cfg)
-        kv = _kv(n * ub, layers)
-        for t in kv:
-            t.fill(1)  # an engine's KV memory is in use: no first-touch page faults in the figures
         store = TuttiStore(cfg)
         store.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first")
         extra = {"window": args.window} if args.window else {}
@@ -289,6 +295,9 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
             if placed != n:
                 raise SystemExit(f"remote fetch placed {placed} of {n} units: {client.stats}")
             remote.append(total / dt / GiB)
+        exact = _same_as_owner(kv, n * ub)
+        if not exact:
+            raise SystemExit("remote fetch placed units whose bytes differ from the owner's")
         owner_stats = _owner_stage_stats(ready)
         reps_n = args.reps * n
         split = {"owner_read_ms_per_unit": 1e3 * owner_stats.get("read_s", 0.0) / max(1, owner_stats.get("units_staged", 1)),
@@ -300,6 +309,7 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
         sync_med, par_med = statistics.median(raw_sync), statistics.median(raw_par)
         best_raw = max(raw_med, sync_med, par_med)
         return {"units": n, "unit_bytes": unit_bytes, "layers": layers, "window": client.window,
+                "device": args.device, "byte_exact": exact,
                 "owner_readers": ready["readers"], "owner_direct_io": ready["direct_io"],
                 "raw_te_gibps": raw, "raw_te_sync_gibps": raw_sync, "raw_te_sync_gibps_median": sync_med,
                 "pulls_in_flight": inflight, "raw_te_parallel_gibps": raw_par, "raw_te_parallel_gibps_median": par_med,
@@ -322,6 +332,20 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
         except subprocess.TimeoutExpired:
             owner.kill()
             owner.wait()
+
+
+def _same_as_owner(kv: list[Any], n_blocks: int) -> bool:
+    """Whether the requester's KV (numpy or a GPU tensor per layer) holds the owner's bytes (its
+    KV, as `_owner_main` fills it)."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    for t in kv:
+        want = rng.integers(0, 256, size=(2, n_blocks, BLOCK_BYTES), dtype=np.uint8)
+        got = t.cpu().numpy() if hasattr(t, "cpu") else t
+        if not np.array_equal(got, want):
+            return False
+    return True
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -402,6 +426,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--reps", type=int, help="alternating raw/remote repetitions (default 5, quick 3)")
     p.add_argument("--window", type=int, help="units the owner stages ahead (default: ClusterClient's)")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="the requesting engine's KV cache: host memory (CPU backend) or GPU memory (CUDA backend)")
     p.add_argument("--directory-keys", type=int, help="synthetic replicas registered (default 65536, quick 8192)")
     p.add_argument("--lookup-reps", type=int, default=50)
     p.add_argument("--txn-ops", type=int, default=1024, help="directory operations per etcd transaction")
@@ -455,7 +481,8 @@ def run_args(args: argparse.Namespace, argv: list[str] | None = None) -> int:
               f"{f['raw_te_parallel_gibps_median']:.3f}, transfer_sync_read {f['raw_te_sync_gibps_median']:.3f})   "
               f"ratio {f['ratio']:.2f} (to the fastest raw; per repetition, median "
               f"{statistics.median(f['paired_ratios']):.2f})   "
-              f"({f['units']} units x {f['unit_bytes'] / (1 << 20):.1f} MiB, {args.protocol})")
+              f"({f['units']} units x {f['unit_bytes'] / (1 << 20):.1f} MiB, {args.protocol}, into {args.device} "
+              f"memory, byte-exact {f['byte_exact']})")
         print(f"owner SSD read (store.read_unit_into, {f['owner_readers']} threads as the stage endpoint) "
               f"{f['owner_read_gibps_median']:.3f} GiB/s (1 thread {f['owner_read_1thread_gibps_median']:.3f}), "
               f"O_DIRECT {f['owner_direct_io']}; remote fetch / owner read {f['ratio_to_owner_read']:.2f}")
