@@ -14,6 +14,12 @@
 # bench (default 2048 and 64), REPEAT (rounds per /dev/shm cell, default 3), SHM_SYSTEMS (default:
 # all), PREFIXES (default 16K,32K,64K,128K), DISK_PREFIXES (default 16K,128K), BUDGET_S (later
 # steps get what is left of it; default 570 s).
+# pipeline: `tutti bench --pipeline` (TTFT of a Llama-3-8B-shaped prefill, prefix restored layer by
+# layer) from /dev/shm, then the disk while more than DISK_MIN_S (default 150) s are left; JSON and
+# PNG in $OUT. PIPE_MODEL (llama3-8b), PIPE_INPUTS (64K,128K), PIPE_PREFIXES (16K,32K,64K,96K,-1u),
+# PIPE_REPEAT (1), PIPE_SYSTEMS (all), PIPE_ARGS (more flags), PIPE_DISK (1; 0 skips the disk),
+# PIPE_DISK_INPUTS (64K), PIPE_DISK_PREFIXES (16K,32K,-1u), PIPE_GLM=1 adds the GLM-4-9B-1M shape
+# (PIPE_GLM_INPUTS 128K,640K, prefix -1u, no recompute or per-chunk, 512-token units).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -109,6 +115,33 @@ for step in "$@"; do
         --device ${CLUSTER_DEVICE:-cpu} --json "$OUT/cluster_$1_$2.json" 2>&1 | grep -v "^[IWE][0-9]\{4\} " | tail -8
       rm -rf $owner
     done ;;
+  pipeline)
+    log "bench --pipeline ${PIPE_MODEL:-llama3-8b} from /dev/shm (stand-in for an NVMe array)"
+    mkdir -p $SHM
+    TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline --paths $SHM \
+      --model ${PIPE_MODEL:-llama3-8b} --inputs ${PIPE_INPUTS:-64K,128K} \
+      --prefix-tokens ${PIPE_PREFIXES:-16K,32K,64K,96K,-1u} --repeat ${PIPE_REPEAT:-1} \
+      ${PIPE_SYSTEMS:+--systems $PIPE_SYSTEMS} ${PIPE_ARGS:-} \
+      --json "$OUT/pipeline_shm.json" --plot "$OUT/pipeline_shm.png" | grep -v "step/s\]" | tail -60
+    rm -rf $SHM
+    if [ "${PIPE_GLM:-0}" = 1 ]; then
+      log "bench --pipeline glm4-9b-1m from /dev/shm"
+      mkdir -p $SHM
+      TUTTI_UNIT_TOKENS=512 TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline \
+        --paths $SHM --model glm4-9b-1m --inputs ${PIPE_GLM_INPUTS:-128K,640K} --prefix-tokens -1u \
+        --systems ideal tutti naive load-all --decode-steps 4 ${PIPE_ARGS:-} \
+        --json "$OUT/pipeline_glm_shm.json" --plot "$OUT/pipeline_glm_shm.png" | grep -v "step/s\]" | tail -30
+      rm -rf $SHM
+    fi
+    if [ "${PIPE_DISK:-1}" = 1 ] && [ "$(left)" -gt "${DISK_MIN_S:-150}" ]; then
+      log "bench --pipeline from the disk (O_DIRECT)"
+      mkdir -p /var/tmp/tutti-pipe
+      bench --pipeline --paths /var/tmp/tutti-pipe --model ${PIPE_MODEL:-llama3-8b} \
+        --inputs ${PIPE_DISK_INPUTS:-64K} --prefix-tokens ${PIPE_DISK_PREFIXES:-16K,32K,-1u} \
+        --repeat 1 ${PIPE_SYSTEMS:+--systems $PIPE_SYSTEMS} ${PIPE_ARGS:-} \
+        --json "$OUT/pipeline_disk.json" --plot "$OUT/pipeline_disk.png" | grep -v "step/s\]" | tail -40
+      rm -rf /var/tmp/tutti-pipe
+    fi ;;
   none) ;;
   esac
 done

@@ -59,9 +59,15 @@ def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", choices=MODEL_SHAPES, help="model shape [default: tiny on --device cpu, else llama3-8b]")
     g.add_argument("--model-layers", type=int, metavar="N", help="override the shape's layer count")
     g.add_argument("--inputs", nargs="+", metavar="N",
-                   help="input lengths [default: 64K,128K; on the CPU 1K,2K]")
+                   help="input lengths [default: 64K,128K; on the CPU 1K,2K]. Prefixes (--prefix-tokens) are "
+                   "tokens (16K), shares of the input (75%%) or -1u (the input minus one unit) [default: "
+                   "16K,32K,64K,96K,-1u; on the CPU 25%%,50%%,75%%,-1u]; those not shorter than an input are "
+                   "skipped for it")
     g.add_argument("--attention", choices=("auto", "flex", "sdpa"), default="auto",
                    help="attention kernel: auto is flex_attention for a cached prefix on CUDA, SDPA otherwise")
+    g.add_argument("--flex-compile", choices=("auto", "static"), default="auto",
+                   help="flex_attention compile: static compiles every (input, prefix) shape; auto lets torch "
+                   "switch to symbolic lengths at the second shape (fewer compiles)")
     g.add_argument("--naive-ahead", type=int, default=0, metavar="N",
                    help="naive and per-chunk: issue reads N layers ahead of the compute (0: every layer up front)")
     g.add_argument("--iocb-ioctx", type=int, default=1024, metavar="N",

@@ -13,6 +13,7 @@ import os
 import shutil
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ class PipelinePlan:
     device: torch.device
     cfg: Any
     attention: str
+    flex_dynamic: bool | None
     naive_ahead: int
     iocb_ioctx: int
     writeback: bool
@@ -146,7 +148,8 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
     prices = hz.Prices(args.gpu_price_hour, args.dram_price_gb_hour, args.ssd_price_gb_hour)
     return PipelinePlan(
         dirs=dirs, shape=shape, inputs=inputs, prefixes=prefixes, systems=[s for s in hz.SYSTEMS if s in systems],
-        repeat=repeat, device=device, cfg=cfg, attention=args.attention, naive_ahead=args.naive_ahead,
+        repeat=repeat, device=device, cfg=cfg, attention=args.attention,
+        flex_dynamic={"static": False, "auto": None}[args.flex_compile], naive_ahead=args.naive_ahead,
         iocb_ioctx=args.iocb_ioctx, writeback=bool(args.writeback), decode_steps=decode,
         output_tokens=args.output_tokens, prices=prices, profile=args.profile,
         baseline_threads=args.baseline_threads, seed=args.seed,
@@ -185,7 +188,7 @@ class _Progress:
     def __init__(self, total: int) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total, desc="tutti bench --pipeline", unit="run", file=sys.stderr, dynamic_ncols=True)
+        self._bar = tqdm(total=total, desc="tutti bench --pipeline", unit="step", file=sys.stderr, dynamic_ncols=True)
 
     def step(self, text: str) -> None:
         self._bar.set_postfix_str(text, refresh=False)
@@ -221,8 +224,9 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def run(plan: PipelinePlan) -> dict[str, Any]:
-    """Runs the pipeline benchmark; returns the report (the JSON object). Cleans up its files."""
+def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Runs the pipeline benchmark; returns the report (the JSON object). Cleans up its files.
+    ``partial`` gets the report so far after each input (a run cut short keeps what it measured)."""
     remove_stale_runs(plan.dirs)
     check_room(plan)
     work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
@@ -241,7 +245,7 @@ def run(plan: PipelinePlan) -> dict[str, Any]:
         s = plan.shape
         extra_blocks = -(-plan.decode_steps // s.block_tokens) + 1
         kv = PagedKV(s, max(plan.inputs) // s.block_tokens + extra_blocks, plan.device)
-        model = Decoder(s, plan.device, seed=plan.seed, attention=plan.attention)
+        model = Decoder(s, plan.device, seed=plan.seed, attention=plan.attention, flex_dynamic=plan.flex_dynamic)
         store = _open_store(plan, kv, [w / "tutti" for w in work])
         if "per-chunk" in plan.systems:
             reader = LayerwisePerChunk(kv, [w / "per-chunk" for w in work], plan.baseline_threads)  # type: ignore[arg-type]
@@ -259,11 +263,13 @@ def run(plan: PipelinePlan) -> dict[str, Any]:
         restoring = [x for x in plan.systems if x not in ("ideal", "recompute")]
         per_p = plan.repeat * (1 + len(restoring) + (plan.writeback and "tutti" in plan.systems))
         progress = _Progress(sum(1 + len(plan.prefixes[n]) * per_p for n in plan.inputs))
+        info["store"] = {"unit_tokens": store.unit_tokens, "staging_mb": plan.cfg.staging_mb,
+                         "io_sms": plan.cfg.io_sms, "compute_stream": h._stream is not None}
         for n in plan.inputs:
             rows_n, summary[str(n)] = _run_input(plan, h, n, progress)
             rows.extend(rows_n)
-        info["store"] = {"unit_tokens": store.unit_tokens, "staging_mb": plan.cfg.staging_mb,
-                         "io_sms": plan.cfg.io_sms, "compute_stream": h._stream is not None}
+            if partial is not None:
+                partial(_report(plan, info, rows, summary))
     finally:
         if progress is not None:
             progress.close()
@@ -273,16 +279,20 @@ def run(plan: PipelinePlan) -> dict[str, Any]:
             store.close()
         for w in work:
             shutil.rmtree(w, ignore_errors=True)
+    return _report(plan, info, rows, summary)
+
+
+def _report(plan: PipelinePlan, info: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any]) -> dict:
     return {
         "machine": info,
         "model": {"name": plan.shape.name, "layers": plan.shape.layers, "q_heads": plan.shape.q_heads,
                   "kv_heads": plan.shape.kv_heads, "head_dim": plan.shape.head_dim, "hidden": plan.shape.hidden,
                   "ffn": plan.shape.ffn, "kv_bytes_per_token": plan.shape.kv_bytes_per_token,
-                  "attention": plan.attention},
+                  "attention": plan.attention, "flex_compile": "static" if plan.flex_dynamic is False else "auto"},
         "prices": {"gpu_per_hour": plan.prices.gpu_per_hour, "dram_per_gb_hour": plan.prices.dram_per_gb_hour,
                    "ssd_per_gb_hour": plan.prices.ssd_per_gb_hour, "output_tokens": plan.output_tokens},
-        "results": rows,
-        "summary": summary,
+        "results": list(rows),
+        "summary": dict(summary),
     }
 
 
@@ -292,11 +302,12 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress) -
     case = h.new_case(n, max(prefixes))
     rows: list[dict[str, Any]] = []
     try:
-        rec = h.prepare(case)
-        rec_times = [rec.ttft_s]
-        for _ in range(plan.repeat - 1):
+        recompute = "recompute" in plan.systems
+        rec = h.prepare(case, compute=recompute)
+        rec_times = [rec.ttft_s] if rec is not None else []
+        for _ in range(plan.repeat - 1 if recompute else 0):
             rec_times.append(h.run("recompute", case, 0).ttft_s)
-        progress.step(f"{n // 1024}K recompute")
+        progress.step(f"{n // 1024}K recompute" if recompute else f"{n // 1024}K prefix KV (random)")
         itl = h.itl(case, plan.decode_steps)
         staging_gb = plan.cfg.staging_mb / 1024
         chunk_gb = plan.baseline_threads * 256 // s.block_tokens * s.kv_shape().block_bytes / GIB
@@ -361,18 +372,19 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress) -
                     plain = _median([o.ttft_s for o in runs["tutti"]])
                     row["ttft_increase"] = round(ttft / plain - 1, 4)
                 rows.append(row)
-        rec_s = _median(rec_times)
-        comp = hz.compare(rec.out, runs["ideal"][-1].out) if prefixes else {}
-        rows.append({"input_tokens": n, "prefix_tokens": 0, "hit_rate": 0.0, "system": "recompute",
-                     "number": 6, "ttft_s": round(rec_s, 5), "ttft_runs_s": [round(t, 5) for t in rec_times],
-                     "rounds": len(rec_times), "matches_ideal": "within bf16" if _close(comp) else "differs",
-                     "max_abs_diff_vs_ideal": comp.get("max_abs_diff"),
-                     "cost_per_1m_tokens": round(hz.cost_per_million(
-                         plan.prices, ttft_s=rec_s, itl_s=itl, output_tokens=plan.output_tokens, dram_gb=0.0,
-                         ssd_gb=0.0), 4)})
+        rec_s = _median(rec_times) if rec_times else None
+        if rec is not None and rec_s is not None:
+            comp = hz.compare(rec.out, runs["ideal"][-1].out)
+            rows.append({"input_tokens": n, "prefix_tokens": 0, "hit_rate": 0.0, "system": "recompute",
+                         "number": 6, "ttft_s": round(rec_s, 5), "ttft_runs_s": [round(t, 5) for t in rec_times],
+                         "rounds": len(rec_times), "matches_ideal": "within bf16" if _close(comp) else "differs",
+                         "max_abs_diff_vs_ideal": comp.get("max_abs_diff"),
+                         "cost_per_1m_tokens": round(hz.cost_per_million(
+                             plan.prices, ttft_s=rec_s, itl_s=itl, output_tokens=plan.output_tokens, dram_gb=0.0,
+                             ssd_gb=0.0), 4)})
         tutti_bubbles = [r["bubble_s"] for r in rows if r["system"] == "tutti"]
         out = {
-            "recompute_s": round(rec_s, 5), "itl_s": round(itl, 6),
+            "recompute_s": round(rec_s, 5) if rec_s is not None else None, "itl_s": round(itl, 6),
             "crossover_hit_rate": hz.crossover_hit_rate(cross_pts),
             "crossover_note": "tutti's whole-prefix retrieve time equals the suffix's compute time "
                               "(load-all's load phase against the ideal); null: above every hit rate measured",
@@ -402,7 +414,8 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{r['system']:<16} {r['ttft_s']:9.4f} {xi} {bubble} {r['cost_per_1m_tokens']:9.3f}")
     for n, sm in report["summary"].items():
         cross = sm["crossover_hit_rate"]
-        lines.append(f"input {_k(int(n))}: recompute {sm['recompute_s']:.3f} s, ITL {sm['itl_s'] * 1e3:.2f} ms, "
+        rec = "not run" if sm["recompute_s"] is None else f"{sm['recompute_s']:.3f} s"
+        lines.append(f"input {_k(int(n))}: recompute {rec}, ITL {sm['itl_s'] * 1e3:.2f} ms, "
                      f"read {sm['read_gbps']} GB/s, crossover hit rate "
                      f"{'above the range measured' if cross is None else f'{cross * 100:.1f} %'}")
     for r in report["results"]:
@@ -427,15 +440,22 @@ def run_args(args: argparse.Namespace) -> int:
           f"hidden {s.hidden}, FFN {s.ffn}, bf16) on {plan.device}, store on {', '.join(map(str, plan.dirs))}; "
           f"inputs {', '.join(_k(n) for n in plan.inputs)}; systems {', '.join(plan.systems)}; "
           f"{plan.repeat} round(s)")
-    report = run(plan)
+    def write(report: dict[str, Any]) -> None:
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+    report = run(plan, partial=write)
     print(format_table(report))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        write(report)
         print(f"wrote {args.json}")
     if args.plot:
-        from tutti_cluster.bench.plot import plot_pipeline
+        try:
+            from tutti_cluster.bench.plot import plot_pipeline
 
-        plot_pipeline(report, args.plot, title=f"tutti bench --pipeline: {s.name} on "
-                      f"{', '.join(map(str, plan.dirs))} ({plan.device.type})")
-        print(f"wrote {args.plot}")
+            plot_pipeline(report, args.plot, title=f"tutti bench --pipeline: {s.name} on "
+                          f"{', '.join(map(str, plan.dirs))} ({plan.device.type})")
+            print(f"wrote {args.plot}")
+        except ImportError as e:  # the figures are in the JSON already
+            print(f"no plot: {e} (pip install matplotlib)")
     return 0

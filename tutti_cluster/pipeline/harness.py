@@ -245,11 +245,19 @@ class Harness:
         return InputCase(n, tokens, torch.arange(n // self.bt, dtype=torch.int64), keys, max_prefix)
 
     # ---- setup -------------------------------------------------------------------------------------
-    def prepare(self, case: InputCase) -> Outcome:
-        """Full prefill (timed: system 6), then the prefix's units to the store and per-chunk files."""
-        out, t = self._timed(lambda: self.model.prefill(self.kv, case.tokens, 0, case.block_ids))
-        rec = Outcome("recompute", t, out)
+    def prepare(self, case: InputCase, compute: bool = True) -> Outcome | None:
+        """Full prefill (timed: system 6), then the prefix's units to the store and per-chunk files.
+
+        ``compute=False`` puts seeded random KV into the prefix's blocks instead of computing it
+        (every system still sees the same bytes; returns None): for inputs too long to recompute."""
+        rec = None
         ids = self._prefix_blocks(case, case.max_prefix)
+        if compute:
+            out, t = self._timed(lambda: self.model.prefill(self.kv, case.tokens, 0, case.block_ids))
+            rec = Outcome("recompute", t, out)
+            case.recompute = {"ttft_s": t}
+        else:
+            self.kv.randomize(ids, int(self._rng.integers(1 << 62)))
         res, t_store = self._timed(lambda: self.store.store(case.keys, ids.tolist()))
         if res.failed_units or len(res.committed_units) + res.skipped_units != len(case.keys):
             raise BenchVerificationError(f"storing the prefix: {len(res.failed_units)} of {len(case.keys)} units failed")
@@ -257,7 +265,6 @@ class Harness:
         if self.per_chunk is not None:
             self.per_chunk.store_prefix(ids)
         self._sync()
-        case.recompute = {"ttft_s": t}
         return rec
 
     def _layer_bytes(self, units: int) -> int:

@@ -116,6 +116,17 @@ class PagedKV:
     def nbytes(self) -> int:
         return self.all.numel() * self.all.element_size()
 
+    def randomize(self, block_ids: torch.Tensor, seed: int) -> None:
+        """Seeded random KV (unit variance, bf16) in blocks ``block_ids`` of every layer: a stand-in
+        for a computed prefix when only timing matters (a 640K-token prefix takes minutes to compute)."""
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        ids = block_ids.to(self.device)
+        for l in range(self.model.layers):
+            x = torch.randn((2, ids.numel(), *self.all.shape[3:]), generator=g, device=self.device,
+                            dtype=torch.bfloat16)
+            self.all[l].index_copy_(1, ids, x)
+
     def fill(self, block_ids: torch.Tensor, value: float) -> None:
         """Overwrite blocks ``block_ids`` of every layer, K and V (NaN marks KV not restored)."""
         ids = block_ids.to(self.device)
@@ -213,25 +224,44 @@ def lower_right_block_mask(q_len: int, kv_len: int, device: torch.device, block:
     )
 
 
-_compiled_flex: Callable[..., Any] | None = None
+_compiled_flex: dict[bool | None, Callable[..., Any]] = {}
 
 
-def _flex() -> Callable[..., Any]:
-    """flex_attention compiled once per process (uncompiled it materialises the scores)."""
-    global _compiled_flex
-    if _compiled_flex is None:
+def _flex(dynamic: bool | None) -> Callable[..., Any]:
+    """flex_attention compiled once per process and mode (uncompiled it materialises the scores).
+
+    ``dynamic=False`` compiles each (queries, keys) shape on its own; ``None`` is torch's default,
+    which recompiles once with symbolic lengths when a second shape arrives (fewer compiles).
+    """
+    fn = _compiled_flex.get(dynamic)
+    if fn is None:
         import torch._dynamo
         from torch.nn.attention.flex_attention import flex_attention
 
-        # Every (queries, keys) pair of a run is a new static shape: keep them all compiled.
         for knob in ("recompile_limit", "cache_size_limit"):
             if hasattr(torch._dynamo.config, knob):
                 setattr(torch._dynamo.config, knob, max(256, getattr(torch._dynamo.config, knob)))
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+        fn = _compiled_flex[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
+    return fn
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, compiled: bool = True) -> torch.Tensor:
+_masks: dict[tuple[int, int, str], Any] = {}
+
+
+def cached_block_mask(q_len: int, kv_len: int, device: torch.device) -> Any:
+    """:func:`lower_right_block_mask`, built once per shape (the same mask object on every layer and
+    run, so a compiled kernel sees the same inputs)."""
+    key = (q_len, kv_len, str(device))
+    m = _masks.get(key)
+    if m is None:
+        if len(_masks) > 64:
+            _masks.clear()
+        m = _masks[key] = lower_right_block_mask(q_len, kv_len, device)
+    return m
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, compiled: bool = True,
+              dynamic: bool | None = None) -> torch.Tensor:
     """Lower-right causal grouped-query attention. ``q``: [queries, q_heads, d]; ``k``, ``v``:
     [keys, kv_heads, d]. Returns [queries, q_heads, d]."""
     s, n = q.shape[0], k.shape[0]
@@ -239,8 +269,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, comp
     if kind == "flex":
         from torch.nn.attention.flex_attention import flex_attention
 
-        mask = lower_right_block_mask(s, n, q.device)
-        fn = _flex() if compiled else flex_attention
+        mask = cached_block_mask(s, n, q.device)
+        fn = _flex(dynamic) if compiled else flex_attention
         out = fn(qh, kh, vh, block_mask=mask, enable_gqa=True)
     else:
         if s == n:
@@ -278,7 +308,7 @@ class Decoder:
     """The model: weights, RoPE tables, and a prefill of the uncached suffix over a paged cache."""
 
     def __init__(self, shape: ModelShape, device: torch.device, *, seed: int = 0, attention: str = "auto",
-                 mlp_chunk_tokens: int = 16384) -> None:
+                 mlp_chunk_tokens: int = 16384, flex_dynamic: bool | None = None) -> None:
         if attention not in ATTENTION_CHOICES:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, not {attention!r}")
         if attention == "flex" and device.type != "cuda":
@@ -289,6 +319,7 @@ class Decoder:
         self.device = device
         self.attention = attention
         self.mlp_chunk_tokens = mlp_chunk_tokens
+        self.flex_dynamic = flex_dynamic
         self.w = _Weights(shape, device, seed)
         half = shape.head_dim // 2
         self._inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
@@ -362,7 +393,7 @@ class Decoder:
             cache[1].index_copy_(0, suffix_ids, v.view(-1, bt, s.kv_heads, s.head_dim))
             hooks.before_attention(l)
             kk, vv = _gather(cache, ids, contiguous, n)
-            a = attention(q, kk, vv, kind)
+            a = attention(q, kk, vv, kind, dynamic=self.flex_dynamic)
             x = x + a.reshape(-1, qd) @ w["wo"]
             x = x + self._mlp(x, w)
             hooks.after_layer(l)
