@@ -72,6 +72,9 @@ def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help="naive and per-chunk: issue reads N layers ahead of the compute (0: every layer up front)")
     g.add_argument("--iocb-ioctx", type=int, default=1024, metavar="N",
                    help="scheduler: IOCTXs per read IOCB (1..2048), the granularity reads fill windows with")
+    g.add_argument("--tutti-reads", choices=("auto", "iocb", "layer"), default="auto",
+                   help="scheduler's reads: raw IOCBs (get_iocb/fill_iocb/issue_io/wait_cqe, the host waits) or "
+                   "whole layers (retrieve_layer/wait_layer, stream-ordered on CUDA); auto: layer on CUDA, iocb on the CPU")
     g.add_argument("--writeback", action=argparse.BooleanOptionalAction, default=True,
                    help="also run tutti writing the suffix's new KV back (scheduled into slack, flushed in decode)")
     g.add_argument("--decode-steps", type=int, metavar="N",

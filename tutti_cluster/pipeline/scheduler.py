@@ -17,11 +17,22 @@ Per layer ``l`` (``before_layer``):
    holds reads *or* writes up to its length, never both at full rate: their estimated times are
    summed against one budget, and the I/O kernel serves IOCBs in the order they were launched.
 
-Reads go through the raw gio_uring API (``get_iocb``, ``fill_iocb``, ``issue_io``, ``wait_cqe``,
-``put_iocb``): a layer's IOCTXs are cut into IOCBs of ``iocb_ioctx`` so that a window takes part of
-a layer. ``before_attention(l)`` waits for layer ``l``'s IOCBs (``wait_cqe``) and puts them back;
-a failed IOCTX makes the request's restore failed (``failed_iocbs``). Writes go through the store
-request (``store_layer``), whose ``finish`` commits the units whose every layer was written.
+Reads, ``reads="iocb"``: the raw gio_uring API (``get_iocb``, ``fill_iocb``, ``issue_io``,
+``wait_cqe``, ``put_iocb``): a layer's IOCTXs are cut into IOCBs of ``iocb_ioctx`` so that a window
+takes part of a layer. ``before_attention(l)`` waits for layer ``l``'s IOCBs (``wait_cqe``, which
+blocks the host) and puts them back; a failed IOCTX makes the restore failed (``failed_iocbs``).
+The store's ``finish`` counts only layers issued with ``retrieve_layer``, so the caller judges such
+a request by ``failed_iocbs``, not by ``finish``.
+
+Reads, ``reads="layer"``: whole layers through ``retrieve_layer``/``wait_layer``. On CUDA these are
+stream-ordered: a read issued at ``before_layer(l)`` starts when the GPU reaches layer ``l`` (the
+event the store records on the caller's stream), which is where window ``l`` begins in GPU time,
+and the wait holds only the compute stream. The raw IOCBs' ``wait_cqe`` holds the host instead,
+which, on a GPU, also stops the host from queueing the next layers' kernels.
+
+Writes go through the store request (``store_layer``), whose ``finish`` commits the units whose
+every layer was written; on CUDA a write issued at ``before_layer(l)`` starts at window ``l`` in GPU
+time, after the kernels that wrote its KV.
 
 Writes left at the end of prefill are flushed during decode (``decode_step``: at most what fits
 one decode step's window per step) and, best effort, at ``flush``: every layer not yet written is
@@ -88,7 +99,9 @@ class SlackScheduler(LayerHooks):
 
     def __init__(self, store: Any, *, layers: int, windows: Sequence[float], read_req: int | None, read_ioctx: int,
                  read_seconds_per_ioctx: float, write_req: int | None = None, write_seconds_per_layer: float = 0.0,
-                 decode_window: float = 0.0, iocb_ioctx: int = 1024, sms: int = 0) -> None:
+                 decode_window: float = 0.0, iocb_ioctx: int = 1024, sms: int = 0, reads: str = "iocb") -> None:
+        if reads not in ("iocb", "layer"):
+            raise ConfigError(f"reads must be 'iocb' or 'layer', not {reads!r}")
         if len(windows) != layers:
             raise ConfigError(f"{len(windows)} slack windows for {layers} layers")
         if not 0 < iocb_ioctx <= MAX_IOCTX_PER_IOCB:
@@ -103,15 +116,17 @@ class SlackScheduler(LayerHooks):
         self.read_req = read_req
         self.write_req = write_req
         self.sms = sms
+        self.reads = reads
         self.write_cost = write_seconds_per_layer
         self.decode_window = decode_window
         self.report = ScheduleReport()
         self._queue: deque[_ReadIocb] = deque()
         self._issued: dict[int, list[_ReadIocb]] = {}
         if read_req is not None:
+            piece = read_ioctx if reads == "layer" else iocb_ioctx
             for layer in range(layers):
-                for first in range(0, read_ioctx, iocb_ioctx):
-                    count = min(iocb_ioctx, read_ioctx - first)
+                for first in range(0, read_ioctx, piece):
+                    count = min(piece, read_ioctx - first)
                     self._queue.append(_ReadIocb(layer, first, count, count * read_seconds_per_ioctx))
         self._writes: deque[int] = deque()  # layers whose KV is final and not yet written
         self._written: set[int] = set()
@@ -120,6 +135,12 @@ class SlackScheduler(LayerHooks):
     # ---- reads -----------------------------------------------------------------------------------
     def _issue(self, batch: list[_ReadIocb]) -> None:
         if not batch:
+            return
+        if self.reads == "layer":
+            for r in batch:
+                self.store.retrieve_layer(r.layer, self.read_req)
+                self._issued.setdefault(r.layer, []).append(r)
+            self.report.read_iocbs += len(batch)
             return
         ids = self.store.get_iocb(len(batch))
         try:
@@ -156,6 +177,10 @@ class SlackScheduler(LayerHooks):
                 self.report.writes_in_prefill.append(l)
 
     def before_attention(self, layer: int) -> None:
+        if self.reads == "layer":
+            if self._issued.pop(layer, None):
+                self.store.wait_layer(layer, self.read_req)
+            return
         for r in self._issued.pop(layer, []):
             failed = self.store.wait_cqe(r.iocb)
             self.store.put_iocb(r.iocb)
