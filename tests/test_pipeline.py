@@ -1,0 +1,203 @@
+"""The layer-wise prefill pipeline on the CPU backend, tiny model shape: the prefix restored from a
+real store layer by layer gives the resident run's output bit for bit, in every system; the
+scheduler never loses a write; the block mask matches the dense lower-right causal mask; bad
+arguments are ConfigErrors. No figure is asserted on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the pipeline's model is a torch model")
+
+from tutti_cluster import TuttiConfig, TuttiStore  # noqa: E402
+from tutti_cluster.bench import main as bench_main  # noqa: E402
+from tutti_cluster.bench.baselines import LayerwisePerChunk  # noqa: E402
+from tutti_cluster.errors import ConfigError  # noqa: E402
+from tutti_cluster.pipeline import harness as hz  # noqa: E402
+from tutti_cluster.pipeline.model import (  # noqa: E402
+    Decoder, PagedKV, attention, lower_right_block_mask, model_shape,
+)
+from tutti_cluster.pipeline.scheduler import SlackScheduler  # noqa: E402
+
+CPU = torch.device("cpu")
+SHAPE = model_shape("tiny")
+UNIT = 256
+N = 1024
+
+
+@pytest.fixture()
+def rig(tmp_path: Path):
+    """Model, cache, a real store on a temporary directory and the per-chunk files, as the bench has them."""
+    kv = PagedKV(SHAPE, 2 * N // SHAPE.block_tokens, CPU)
+    model = Decoder(SHAPE, CPU, seed=3)
+    store = TuttiStore(TuttiConfig(paths=[tmp_path / "store"], capacity_gb=0.25, unit_tokens=UNIT, backend="cpu",
+                                   staging_mb=16))
+    (tmp_path / "store").mkdir()
+    (tmp_path / "chunks").mkdir()
+    store.register_kv_caches(kv.layers, block_tokens=SHAPE.block_tokens, layout="kv_first")
+    reader = LayerwisePerChunk(kv, [tmp_path / "chunks"], threads=2)  # type: ignore[arg-type]
+    h = hz.Harness(model, kv, store, per_chunk=reader, iocb_ioctx=2)
+    try:
+        yield h
+    finally:
+        reader.close()
+        store.close()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_block_mask_matches_the_dense_lower_right_causal_mask() -> None:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    g = torch.Generator().manual_seed(0)
+    for q_len, kv_len, block in ((100, 260, 32), (64, 64, 32), (33, 300, 16), (1, 97, 32)):
+        q = torch.randn(q_len, 4, 16, generator=g)
+        k, v = torch.randn(2, kv_len, 2, 16, generator=g)
+        mask = lower_right_block_mask(q_len, kv_len, CPU, block=block)
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        got = flex_attention(qh, kh, vh, block_mask=mask, enable_gqa=True)
+        dense = torch.ones(q_len, kv_len, dtype=torch.bool).tril(kv_len - q_len)
+        want = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh.repeat_interleave(2, 1), vh.repeat_interleave(2, 1), attn_mask=dense)
+        assert torch.allclose(got, want, atol=1e-5), (q_len, kv_len)
+        # SDPA's causal_lower_right, the CPU path and the CUDA fallback, agrees as well.
+        assert torch.allclose(attention(q, k, v, "sdpa"), want.squeeze(0).transpose(0, 1), atol=1e-5)
+        # The mask is block indices, never q_len x kv_len.
+        assert mask.kv_indices.numel() == -(-q_len // block) * -(-kv_len // block)
+
+
+def test_a_paged_prefill_with_a_permuted_block_table_matches_the_contiguous_one() -> None:
+    kv = PagedKV(SHAPE, 2 * N // SHAPE.block_tokens, CPU)
+    model = Decoder(SHAPE, CPU, seed=1)
+    tokens = torch.randint(0, SHAPE.vocab, (N,), generator=torch.Generator().manual_seed(1))
+    ids = torch.arange(N // SHAPE.block_tokens)
+    perm = torch.randperm(2 * N // SHAPE.block_tokens, generator=torch.Generator().manual_seed(2))[: ids.numel()]
+    full = model.prefill(kv, tokens, 0, ids)
+    resumed = model.prefill(kv, tokens, 512, ids)  # the prefix's KV left by the full run
+    assert torch.isfinite(full.logits).all()
+    a = model.prefill(kv, tokens, 0, perm)
+    assert torch.equal(a.logits, full.logits)
+    assert torch.allclose(model.prefill(kv, tokens, 512, perm).logits, resumed.logits)
+
+
+def test_every_system_restores_the_prefix_to_the_resident_output(rig: hz.Harness) -> None:
+    case = rig.new_case(N, N - UNIT)
+    rec = rig.prepare(case)
+    assert rec is not None and rec.ttft_s > 0
+    for prefix in (UNIT, N // 2, N - UNIT):
+        rig.warm_up(case, prefix)
+        ideal = rig.run("ideal", case, prefix)
+        for system in ("tutti", "naive", "load-all", "per-chunk"):
+            out = rig.run(system, case, prefix)
+            c = hz.compare(ideal.out, out.out)
+            assert c["exact"], (system, prefix, c)
+        # Without a restore the NaN-filled prefix shows in the output: the check has teeth.
+        rig.poison(case, prefix)
+        broken = rig.model.prefill(rig.kv, case.tokens, prefix, case.block_ids)
+        assert not hz.compare(ideal.out, broken)["exact"]
+    comp = hz.compare(rec.out, rig.run("ideal", case, N // 2).out)
+    assert comp["max_abs_diff"] <= hz.RECOMPUTE_RTOL * comp["logit_scale"]
+    rig.release(case)
+    assert rig.store.lookup(case.keys) == 0
+
+
+@pytest.mark.parametrize("reads", ["iocb", "layer"])
+def test_the_scheduler_commits_or_reports_every_write(rig: hz.Harness, reads: str) -> None:
+    rig.tutti_reads = reads
+    case = rig.new_case(N, N // 2)
+    rig.prepare(case, compute=False)
+    ideal = rig.run("ideal", case, N // 4)
+    out = rig.run("tutti", case, N // 4, writeback=True, decode_steps=2)
+    assert hz.compare(ideal.out, out.out)["exact"]
+    sched = out.extra["schedule"]
+    units = (N - N // 4) // UNIT
+    assert sched["store_units"] == units
+    assert sched["committed_units"] + sched["skipped_units"] + sched["not_stored_units"] == units
+    assert sched["writes_in_prefill"] + sched["writes_in_decode"] + sched["writes_flushed"] == SHAPE.layers
+    assert rig.store.lookup(case.write_keys) == sched["committed_units"] == units
+    rig.release(case)
+
+
+def test_writes_with_no_slack_are_flushed_not_lost(rig: hz.Harness) -> None:
+    """Windows of zero: no write fits anywhere, so every layer is written at flush and committed."""
+    case = rig.new_case(N, N // 2)
+    rig.prepare(case, compute=False)
+    store = rig.store
+    keys = [7001, 7002]
+    wreq = store.begin_store(keys, case.block_ids[N // 2 // SHAPE.block_tokens:].tolist())
+    rreq = store.begin_retrieve(case.keys[:2], case.block_ids[: N // 2 // SHAPE.block_tokens].tolist())
+    sched = SlackScheduler(store, layers=SHAPE.layers, windows=[0.0] * SHAPE.layers, read_req=rreq,
+                           read_ioctx=2 * rig.objs_per_layer, read_seconds_per_ioctx=1.0, write_req=wreq,
+                           write_seconds_per_layer=1.0, decode_window=0.0, iocb_ioctx=1)
+    rig.model.prefill(rig.kv, case.tokens, N // 2, case.block_ids, sched)
+    sched.decode_step()
+    assert sched.pending_writes == SHAPE.layers  # nothing fitted
+    report = sched.flush()
+    store.finish(rreq)
+    assert report.reads_issued_at_once == report.read_iocbs == SHAPE.layers * 2 * rig.objs_per_layer
+    assert len(report.writes_flushed) == SHAPE.layers and report.failed_iocbs == 0
+    assert sorted(report.committed_units) == [0, 1] and store.lookup(keys) == 2
+    assert sched.flush() is report  # idempotent
+
+
+def test_bad_arguments_are_config_errors(rig: hz.Harness, tmp_path: Path) -> None:
+    case = rig.new_case(N, N // 2)
+    with pytest.raises(ConfigError, match="multiple of unit_tokens"):
+        rig.new_case(N + 16, N // 2)
+    with pytest.raises(ConfigError, match="exceeds"):
+        rig.run("naive", case, N - UNIT)
+    with pytest.raises(ConfigError, match="unknown pipeline system"):
+        rig.run("magic", case, UNIT)
+    with pytest.raises(ConfigError, match="no slack windows"):
+        rig.run("tutti", case, UNIT)
+    with pytest.raises(ConfigError, match="prefix of 100"):
+        rig.model.prefill(rig.kv, case.tokens, 100, case.block_ids)
+    with pytest.raises(ConfigError, match="unknown model shape"):
+        model_shape("gpt-9")
+    with pytest.raises(ConfigError, match="slack windows for"):
+        SlackScheduler(rig.store, layers=4, windows=[0.0], read_req=None, read_ioctx=0, read_seconds_per_ioctx=0.0)
+    with pytest.raises(ConfigError, match="iocb_ioctx"):
+        SlackScheduler(rig.store, layers=1, windows=[0.0], read_req=None, read_ioctx=0, read_seconds_per_ioctx=0.0,
+                       iocb_ioctx=4096)
+    with pytest.raises(ConfigError, match="output_tokens"):
+        hz.cost_per_million(hz.Prices(), ttft_s=1, itl_s=0.01, output_tokens=0, dram_gb=0, ssd_gb=0)
+    base = ["--pipeline", "--device", "cpu", "--paths", str(tmp_path)]
+    for extra, words in ((["--inputs", "1000"], "multiple of unit_tokens"), (["--systems", "magic"], "unknown pipeline"),
+                         (["--prefix-tokens", "150%"], "strictly between"), (["--repeat", "0"], "--repeat"),
+                         (["--attention", "flex"], "CUDA only"), (["--iocb-ioctx", "0"], "--iocb-ioctx"),
+                         (["--profile", str(tmp_path / "none.json")], "no such file")):
+        with pytest.raises(ConfigError, match=words):
+            bench_main(base + extra)
+
+
+def test_crossover_and_cost_formulas() -> None:
+    assert hz.crossover_hit_rate([(0.5, 1.0, 3.0), (0.9, 2.0, 1.0)]) == pytest.approx(0.5 + 0.4 * 2 / 3)
+    assert hz.crossover_hit_rate([(0.5, 1.0, 3.0), (0.9, 1.0, 2.0)]) is None
+    assert hz.crossover_hit_rate([(0.5, 4.0, 3.0), (0.9, 5.0, 2.0)]) == 0.0
+    p = hz.Prices(gpu_per_hour=3.6, dram_per_gb_hour=0.0, ssd_per_gb_hour=0.0)
+    # 100 tokens in 1 + 100 * 0.01 = 2 s: 180,000 tokens an hour; $3.6 / 180,000 * 1e6 = $20.
+    assert hz.cost_per_million(p, ttft_s=1.0, itl_s=0.01, output_tokens=100, dram_gb=1, ssd_gb=1) == pytest.approx(20.0)
+
+
+def test_bench_pipeline_cpu_mode_writes_json_and_plot(tmp_path: Path) -> None:
+    out, png = tmp_path / "p.json", tmp_path / "p.png"
+    store = tmp_path / "store"
+    store.mkdir()
+    rc = bench_main(["--pipeline", "--device", "cpu", "--paths", str(store), "--inputs", "1K",
+                     "--prefix-tokens", "50%,-1u", "--decode-steps", "2", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads(out.read_text())
+    assert {"machine", "model", "prices", "results", "summary"} <= set(report)
+    got = {(r["system"], r["prefix_tokens"]) for r in report["results"]}
+    want = {(s, p) for s in ("ideal", "tutti", "tutti-writeback", "naive", "load-all", "per-chunk")
+            for p in (512, 768)} | {("recompute", 0)}
+    assert got == want
+    for r in report["results"]:
+        assert r["ttft_s"] > 0 and r["cost_per_1m_tokens"] > 0
+        if r["system"] != "recompute":
+            assert r["matches_ideal"] == "bitwise" and "bubble_s" in r
+    assert "crossover_hit_rate" in report["summary"]["1024"]
+    assert not [p for p in store.iterdir() if p.name.startswith("tutti-bench-")]
