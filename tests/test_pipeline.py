@@ -201,3 +201,28 @@ def test_bench_pipeline_cpu_mode_writes_json_and_plot(tmp_path: Path) -> None:
             assert r["matches_ideal"] == "bitwise" and "bubble_s" in r
     assert "crossover_hit_rate" in report["summary"]["1024"]
     assert not [p for p in store.iterdir() if p.name.startswith("tutti-bench-")]
+
+
+def test_profile_writes_a_keyed_table_the_bench_reads(tmp_path: Path) -> None:
+    from tutti_cluster.cli import main as tutti_main
+    from tutti_cluster.pipeline.profile import SlackTable
+
+    out = tmp_path / "prof.json"
+    assert tutti_main(["profile", "--device", "cpu", "--inputs", "1K", "--prefix-tokens", "0%,50%,-1u",
+                       "--data-dir", str(tmp_path), "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(g["input"], g["prefix"]) for g in data["grid"]] == [(1024, 0), (1024, 512), (1024, 768)]
+    table = SlackTable.load(out, SHAPE, CPU, 0)
+    a, b = table.windows(1024, 512), table.windows(1024, 768)
+    mid = table.windows(1024, 640)  # between two grid points: interpolated
+    assert all(min(x, y) <= m <= max(x, y) for x, y, m in zip(a, b, mid))
+    assert table.windows(1024, 500) == table.windows(1024, 512)  # rounded to the 32-token grid
+    with pytest.raises(ConfigError, match="was made for"):
+        SlackTable.load(out, model_shape("tiny", layers=2), CPU, 0)
+    store = tmp_path / "store"
+    store.mkdir()
+    j = tmp_path / "p.json"
+    assert bench_main(["--pipeline", "--device", "cpu", "--paths", str(store), "--inputs", "1K", "--prefix-tokens",
+                       "50%", "--systems", "tutti", "--no-writeback", "--profile", str(out), "--json", str(j)]) == 0
+    rows = [r for r in json.loads(j.read_text())["results"] if r["system"] == "tutti"]
+    assert rows and rows[0]["windows_from"] == "profile"

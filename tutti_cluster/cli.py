@@ -1,4 +1,5 @@
-"""The `tutti` command: `tutti up` (the node daemon, or its demo), `tutti bench`, `tutti admin`.
+"""The `tutti` command: `tutti up` (the node daemon, or its demo), `tutti bench`, `tutti profile`,
+`tutti admin`.
 
 Every command's store flags are generated from :class:`~tutti_cluster.config.TuttiConfig`
 (:func:`~tutti_cluster.config.add_config_arguments`), so a flag, its ``TUTTI_*`` variable and its
@@ -28,6 +29,8 @@ COMMANDS = (
            "(and, with --etcd, this node's units to other nodes); --demo: try the store once and exit"),
     ("bench", "bandwidth against baselines and the same-run storage limits (needs PyTorch); "
               "`tutti bench cluster`: remote fetch and directory lookups (needs the cluster extra)"),
+    ("profile", "offline profile of a model shape's per-layer compute on an (input, prefix) grid: the slack "
+                "windows `tutti bench --pipeline --profile` schedules I/O into (needs PyTorch)"),
     ("admin", "admin plane client: status, stats, objects, evict, pin, unpin, drain; serve: the cluster-wide "
               "admin API (needs the admin extra)"),
 )
@@ -226,6 +229,12 @@ def _dispatch(argv: list[str], verbose: bool) -> int:
         from tutti_cluster.bench.runner import run_args  # PyTorch: the benchmark's KV tensors are torch tensors
 
         return int(run_args(a) or 0)
+    if cmd == "profile":
+        from tutti_cluster.pipeline.profile import build_parser as profile_parser, run_args as profile_run
+
+        a = profile_parser(Parser).parse_args(rest)
+        _logging(verbose)
+        return int(profile_run(a) or 0)
     if cmd == "admin":
         try:
             from tutti_control.cli import parser as admin_parser, run_args as admin_run

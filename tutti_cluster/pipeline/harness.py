@@ -370,22 +370,23 @@ class Harness:
         out, t = self._timed(lambda: self._prefill(case, prefix, hooks))
         return Outcome("per-chunk", t, out, {"threads": self.per_chunk.threads})
 
-    def slack_windows(self, case: InputCase, prefix: int) -> list[float]:
-        """Per-layer slack windows: the offline profile's when one is loaded, else the resident run's."""
+    def slack_windows(self, case: InputCase, prefix: int) -> tuple[list[float], str]:
+        """Per-layer slack windows and where they come from: the offline profile when one is loaded,
+        else the resident (ideal) run's per-layer times for this input and prefix."""
         if self.windows is not None:
             w = self.windows(case.n, prefix)
             if w is not None:
-                return w
+                return w, "profile"
         got = self.layer_seconds.get((case.n, prefix))
         if got is None:
             raise ConfigError("no slack windows: run 'ideal' for this (input, prefix) first or load a profile")
-        return got
+        return got, "resident run"
 
     def _tutti(self, case: InputCase, prefix: int, writeback: bool = False, decode_steps: int = 0) -> Outcome:
         self.poison(case, prefix)
         keys, ids = self._prefix_keys(case, prefix), self._prefix_blocks(case, prefix)
         layers = self.model.shape.layers
-        windows = self.slack_windows(case, prefix)
+        windows, source = self.slack_windows(case, prefix)
         if not self.read_bps:
             raise ConfigError("no read bandwidth estimate: restore a prefix first")
         ioctx = len(keys) * self.objs_per_layer
@@ -430,7 +431,8 @@ class Harness:
         self._sync()
         if report.failed_iocbs:
             raise BenchVerificationError(f"tutti: {report.failed_iocbs} read IOCBs failed")
-        extra: dict[str, Any] = {"schedule": {**report.as_dict(), "reads": self.tutti_reads}, "windows_ms": [round(w * 1e3, 3) for w in windows]}
+        extra: dict[str, Any] = {"schedule": {**report.as_dict(), "reads": self.tutti_reads}, "windows_ms": [round(w * 1e3, 3) for w in windows],
+                                 "windows_from": source}
         if itl:
             extra["itl_s"] = statistics.median(itl)
         return Outcome("tutti", t, out, extra)
