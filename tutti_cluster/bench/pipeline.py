@@ -362,9 +362,9 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress) -
                     load = _median([o.extra["load_s"] for o in outs])
                     row["load_s"] = round(load, 5)
                     cross_pts.append((hit, load, ideal_s))
-                for k in ("layer_ms", "schedule", "windows_ms", "windows_from", "ahead", "threads"):
-                    if k in last:
-                        row[k] = last[k]
+                for name in ("layer_ms", "schedule", "windows_ms", "windows_from", "ahead", "threads"):
+                    if name in last:
+                        row[name] = last[name]
                 if system == "tutti-writeback":
                     wb_itl = _median([o.extra["itl_s"] for o in outs])
                     row["itl_s"] = round(wb_itl, 6)

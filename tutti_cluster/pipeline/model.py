@@ -270,7 +270,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, comp
         from torch.nn.attention.flex_attention import flex_attention
 
         mask = cached_block_mask(s, n, q.device)
-        fn = _flex(dynamic) if compiled else flex_attention
+        fn: Callable[..., Any] = _flex(dynamic) if compiled else flex_attention  # type: ignore[assignment]
         out = fn(qh, kh, vh, block_mask=mask, enable_gqa=True)
     else:
         if s == n:
