@@ -164,11 +164,24 @@ def _weights_bytes(s: ModelShape) -> int:
     return 2 * (s.layers * per_layer + s.vocab * s.hidden)
 
 
+def pool_tokens(plan: PipelinePlan) -> int:
+    """Tokens of KV the store holds at most at once: an input's stored prefix plus, with write-back,
+    the new units of its shortest prefix's suffix (removed after each run)."""
+    unit = plan.cfg.unit_tokens
+    most = 0
+    for n, ps in plan.prefixes.items():
+        new = (n - min(ps)) // unit * unit if plan.writeback and "tutti" in plan.systems else 0
+        most = max(most, max(ps) + new)
+    return most
+
+
 def check_room(plan: PipelinePlan) -> None:
     """Fails early, with the numbers, when the paths or the device cannot hold the run."""
     n = max(plan.inputs)
     kv_bytes = n * plan.shape.kv_bytes_per_token
-    per_path = 2 * pool_bytes_per_path(kv_bytes, len(plan.dirs))  # the pool and the per-chunk files
+    per_path = pool_bytes_per_path(pool_tokens(plan) * plan.shape.kv_bytes_per_token, len(plan.dirs))
+    if "per-chunk" in plan.systems:
+        per_path += -(-max(max(ps) for ps in plan.prefixes.values()) * plan.shape.kv_bytes_per_token // len(plan.dirs))
     for d in plan.dirs:
         free = shutil.disk_usage(d).free
         if free < per_path:
@@ -203,8 +216,7 @@ def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path]) -> Any:
     from tutti_cluster import TuttiStore
     from tutti_cluster.config import load_config
 
-    kv_bytes = max(plan.inputs) * plan.shape.kv_bytes_per_token
-    caps = plan.capacity_gb or [pool_bytes_per_path(kv_bytes, len(dirs)) / GIB]
+    caps = plan.capacity_gb or [pool_bytes_per_path(pool_tokens(plan) * plan.shape.kv_bytes_per_token, len(dirs)) / GIB]
     fields = plan.cfg.model_dump()
     fields.update(paths=dirs, capacity_gb=caps, instance="pipeline",
                   backend="cuda" if plan.device.type == "cuda" else "cpu")
@@ -265,10 +277,12 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
         per_p = plan.repeat * (1 + len(restoring) + (plan.writeback and "tutti" in plan.systems))
         progress = _Progress(sum(1 + len(plan.prefixes[n]) * per_p for n in plan.inputs))
         info["store"] = {"unit_tokens": store.unit_tokens, "staging_mb": plan.cfg.staging_mb,
+                         "map_memory_paths": plan.cfg.map_memory_paths, "total_slots": store.stats().get("total_slots"),
                          "io_sms": plan.cfg.io_sms, "compute_stream": h._stream is not None}
         for n in plan.inputs:
             rows_n, summary[str(n)] = _run_input(plan, h, n, progress)
             rows.extend(rows_n)
+            info["store"]["evictions"] = store.stats().get("evictions")
             if partial is not None:
                 partial(_report(plan, info, rows, summary))
     finally:
