@@ -22,6 +22,9 @@ def _stub_names() -> dict[str, set[str]]:
         if isinstance(node, ast.ClassDef):
             names[node.name] = {n.name for n in node.body if isinstance(n, ast.FunctionDef)} | {
                 n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+            for base in node.bases:  # inherited members (Store is a UnitStore)
+                if isinstance(base, ast.Name) and base.id in names:
+                    names[node.name] |= names[base.id]
             names[""].add(node.name)
         elif isinstance(node, ast.FunctionDef):
             names[""].add(node.name)

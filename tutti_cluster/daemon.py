@@ -466,7 +466,6 @@ class _InstanceView:
 
     def open(self) -> list[int]:
         """Open the pools read-only (or rescan their headers when open) and return the keys they hold."""
-        from tutti_cluster.kv_layout import LayerKV
         from tutti_cluster.store import TuttiStore
 
         with self._alone():
@@ -478,12 +477,10 @@ class _InstanceView:
                 if self.store is not None:
                     self.store.close()
                     self.store = None
-                # Read-only stores never touch KV memory, so the pointers are placeholders.
-                layer = LayerKV(ptrs=tuple(1 for _ in range(g["nptr"])), block_stride=g["block_stride"],
-                                block_bytes=g["block_bytes"], num_blocks=g["num_blocks"], device="cpu",
-                                dtype=g.get("dtype", ""), block_shape=tuple(g.get("block_shape", ())))
                 st = TuttiStore(self.config)
-                st.register_kv_caches([layer] * g["num_layers"], block_tokens=g["block_tokens"], read_only=True)
+                st.open_pools(num_layers=g["num_layers"], objs_per_layer=g["nptr"], block_bytes=g["block_bytes"],
+                              block_tokens=g["block_tokens"], dtype=g.get("dtype", ""),
+                              block_shape=tuple(g.get("block_shape", ())))
                 self.store, self._opened_geometry = st, dict(g)
             self.refreshed_at = time.monotonic()
             return list(self.store.keys())

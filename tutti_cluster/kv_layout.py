@@ -195,5 +195,10 @@ def describe(layers: Sequence[LayerKV]) -> str:
             raise LayoutError(f"layer {i} differs from layer 0 in shape, dtype, block count or layout")
         if l.device != l0.device:
             raise LayoutError(f"layer {i} is on {l.device}, layer 0 on {l0.device}")
-    shape = ",".join(str(d) for d in l0.block_shape) or str(l0.block_bytes)
-    return f"{l0.dtype or 'bytes'}[{shape}]x{len(l0.ptrs)}"
+    return describe_block(l0.dtype, l0.block_shape, l0.block_bytes, len(l0.ptrs))
+
+
+def describe_block(dtype: str, block_shape: Sequence[int], block_bytes: int, objs_per_layer: int) -> str:
+    """The header's shape and dtype text from one layer's block description (``describe``)."""
+    shape = ",".join(str(d) for d in block_shape) or str(block_bytes)
+    return f"{dtype or 'bytes'}[{shape}]x{objs_per_layer}"

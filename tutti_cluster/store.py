@@ -30,7 +30,7 @@ from tutti_cluster import _native
 from tutti_cluster.config import TuttiConfig, load_config
 from tutti_cluster.errors import ConfigError, DeviceError, LayoutError, TuttiError
 from tutti_cluster.keys import Key, key_array, to_key
-from tutti_cluster.kv_layout import Layout, LayerKV, describe, layer_kv_from_tensor
+from tutti_cluster.kv_layout import Layout, LayerKV, describe, describe_block, layer_kv_from_tensor
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,12 @@ class RequestResult:
     @property
     def ok(self) -> bool:
         return not self.failed_units
+
+
+def struct_dict(obj: Any) -> dict[str, Any]:
+    """A native struct (Geometry, StoreStats, RequestResult) as a dict of its fields."""
+    cls = type(obj)
+    return {n: getattr(obj, n) for n in dir(cls) if isinstance(getattr(cls, n, None), property)}
 
 
 def _block_array(block_ids: Any) -> np.ndarray:
@@ -150,10 +156,12 @@ class TuttiStore:
                 if not pool.exists() or pool.stat().st_size < cap // max(1, self.config.pool_files) // 2:
                     log.info("creating the cache files in %s (%.1f GiB); they are filled once now so that "
                              "later stores never wait for the disk to allocate space", p, cap / (1 << 30))
-        descs = [_native.LayerKVDesc(list(l.ptrs), l.block_stride, l.block_bytes, l.num_blocks) for l in layers]
         options = native_options(self.config, backend=backend, unit_blocks=unit_blocks, read_only=read_only)
-        nat = _native.Store.open(options, descs, desc)
-        if not read_only:
+        if read_only:  # the unit store alone: it never touches the KV memory
+            nat = _native.UnitStore.open(options, len(layers), len(layers[0].ptrs), layers[0].block_bytes, desc)
+        else:
+            descs = [_native.LayerKVDesc(list(l.ptrs), l.block_stride, l.block_bytes, l.num_blocks) for l in layers]
+            nat = _native.Store.open(options, descs, desc)
             try:
                 nat.init_queue(self.config.iocb_depth)
             except TuttiError:
@@ -178,7 +186,33 @@ class TuttiStore:
                 else lambda: int(torch.cuda.current_stream(index).cuda_stream)
             )
         log.info("store %s: %d layers, %s, %d blocks/unit, GPU file %d bytes, backend %s",
-                 self.config.instance, len(layers), desc, unit_blocks, nat.geometry()["slot_bytes"], backend)
+                 self.config.instance, len(layers), desc, unit_blocks, nat.geometry().slot_bytes, backend)
+
+    def open_pools(self, *, num_layers: int, objs_per_layer: int, block_bytes: int, block_tokens: int,
+                   dtype: str = "", block_shape: Sequence[int] = ()) -> None:
+        """Opens this instance's existing pools for reading only, from the KV geometry alone (no KV
+        memory): lookups, ``read_unit``/``read_unit_into`` and ``refresh``, as the node daemon
+        does. The geometry is what the engine registered (``dtype`` and ``block_shape`` as its
+        layers describe them), so that the headers' layout matches."""
+        if self._native is not None:
+            raise ConfigError("KV caches are already registered")
+        if block_tokens <= 0 or self.config.unit_tokens % block_tokens:
+            raise ConfigError(f"unit_tokens ({self.config.unit_tokens}) must be a multiple of block_tokens ({block_tokens})")
+        unit_blocks = self.config.unit_tokens // block_tokens
+        options = native_options(self.config, backend="cpu", unit_blocks=unit_blocks, read_only=True)
+        desc = describe_block(dtype, block_shape, block_bytes, objs_per_layer)
+        self._native = _native.UnitStore.open(options, num_layers, objs_per_layer, block_bytes, desc)
+        self.block_tokens = block_tokens
+        self.num_layers = num_layers
+        self._layers = []
+
+    @property
+    def _e(self) -> Any:
+        """The engine session (register_kv_caches without read_only)."""
+        n = self._n
+        if not isinstance(n, _native.Store):
+            raise TuttiError("this store was opened read-only: it has no queues (lookups and reads only)")
+        return n
 
     @property
     def _n(self) -> Any:
@@ -195,7 +229,7 @@ class TuttiStore:
     @property
     def unit_blocks(self) -> int:
         """KV blocks per cache unit."""
-        return int(self._n.geometry()["unit_blocks"])
+        return int(self._n.geometry().unit_blocks)
 
     @property
     def unit_tokens(self) -> int:
@@ -203,7 +237,7 @@ class TuttiStore:
 
     def geometry(self) -> dict[str, int]:
         """Sizes of a GPU file: objects, header, slot."""
-        return dict(self._n.geometry())
+        return struct_dict(self._n.geometry())
 
     # ---- lookups -------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[Key]) -> int:
@@ -224,7 +258,7 @@ class TuttiStore:
 
     def _begin(self, op: Any, keys: Sequence[Key], block_ids: Any) -> int:
         k = key_array(keys)
-        req = int(self._n.begin(op, k, _block_array(block_ids)))
+        req = int(self._e.begin(op, k, _block_array(block_ids)))
         with self._lock:
             self._ops[req] = op
             self._keys[req] = k
@@ -250,7 +284,7 @@ class TuttiStore:
         the work queued so far on the caller's current stream.
         """
         self._check(req, _RETRIEVE)
-        self._n.layer(layer, req, event, self._order_stream(event))
+        self._e.layer(layer, req, event, self._order_stream(event))
 
     def store_layer(self, layer: int, req: int, event: int = 0) -> None:
         """Starts writing ``layer`` of the request's KV blocks to its GPU files (asynchronous).
@@ -259,7 +293,7 @@ class TuttiStore:
         current stream (the kernels that wrote the KV blocks).
         """
         self._check(req, _STORE)
-        self._n.layer(layer, req, event, self._order_stream(event))
+        self._e.layer(layer, req, event, self._order_stream(event))
 
     def wait_layer(self, layer: int, req: int, stream: int | None = None) -> None:
         """Waits until ``layer`` of the request has moved.
@@ -272,26 +306,26 @@ class TuttiStore:
             raise TuttiError(f"no request {req} in flight")
         if stream is None:
             stream = self._current_stream() if self.device == "cuda" else 0
-        self._n.wait_layer(layer, req, stream)
+        self._e.wait_layer(layer, req, stream)
 
     def compute_stream(self) -> int:
         """A ``cudaStream_t`` handle on the SMs outside the I/O partition (CUDA stores with green
         contexts), for the engine's compute; 0 when there is none."""
-        return int(self._n.compute_stream())
+        return int(self._e.compute_stream())
 
     def finish(self, req: int) -> RequestResult:
         """Completes a request: commits stored units, unpins retrieved ones, reports failures."""
         if req not in self._ops:
             raise TuttiError(f"no request {req} in flight")
-        units, failed, skipped, committed, incomplete = self._n.finish(req)
+        res = RequestResult(**struct_dict(self._e.finish(req)))
         with self._lock:
             self._ops.pop(req, None)
             keys = self._keys.pop(req)
         if self.on_commit is not None:
-            for u in committed:
+            for u in res.committed_units:
                 self.on_commit(int(keys[u]))
         self._drain_evicted()
-        return RequestResult(int(units), list(failed), int(skipped), list(committed), list(incomplete))
+        return res
 
     def retrieve(self, keys: Sequence[Key], block_ids: Any) -> RequestResult:
         """Retrieves every layer of a request and waits for it."""
@@ -310,25 +344,25 @@ class TuttiStore:
     # ---- gio_uring -----------------------------------------------------------------------------
     def get_iocb(self, n: int) -> list[int]:
         """Takes ``n`` free IOCBs from the table made by ``init_queue`` (at registration)."""
-        return list(self._n.get_iocb(n))
+        return list(self._e.get_iocb(n))
 
     def fill_iocb(self, iocb: int, *, op: str, layer: int, req: int, first: int, count: int) -> None:
         """Points an IOCB at IOCTXs ``[first, first + count)`` of request ``req`` (op: read|write)."""
         codes = {"read": _native.IoOp.READ, "write": _native.IoOp.WRITE}
         if op not in codes:
             raise TuttiError(f"op must be one of {sorted(codes)}")
-        self._n.fill_iocb(iocb, codes[op], layer, req, first, count)
+        self._e.fill_iocb(iocb, codes[op], layer, req, first, count)
 
     def issue_io(self, iocbs: Sequence[int], sms: int = 0, event: int = 0) -> None:
         """Enqueues the I/O kernel for these IOCBs on ``sms`` SMs (0: the configured io_sms)."""
-        self._n.issue_io(list(iocbs), sms, event)
+        self._e.issue_io(list(iocbs), sms, event)
 
     def wait_cqe(self, iocb: int) -> int:
         """Waits for an IOCB; returns how many of its IOCTXs failed."""
-        return int(self._n.wait_cqe(iocb))
+        return int(self._e.wait_cqe(iocb))
 
     def put_iocb(self, iocb: int) -> None:
-        self._n.put_iocb(iocb)
+        self._e.put_iocb(iocb)
 
     # ---- CPU paths: replicas and remote reads ---------------------------------------------------
     def read_unit(self, key: Key) -> bytes:
@@ -366,7 +400,7 @@ class TuttiStore:
         blocks are written. Raises NotFound (a miss) when the header or an object fails its
         checksum (the blocks then hold no valid KV), DeviceError when the device fails.
         """
-        self._n.scatter_unit(data, _block_array(block_ids))
+        self._e.scatter_unit(data, _block_array(block_ids))
 
     def register_host(self, buffer: Any) -> int:
         """Lets :meth:`scatter_unit` read units in ``buffer`` (host memory, e.g. the Transfer
@@ -374,7 +408,7 @@ class TuttiStore:
         :meth:`unregister_host`; the store keeps ``buffer`` exported until then or :meth:`close`.
         A no-op on the CPU backend."""
         view = memoryview(buffer)
-        addr = int(self._n.register_host(view))
+        addr = int(self._e.register_host(view))
         self._host_regions[addr] = view
         return addr
 
@@ -414,7 +448,7 @@ class TuttiStore:
 
     def stats(self) -> dict[str, Any]:
         """Counters and sizes of this instance."""
-        return dict(self._n.stats())
+        return struct_dict(self._n.stats())
 
     def close(self) -> None:
         """Finishes requests in flight, stops the queues and releases the pool files."""

@@ -59,12 +59,16 @@ uint32_t u32(const py::handle& v, const char* what) {
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-struct PyStore {
-  std::unique_ptr<Store> s;
-  Store& get() {
+// The Python objects own their store; close() drops it, and any later call says so.
+struct PyUnits {
+  std::unique_ptr<UnitStore> s;
+  UnitStore& get() {
     if (!s) raise({Code::kInvalid, "store is closed"});
     return *s;
   }
+};
+struct PyStore : PyUnits {
+  Store& get() { return static_cast<Store&>(PyUnits::get()); }
 };
 
 py::bytes to_bytes(const std::vector<uint8_t>& v) { return py::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
@@ -128,7 +132,115 @@ PYBIND11_MODULE(_native, m) {
       .def_readwrite("read_only", &StoreOptions::read_only)
       .def_readwrite("map_memory", &StoreOptions::map_memory);
 
-  py::class_<PyStore>(m, "Store")
+  // Results as the structs themselves (read-only attributes); the Python side turns them into
+  // dicts and dataclasses by their attribute names.
+  py::class_<Geometry>(m, "Geometry")
+      .def_readonly("num_layers", &Geometry::num_layers)
+      .def_readonly("objs_per_layer", &Geometry::objs_per_layer)
+      .def_readonly("unit_blocks", &Geometry::unit_blocks)
+      .def_readonly("block_bytes", &Geometry::block_bytes)
+      .def_readonly("obj_bytes", &Geometry::obj_bytes)
+      .def_readonly("header_bytes", &Geometry::header_bytes)
+      .def_readonly("slot_bytes", &Geometry::slot_bytes)
+      .def_readonly("layout_id", &Geometry::layout_id);
+  py::class_<StoreStats>(m, "StoreStats")
+      .def_readonly("units", &StoreStats::units)
+      .def_readonly("pinned", &StoreStats::pinned)
+      .def_readonly("free_slots", &StoreStats::free_slots)
+      .def_readonly("total_slots", &StoreStats::total_slots)
+      .def_readonly("hits", &StoreStats::hits)
+      .def_readonly("lookups", &StoreStats::lookups)
+      .def_readonly("evictions", &StoreStats::evictions)
+      .def_readonly("checksum_failures", &StoreStats::checksum_failures)
+      .def_readonly("io_errors", &StoreStats::io_errors)
+      .def_readonly("bad_headers", &StoreStats::bad_headers)
+      .def_readonly("bytes_read", &StoreStats::bytes_read)
+      .def_readonly("bytes_written", &StoreStats::bytes_written)
+      .def_readonly("agent_ops", &StoreStats::agent_ops)
+      .def_readonly("agent_cpu_s", &StoreStats::agent_cpu_s)
+      .def_readonly("kernel_cpu_s", &StoreStats::kernel_cpu_s)
+      .def_readonly("extent_map_bytes", &StoreStats::extent_map_bytes)
+      .def_readonly("request_map_peak_bytes", &StoreStats::request_map_peak_bytes)
+      .def_readonly("staging_bytes", &StoreStats::staging_bytes)
+      .def_readonly("slot_bytes", &StoreStats::slot_bytes)
+      .def_readonly("obj_bytes", &StoreStats::obj_bytes)
+      .def_readonly("direct_io", &StoreStats::direct_io)
+      .def_readonly("fixed_buffers", &StoreStats::fixed_buffers)
+      .def_readonly("mapped_files", &StoreStats::mapped_files)
+      .def_readonly("backend", &StoreStats::backend);
+  py::class_<RequestResult>(m, "RequestResult")
+      .def_readonly("units", &RequestResult::units)
+      .def_readonly("failed_units", &RequestResult::failed_units)
+      .def_readonly("skipped_units", &RequestResult::skipped_units)
+      .def_readonly("committed_units", &RequestResult::committed_units)
+      .def_readonly("incomplete_layers", &RequestResult::incomplete_layers);
+
+  // The unit store alone (the node daemon's reader): the pools of one instance and geometry, no KV
+  // memory, no queues.
+  py::class_<PyUnits>(m, "UnitStore")
+      .def_static(
+          "open",
+          [](const StoreOptions& o, uint32_t num_layers, uint32_t objs_per_layer, uint64_t block_bytes, std::string desc) {
+            auto* pu = new PyUnits();
+            Status st;
+            {
+              py::gil_scoped_release nogil;
+              Geometry g;
+              st = make_geometry(num_layers, objs_per_layer, block_bytes, o.unit_blocks, desc, &g);
+              if (st.ok()) st = UnitStore::open(o, g, desc, &pu->s);
+            }
+            if (!st.ok()) {
+              delete pu;
+              raise(st);
+            }
+            return pu;
+          },
+          py::arg("options"), py::arg("num_layers"), py::arg("objs_per_layer"), py::arg("block_bytes"), py::arg("desc"))
+      .def("lookup", [](PyUnits& p, U64Array keys) {
+        UnitStore& s = p.get();
+        return s.lookup(keys.data(), static_cast<uint32_t>(keys.size()));
+      })
+      .def("read_unit", [](PyUnits& p, uint64_t key) {
+        UnitStore& s = p.get();
+        std::vector<uint8_t> out;
+        {
+          ok(without_gil([&] { return s.read_unit(key, &out); }));
+        }
+        return to_bytes(out);
+      })
+      .def("read_unit_into", [](PyUnits& p, uint64_t key, py::buffer out, bool verify) {
+        UnitStore& s = p.get();
+        py::buffer_info i = out.request(true);
+        const uint64_t n = static_cast<uint64_t>(i.size * i.itemsize);
+        ok(without_gil([&] { return s.read_unit_into(key, static_cast<uint8_t*>(i.ptr), n, verify); }));
+        return s.geometry().slot_bytes;
+      }, py::arg("key"), py::arg("out"), py::arg("verify") = true)
+      .def("refresh", [](PyUnits& p) {
+        UnitStore& s = p.get();
+        ok(without_gil([&] { return s.refresh(); }));
+      })
+      .def("import_unit", [](PyUnits& p, py::buffer data) {
+        UnitStore& s = p.get();
+        py::buffer_info i = data.request();
+        uint64_t key;
+        ok(without_gil([&] { return s.import_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), &key); }));
+        return key;
+      })
+      .def("pin", [](PyUnits& p, U64Array keys, bool on) { p.get().pin(keys.data(), static_cast<uint32_t>(keys.size()), on); })
+      .def("remove", [](PyUnits& p, uint64_t key) { return p.get().remove(key); })
+      .def("keys", [](PyUnits& p) { return p.get().keys(); })
+      .def("drain_evicted", [](PyUnits& p) { return p.get().drain_evicted(); })
+      .def("geometry", [](PyUnits& p) { return p.get().geometry(); })
+      .def("stats", [](PyUnits& p) { return p.get().stats(); })
+      .def("close", [](PyUnits& p) {
+        if (!p.s) return;
+        py::gil_scoped_release nogil;
+        p.s.reset();
+      });
+;
+
+  // An engine session: a unit store plus the engine API over the registered KV memory.
+  py::class_<PyStore, PyUnits>(m, "Store")
       .def_static(
           "open",
           [](const StoreOptions& o, std::vector<LayerKV> layers, std::string desc) {
@@ -136,7 +248,9 @@ PYBIND11_MODULE(_native, m) {
             Status st;
             {
               py::gil_scoped_release nogil;
-              st = Store::open(o, layers, desc, &ps->s);
+              std::unique_ptr<Store> opened;
+              st = Store::open(o, layers, desc, &opened);
+              ps->s = std::move(opened);
             }
             if (!st.ok()) {
               delete ps;
@@ -148,10 +262,6 @@ PYBIND11_MODULE(_native, m) {
       .def("init_queue", [](PyStore& p, uint32_t depth) {
         Store& s = p.get();
         ok(without_gil([&] { return s.init_queue(depth); }));
-      })
-      .def("lookup", [](PyStore& p, U64Array keys) {
-        Store& s = p.get();
-        return s.lookup(keys.data(), static_cast<uint32_t>(keys.size()));
       })
       .def("begin", [](PyStore& p, ReqOp op, U64Array keys, I64Array blocks) {
         Store& s = p.get();
@@ -175,7 +285,7 @@ PYBIND11_MODULE(_native, m) {
         const uint32_t id = u32(req, "request");
         RequestResult r;
         ok(without_gil([&] { return s.finish(id, &r); }));
-        return py::make_tuple(r.units, r.failed_units, r.skipped_units, r.committed_units, r.incomplete_layers);
+        return r;
       })
       .def("get_iocb", [](PyStore& p, py::handle n) {
         std::vector<uint32_t> ids;
@@ -203,32 +313,6 @@ PYBIND11_MODULE(_native, m) {
       })
       .def("put_iocb", [](PyStore& p, py::handle id) { ok(p.get().put_iocb(u32(id, "iocb"))); })
       .def("compute_stream", [](PyStore& p) { return p.get().compute_stream(); })
-      .def("read_unit", [](PyStore& p, uint64_t key) {
-        Store& s = p.get();
-        std::vector<uint8_t> out;
-        {
-          ok(without_gil([&] { return s.read_unit(key, &out); }));
-        }
-        return to_bytes(out);
-      })
-      .def("read_unit_into", [](PyStore& p, uint64_t key, py::buffer out, bool verify) {
-        Store& s = p.get();
-        py::buffer_info i = out.request(true);
-        const uint64_t n = static_cast<uint64_t>(i.size * i.itemsize);
-        ok(without_gil([&] { return s.read_unit_into(key, static_cast<uint8_t*>(i.ptr), n, verify); }));
-        return s.geometry().slot_bytes;
-      }, py::arg("key"), py::arg("out"), py::arg("verify") = true)
-      .def("refresh", [](PyStore& p) {
-        Store& s = p.get();
-        ok(without_gil([&] { return s.refresh(); }));
-      })
-      .def("import_unit", [](PyStore& p, py::buffer data) {
-        Store& s = p.get();
-        py::buffer_info i = data.request();
-        uint64_t key;
-        ok(without_gil([&] { return s.import_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), &key); }));
-        return key;
-      })
       .def("scatter_unit", [](PyStore& p, py::buffer data, I64Array blocks) {
         Store& s = p.get();
         py::buffer_info i = data.request();
@@ -241,56 +325,5 @@ PYBIND11_MODULE(_native, m) {
         ok(s.register_host(i.ptr, static_cast<uint64_t>(i.size * i.itemsize)));
         return reinterpret_cast<uint64_t>(i.ptr);
       })
-      .def("unregister_host", [](PyStore& p, uint64_t addr) { p.get().unregister_host(reinterpret_cast<void*>(addr)); })
-      .def("pin", [](PyStore& p, U64Array keys, bool on) { p.get().pin(keys.data(), static_cast<uint32_t>(keys.size()), on); })
-      .def("remove", [](PyStore& p, uint64_t key) { return p.get().remove(key); })
-      .def("keys", [](PyStore& p) { return p.get().keys(); })
-      .def("drain_evicted", [](PyStore& p) { return p.get().drain_evicted(); })
-      .def("geometry", [](PyStore& p) {
-        const Geometry& g = p.get().geometry();
-        py::dict d;
-        d["num_layers"] = g.num_layers;
-        d["objs_per_layer"] = g.objs_per_layer;
-        d["unit_blocks"] = g.unit_blocks;
-        d["block_bytes"] = g.block_bytes;
-        d["obj_bytes"] = g.obj_bytes;
-        d["header_bytes"] = g.header_bytes;
-        d["slot_bytes"] = g.slot_bytes;
-        d["layout_id"] = g.layout_id;
-        return d;
-      })
-      .def("stats", [](PyStore& p) {
-        StoreStats s = p.get().stats();
-        py::dict d;
-        d["units"] = s.units;
-        d["pinned"] = s.pinned;
-        d["free_slots"] = s.free_slots;
-        d["total_slots"] = s.total_slots;
-        d["hits"] = s.hits;
-        d["lookups"] = s.lookups;
-        d["evictions"] = s.evictions;
-        d["checksum_failures"] = s.checksum_failures;
-        d["io_errors"] = s.io_errors;
-        d["bad_headers"] = s.bad_headers;
-        d["bytes_read"] = s.bytes_read;
-        d["bytes_written"] = s.bytes_written;
-        d["agent_ops"] = s.agent_ops;
-        d["agent_cpu_s"] = s.agent_cpu_s;
-        d["kernel_cpu_s"] = s.kernel_cpu_s;
-        d["extent_map_bytes"] = s.extent_map_bytes;
-        d["request_map_peak_bytes"] = s.request_map_peak_bytes;
-        d["staging_bytes"] = s.staging_bytes;
-        d["slot_bytes"] = s.slot_bytes;
-        d["obj_bytes"] = s.obj_bytes;
-        d["direct_io"] = s.direct_io;
-        d["fixed_buffers"] = s.fixed_buffers;
-        d["mapped_files"] = s.mapped_files;
-        d["backend"] = s.backend;
-        return d;
-      })
-      .def("close", [](PyStore& p) {
-        if (!p.s) return;
-        py::gil_scoped_release nogil;
-        p.s.reset();
-      });
+      .def("unregister_host", [](PyStore& p, uint64_t addr) { p.get().unregister_host(reinterpret_cast<void*>(addr)); });
 }

@@ -21,26 +21,31 @@ uint64_t header_bytes_for(uint32_t num_objs) {
 Status make_geometry(const std::vector<LayerKV>& layers, uint32_t unit_blocks, const std::string& desc,
                      Geometry* out) {
   if (layers.empty()) return {Code::kLayout, "no KV cache layers given"};
-  if (unit_blocks == 0) return {Code::kConfig, "unit_blocks must be positive"};
   const LayerKV& l0 = layers[0];
   for (size_t i = 0; i < layers.size(); ++i) {
     const LayerKV& l = layers[i];
     if (l.nptr != l0.nptr || l.block_bytes != l0.block_bytes)
       return {Code::kLayout, "layer " + std::to_string(i) + " differs in layout from layer 0"};
-    if (l.block_bytes == 0 || l.block_bytes % 4 != 0)
-      return {Code::kLayout, "block_bytes must be a positive multiple of 4"};
-    if (l.nptr != 1 && l.nptr != 2) return {Code::kLayout, "each layer needs 1 or 2 object pointers"};
   }
+  return make_geometry(static_cast<uint32_t>(layers.size()), l0.nptr, l0.block_bytes, unit_blocks, desc, out);
+}
+
+Status make_geometry(uint32_t num_layers, uint32_t objs_per_layer, uint64_t block_bytes, uint32_t unit_blocks,
+                     const std::string& desc, Geometry* out) {
+  if (num_layers == 0) return {Code::kLayout, "no KV cache layers given"};
+  if (unit_blocks == 0) return {Code::kConfig, "unit_blocks must be positive"};
+  if (block_bytes == 0 || block_bytes % 4 != 0) return {Code::kLayout, "block_bytes must be a positive multiple of 4"};
+  if (objs_per_layer != 1 && objs_per_layer != 2) return {Code::kLayout, "each layer needs 1 or 2 object pointers"};
   if (desc.size() >= kDescBytes) return {Code::kLayout, "layout description too long"};
-  if (align_up(static_cast<uint64_t>(unit_blocks) * l0.block_bytes) >= kMaxObjBytes)
-    return {Code::kLayout, "objects of " + std::to_string(static_cast<uint64_t>(unit_blocks) * l0.block_bytes) +
+  if (align_up(static_cast<uint64_t>(unit_blocks) * block_bytes) >= kMaxObjBytes)
+    return {Code::kLayout, "objects of " + std::to_string(static_cast<uint64_t>(unit_blocks) * block_bytes) +
                                " bytes: the checksum covers objects below 256 MiB (lower unit_tokens)"};
   Geometry g;
-  g.num_layers = static_cast<uint32_t>(layers.size());
-  g.objs_per_layer = l0.nptr;
+  g.num_layers = num_layers;
+  g.objs_per_layer = objs_per_layer;
   g.unit_blocks = unit_blocks;
-  g.block_bytes = l0.block_bytes;
-  g.obj_bytes = align_up(static_cast<uint64_t>(unit_blocks) * l0.block_bytes);
+  g.block_bytes = block_bytes;
+  g.obj_bytes = align_up(static_cast<uint64_t>(unit_blocks) * block_bytes);
   g.header_bytes = header_bytes_for(g.num_objs());
   g.slot_bytes = g.header_bytes + g.obj_bytes * g.num_objs();
   uint64_t h = 0x7475747469ull;

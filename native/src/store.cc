@@ -16,96 +16,25 @@ namespace {
 
 constexpr uint32_t kNoSlot = UINT32_MAX;
 
-struct AlignedBuf {
-  explicit AlignedBuf(uint64_t n) : size(n) {
-    if (posix_memalign(&p, kAlign, align_up(n)) != 0) p = nullptr;
-    else std::memset(p, 0, align_up(n));
-  }
-  ~AlignedBuf() { std::free(p); }
-  uint8_t* data() { return static_cast<uint8_t*>(p); }
-  void* p = nullptr;
-  uint64_t size;
-};
-
 }  // namespace
 
 Status Store::open(const StoreOptions& opt, const std::vector<LayerKV>& layers, const std::string& desc,
                    std::unique_ptr<Store>* out) {
+  if (opt.read_only) return {Code::kInvalid, "an engine session writes: open a UnitStore to read pools only"};
   std::unique_ptr<Store> s(new Store());
-  s->opt_ = opt;
-  s->desc_ = desc;
-  Status st = make_geometry(layers, opt.unit_blocks, desc, &s->geom_);
+  Geometry g;
+  Status st = make_geometry(layers, opt.unit_blocks, desc, &g);
   if (!st.ok()) return st;
-  if (!opt.read_only) {
-    st = s->extents_.init(layers);
-    if (!st.ok()) return st;
-  }
-  st = s->pool_.open(opt.paths, opt.capacity, opt.instance, s->geom_, opt.direct, opt.read_only, opt.files_per_path, opt.prewrite);
+  st = s->extents_.init(layers);
   if (!st.ok()) return st;
-  s->slot_checksums_.assign(static_cast<uint64_t>(s->pool_.num_slots()) * s->geom_.num_objs(), 0);
-  s->slot_key_.assign(s->pool_.num_slots(), 0);
-  st = s->recover();
+  st = s->open_units(opt, g, desc);
   if (!st.ok()) return st;
   *out = std::move(s);
   return Status::Ok();
 }
 
-// Rebuilds the index from the slot headers: only units whose header verifies come back.
-Status Store::recover() {
-  const Geometry& g = geom_;
-  AlignedBuf buf(g.header_bytes);
-  if (!buf.p) return {Code::kCapacityExceeded, "out of memory"};
-  struct Found {
-    uint64_t seq, key;
-    uint32_t slot;
-  };
-  std::vector<Found> found;
-  std::vector<uint64_t> sums(g.num_objs());
-  uint64_t bad = 0;
-  for (uint32_t slot = 0; slot < pool_.num_slots(); ++slot) {
-    Status st = pool_.pread_all(slot, 0, buf.data(), g.header_bytes);
-    if (!st.ok()) return st;
-    uint64_t key, seq;
-    std::string other;
-    switch (decode_header(g, buf.data(), &key, &seq, sums.data(), &other)) {
-      case HeaderState::kValid:
-        break;
-      case HeaderState::kEmpty:
-        continue;
-      case HeaderState::kCorrupt:
-        bad++;  // torn or damaged: free space, never a hit
-        continue;
-      case HeaderState::kOtherLayout:
-        // A committed unit of another model or layout: refuse rather than overwrite it.
-        return {Code::kLayout, "pool file " + pool_.path(pool_.path_of(slot)).file + " holds units of another layout (" +
-                                   other + "; this store is " + layout_text(desc_, g.num_layers, g.unit_blocks) + "); use another instance name or path"};
-      case HeaderState::kOldFormat:
-        return {Code::kStorage, "pool file " + pool_.path(pool_.path_of(slot)).file +
-                                    " was written in pool format 1, whose checksum this build no longer trusts; "
-                                    "remove the instance's pool files (tutti-" + opt_.instance +
-                                    "*.pool) or use another path or instance name"};
-    }
-    std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * g.num_objs()], sums.data(), sums.size() * 8);
-    found.push_back({seq, key, slot});
-  }
-  bad_headers_ = bad;
-  std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.seq < b.seq; });
-  std::vector<uint8_t> used(pool_.num_slots(), 0);
-  for (const Found& f : found) {
-    uint32_t old;
-    if (index_.remove(f.key, &old)) used[old] = 0;  // an older copy of the same unit
-    index_.insert(f.key, f.slot);
-    slot_key_[f.slot] = f.key;
-    used[f.slot] = 1;
-    commit_seq_ = std::max(commit_seq_, f.seq + 1);
-  }
-  pool_.set_used(used);
-  return Status::Ok();
-}
-
 Status Store::init_queue(uint32_t depth) {
   if (started_) return {Code::kInvalid, "queues already initialised"};
-  if (opt_.read_only) return {Code::kInvalid, "store opened read-only"};
   if (depth == 0) return {Code::kConfig, "queue depth must be positive"};
   const Geometry& g = geom_;
   if (opt_.backend == "cpu") {
@@ -231,39 +160,7 @@ void Store::close() {
     num_iocbs_ = 0;
     started_ = false;
   }
-  pool_.close();
-}
-
-uint32_t Store::lookup(const uint64_t* keys, uint32_t n) {
-  uint32_t hit = index_.lookup_prefix(keys, n);
-  std::lock_guard<std::mutex> g(mu_);
-  lookups_ += n;
-  hits_ += hit;
-  return hit;
-}
-
-// Invalidates a slot's header before it goes back to the free list, so that a crash while the slot is
-// rewritten can never bring the old key back over new data.
-static Status invalidate(const FilePool& pool, const Geometry& g, uint32_t slot) {
-  AlignedBuf zero(g.header_bytes);
-  if (!zero.p) return {Code::kCapacityExceeded, "out of memory"};
-  return pool.pwrite_all(slot, 0, zero.data(), g.header_bytes);
-}
-
-// The one way back to the free list: a free slot never carries a valid header.
-void Store::free_slot(uint32_t slot) {
-  invalidate(pool_, geom_, slot);
-  pool_.release(slot);
-}
-
-Status Store::alloc_slot(uint32_t* slot) {
-  if (pool_.alloc(slot)) return Status::Ok();
-  uint64_t key;
-  if (!index_.evict_lru(&key, slot))
-    return {Code::kCapacityExceeded, "every GPU file is pinned or in use; nothing can be evicted"};
-  evictions_++;
-  evicted_.push_back(key);
-  return invalidate(pool_, geom_, *slot);
+  UnitStore::close();
 }
 
 Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int64_t* block_ids, uint64_t n_blocks,
@@ -637,7 +534,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
       if (!r.unit_present[u]) continue;
       const uint32_t slot = r.unit_slot[u];
       if (r.unit_failed[u] || index_.contains(r.keys[u])) {
-        invalidate(pool_, g, slot);
+        invalidate(slot);
         continue;  // released below
       }
       std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * g.num_objs()], &r.checksums[static_cast<uint64_t>(u) * g.num_objs()],
@@ -670,111 +567,6 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   for (uint32_t u = 0; u < n; ++u)
     if (r.unit_failed[u]) out->failed_units.push_back(u);
   release_request(id, r);
-  return Status::Ok();
-}
-
-Status Store::decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const {
-  const Geometry& g = geom_;
-  if (n != g.slot_bytes)
-    return {Code::kLayout, "unit is " + std::to_string(n) + " bytes, this layout's GPU file is " + std::to_string(g.slot_bytes)};
-  sums->assign(g.num_objs(), 0);
-  uint64_t seq;
-  switch (decode_header(g, data, key, &seq, sums->data())) {
-    case HeaderState::kValid: break;
-    case HeaderState::kOtherLayout: return {Code::kNotFound, "unit is of another layout"};
-    default: return {Code::kNotFound, "unit header does not verify"};
-  }
-  return Status::Ok();
-}
-
-Status Store::verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const {
-  const Geometry& g = geom_;
-  Status st = decode_unit(data, n, key, sums);
-  if (!st.ok()) return st;
-  for (uint32_t o = 0; o < g.num_objs(); ++o)
-    if (crc32c_extend(0, data + g.header_bytes + static_cast<uint64_t>(o) * g.obj_bytes, g.obj_bytes) != (*sums)[o])
-      return {Code::kNotFound, "unit object " + std::to_string(o) + " fails its checksum"};
-  return Status::Ok();
-}
-
-Status Store::read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap, bool verify) {
-  const uint64_t n = geom_.slot_bytes;
-  if (cap < n) return {Code::kCapacityExceeded, "buffer of " + std::to_string(cap) + " bytes is below one GPU file (" +
-                                                    std::to_string(n) + " bytes)"};
-  uint32_t slot;
-  if (!index_.acquire(key, &slot)) return {Code::kNotFound, "unit not in store"};
-  // O_DIRECT needs an aligned buffer: read in place when the caller's is, else bounce.
-  const bool aligned = reinterpret_cast<uintptr_t>(dst) % kAlign == 0;
-  std::unique_ptr<AlignedBuf> bounce;
-  uint8_t* buf = dst;
-  Status st;
-  if (!aligned) {
-    bounce.reset(new AlignedBuf(n));
-    buf = bounce->data();
-    if (!buf) st = {Code::kCapacityExceeded, "out of memory"};
-  }
-  if (st.ok()) st = pool_.pread_all(slot, 0, buf, n);
-  index_.unpin(key);
-  if (!st.ok()) return st;
-  uint64_t k;
-  std::vector<uint64_t> sums;
-  // Without verify only the header is checked; the reader then verifies the objects (as
-  // scatter_unit and import_unit do) so that each byte is summed once on its way.
-  st = verify ? verify_unit(buf, n, &k, &sums) : decode_unit(buf, n, &k, &sums);
-  if (st.ok() && k != key) st = {Code::kNotFound, "unit slot holds another key"};
-  if (!st.ok()) return st;
-  if (!aligned) std::memcpy(dst, buf, n);
-  return Status::Ok();
-}
-
-Status Store::read_unit(uint64_t key, std::vector<uint8_t>* out) {
-  out->resize(geom_.slot_bytes);
-  Status st = read_unit_into(key, out->data(), out->size());
-  if (!st.ok()) out->clear();
-  return st;
-}
-
-Status Store::refresh() {
-  if (!opt_.read_only) return {Code::kInvalid, "refresh() is for read-only stores; a writer's index is authoritative"};
-  for (uint64_t key : index_.keys()) {
-    uint32_t slot;
-    index_.remove(key, &slot);
-  }
-  return recover();
-}
-
-Status Store::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
-  std::vector<uint64_t> sums;
-  Status st = verify_unit(data, n, key, &sums);
-  if (!st.ok()) return st;
-  std::lock_guard<std::mutex> lk(mu_);
-  if (index_.contains(*key)) return Status::Ok();
-  uint32_t slot;
-  st = alloc_slot(&slot);
-  if (!st.ok()) return st;
-  AlignedBuf buf(n);
-  if (!buf.p) {
-    pool_.release(slot);
-    return {Code::kCapacityExceeded, "out of memory"};
-  }
-  std::memcpy(buf.data(), data, n);
-  // Objects first, header last: commit after write.
-  const uint64_t hb = geom_.header_bytes;
-  st = pool_.pwrite_all(slot, hb, buf.data() + hb, n - hb);
-  if (st.ok()) {
-    // Renumber the commit so that recovery orders it as the newest.
-    uint64_t seq = commit_seq_++;
-    encode_header(geom_, desc_, *key, seq, sums.data(), buf.data());
-    st = pool_.pwrite_all(slot, 0, buf.data(), hb);
-  }
-  if (!st.ok()) {
-    free_slot(slot);
-    return st;
-  }
-  std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * geom_.num_objs()], sums.data(), sums.size() * 8);
-  slot_key_[slot] = *key;
-  index_.insert(*key, slot);
-  bytes_written_ += n;
   return Status::Ok();
 }
 
@@ -818,52 +610,15 @@ void Store::unregister_host(void* p) {
   if (started_) backend_->unregister_host(p);
 }
 
-void Store::pin(const uint64_t* keys, uint32_t n, bool on) {
-  for (uint32_t i = 0; i < n; ++i) {
-    if (on) index_.pin(keys[i]);
-    else index_.unpin(keys[i]);
-  }
-}
-
-bool Store::remove(uint64_t key) {
-  std::lock_guard<std::mutex> lk(mu_);
-  uint32_t slot;
-  if (!index_.remove(key, &slot)) return false;
-  free_slot(slot);
-  return true;
-}
-
-std::vector<uint64_t> Store::drain_evicted() {
-  std::lock_guard<std::mutex> lk(mu_);
-  std::vector<uint64_t> out;
-  out.swap(evicted_);
-  return out;
-}
-
 StoreStats Store::stats() const {
   std::lock_guard<std::mutex> lk(mu_);
-  StoreStats s;
-  s.units = index_.size();
-  s.pinned = index_.pinned();
-  s.free_slots = pool_.free_slots();
-  s.total_slots = pool_.num_slots();
-  s.hits = hits_;
-  s.lookups = lookups_;
-  s.evictions = evictions_;
-  s.checksum_failures = checksum_failures_;
-  s.io_errors = io_errors_;
-  s.bad_headers = bad_headers_;
-  s.bytes_read = bytes_read_;
-  s.bytes_written = bytes_written_;
+  StoreStats s = units_stats();
   s.agent_ops = agent_.ops();
   s.agent_cpu_s = agent_.cpu_seconds();
   s.kernel_cpu_s = backend_ ? backend_->kernel_cpu_seconds() : 0;
   s.extent_map_bytes = extents_.memory_bytes() + request_map_peak_;
   s.request_map_peak_bytes = request_map_peak_;
   s.staging_bytes = staging_bytes_;
-  s.slot_bytes = geom_.slot_bytes;
-  s.obj_bytes = geom_.obj_bytes;
-  s.direct_io = pool_.num_paths() > 0 && pool_.path(0).direct;
   s.fixed_buffers = agent_.fixed_buffers();
   for (const uint8_t* m : kctx_.mapped) s.mapped_files += m ? 1 : 0;
   s.backend = backend_ ? backend_->name() : "none";

@@ -42,6 +42,9 @@ struct Geometry {
 
 Status make_geometry(const std::vector<LayerKV>& layers, uint32_t unit_blocks, const std::string& desc,
                      Geometry* out);
+// The same from the sizes alone (a unit store: no KV memory).
+Status make_geometry(uint32_t num_layers, uint32_t objs_per_layer, uint64_t block_bytes, uint32_t unit_blocks,
+                     const std::string& desc, Geometry* out);
 
 // On-disk header at the start of each slot. Written after all of the unit's objects: a slot whose
 // header does not verify is free space, never a hit.

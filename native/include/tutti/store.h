@@ -1,4 +1,5 @@
-// The store: file pool, index, extent map, gio_uring queues and agent, behind the engine API.
+// The engine session: a unit store (unit_store.h) with the extent map over the engine's KV memory,
+// the IOCB table, gio_uring queues, agent and backend, behind the engine API.
 #pragma once
 
 #include <cstdint>
@@ -10,37 +11,10 @@
 #include "tutti/backend.h"
 #include "tutti/common.h"
 #include "tutti/gio_uring.h"
-#include "tutti/index.h"
 #include "tutti/layout.h"
-#include "tutti/pool.h"
+#include "tutti/unit_store.h"
 
 namespace tutti {
-
-// Defaults are TuttiConfig's (tutti_cluster/config.py; a test keeps them equal); the Python side
-// sets every field from the configuration anyway.
-struct StoreOptions {
-  std::vector<std::string> paths;
-  std::vector<uint64_t> capacity;  // bytes per path
-  std::string instance = "default";
-  uint32_t files_per_path = 0;     // pool files per path; 0: up to 16 on memory file systems, 1 elsewhere
-  bool prewrite = true;            // zero what fallocate left unwritten, once (see FilePool::open)
-  uint32_t unit_blocks = 16;
-  uint32_t queue_depth = 64;       // io_uring depth of the agent
-  uint64_t staging_bytes = 128ull << 20;
-  uint32_t max_requests = 256;     // requests in flight
-  uint32_t io_workers = 1;         // kernel workers (thread blocks / host scatter threads)
-  uint32_t io_sms = 8;
-  uint64_t min_io_bytes = 256 << 10;
-  DirectMode direct = DirectMode::kAuto;
-  std::string backend = "cpu";     // "cpu" or "cuda"
-  int device = 0;
-  bool cuda_pair = false;          // CUDA: K and V of a unit-layer as one I/O (slower on the H200 host)
-  bool cuda_trace = false;         // CUDA: print the I/O kernel's counters when the store closes
-  bool read_only = false;          // open existing pools for reading only (no agent)
-  // Map the pool files on memory file systems and move their objects with loads and stores
-  // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
-  bool map_memory = true;
-};
 
 struct RequestResult {
   uint32_t units = 0;
@@ -52,33 +26,18 @@ struct RequestResult {
   std::vector<uint32_t> incomplete_layers;
 };
 
-struct StoreStats {
-  uint64_t units = 0, pinned = 0, free_slots = 0, total_slots = 0;
-  uint64_t hits = 0, lookups = 0, evictions = 0, checksum_failures = 0, io_errors = 0;
-  uint64_t bad_headers = 0;  // slots whose header did not verify when the index was (re)built
-  uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
-  double agent_cpu_s = 0, kernel_cpu_s = 0;
-  // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
-  uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
-  bool direct_io = false, fixed_buffers = false;
-  uint32_t mapped_files = 0;  // pool files the I/O kernel moves with loads and stores (map_memory)
-  std::string backend;
-};
-
 enum class ReqOp : uint32_t { kRetrieve = 1, kStore = 2 };
 
-class Store {
+class Store : public UnitStore {
  public:
   // Opens the pool (creating it when needed) and rebuilds the index from the slot headers.
   static Status open(const StoreOptions& opt, const std::vector<LayerKV>& layers, const std::string& desc,
                      std::unique_ptr<Store>* out);
-  ~Store();
+  ~Store() override;
 
-  const Geometry& geometry() const { return geom_; }
   // Sets up the IOCB table (`depth` IOCBs), staging, SQ/CQ pairs, the agent and the I/O kernel.
   Status init_queue(uint32_t depth);
   bool started() const { return started_; }
-  uint32_t lookup(const uint64_t* keys, uint32_t n);
 
   // Engine API. begin_* takes the request's keys and block ids once (O(blocks)) and reserves every
   // IOCB the request will use (CapacityExceeded, with nothing held, when the table cannot hold them),
@@ -104,26 +63,15 @@ class Store {
   // Stream on the SMs outside the I/O partition (CUDA backend), 0 otherwise.
   uint64_t compute_stream() const { return backend_ ? backend_->compute_stream() : 0; }
 
-  // CPU paths for other nodes and replicas.
-  Status read_unit(uint64_t key, std::vector<uint8_t>* out);
-  // Reads and verifies a whole GPU file into `dst` (`cap` bytes, at least slot_bytes); in place, with
-  // O_DIRECT, when `dst` is 4 KiB aligned.
-  Status read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap, bool verify = true);
-  // Read-only stores: rescans the headers to see units committed since open.
-  Status refresh();
-  Status import_unit(const uint8_t* data, uint64_t n, uint64_t* key);
+  // Places a GPU file held in host memory (a unit another node sent) into one unit's KV blocks,
+  // verifying it on the same pass (Backend::scatter_from_host).
   Status scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks);
   // Host memory that scatter_unit may read in place from then on (see Backend::register_host).
   Status register_host(void* p, uint64_t n);
   void unregister_host(void* p);
 
-  void pin(const uint64_t* keys, uint32_t n, bool on);
-  bool remove(uint64_t key);
-  std::vector<uint64_t> keys() const { return index_.keys(); }
-  StoreStats stats() const;
-  // Evicted keys since the last call (for the node daemon and cluster directory).
-  std::vector<uint64_t> drain_evicted();
-  void close();
+  StoreStats stats() const override;
+  void close() override;
 
  private:
   struct Request {
@@ -145,13 +93,6 @@ class Store {
   };
   static constexpr uint32_t kRawOwner = UINT32_MAX;  // iocb_owner_: taken with get_iocb
   Store() = default;
-  Status recover();
-  Status alloc_slot(uint32_t* slot);
-  void free_slot(uint32_t slot);
-  // A GPU file's size and header (key, layout, per-object checksums into *sums); verify_unit also
-  // checks every object against its checksum.
-  Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
-  Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
   Status take_iocbs(uint32_t n, uint32_t owner, std::vector<uint32_t>* ids);  // under mu_
   void give_back_iocb(uint32_t id);                                             // under mu_
   Status issue_locked(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event);
@@ -159,11 +100,6 @@ class Store {
   void wait_done(uint32_t id);
   void release_request(uint32_t id, Request& r);
 
-  StoreOptions opt_;
-  Geometry geom_;
-  std::string desc_;
-  FilePool pool_;
-  Index index_;
   ExtentMap extents_;
   std::unique_ptr<Backend> backend_;
   Agent agent_;
@@ -182,13 +118,7 @@ class Store {
   static constexpr uint32_t kFree = UINT32_MAX - 1;
   std::vector<Request> requests_;
   std::vector<RequestView> views_;
-  std::vector<uint64_t> slot_checksums_;
-  std::vector<uint64_t> slot_key_;
-  uint64_t commit_seq_ = 1;
-  mutable std::mutex mu_;
-  std::vector<uint64_t> evicted_;
-  uint64_t lookups_ = 0, hits_ = 0, evictions_ = 0, checksum_failures_ = 0, io_errors_ = 0, bad_headers_ = 0;
-  uint64_t bytes_read_ = 0, bytes_written_ = 0, request_map_peak_ = 0;
+  uint64_t request_map_peak_ = 0;
   bool started_ = false;
 };
 

@@ -1,0 +1,114 @@
+// The unit store: a share of the node's file pool, its index and the header codec: reading,
+// importing and verifying GPU files, pins and eviction. It needs only the geometry, not the KV
+// memory, so the node daemon and the cluster serve from it. An engine session (Store, store.h) is a
+// unit store with the extent map, IOCB table, queues and backend on top.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "tutti/common.h"
+#include "tutti/index.h"
+#include "tutti/layout.h"
+#include "tutti/pool.h"
+
+namespace tutti {
+
+// Defaults are TuttiConfig's (tutti_cluster/config.py; a test keeps them equal); the Python side
+// sets every field from the configuration anyway.
+struct StoreOptions {
+  std::vector<std::string> paths;
+  std::vector<uint64_t> capacity;  // bytes per path
+  std::string instance = "default";
+  uint32_t files_per_path = 0;     // pool files per path; 0: up to 16 on memory file systems, 1 elsewhere
+  bool prewrite = true;            // zero what fallocate left unwritten, once (see FilePool::open)
+  uint32_t unit_blocks = 16;
+  uint32_t queue_depth = 64;       // io_uring depth of the agent
+  uint64_t staging_bytes = 128ull << 20;
+  uint32_t max_requests = 256;     // requests in flight
+  uint32_t io_workers = 1;         // kernel workers (thread blocks / host scatter threads)
+  uint32_t io_sms = 8;
+  uint64_t min_io_bytes = 256 << 10;
+  DirectMode direct = DirectMode::kAuto;
+  std::string backend = "cpu";     // "cpu" or "cuda"
+  int device = 0;
+  bool cuda_pair = false;          // CUDA: K and V of a unit-layer as one I/O (slower on the H200 host)
+  bool cuda_trace = false;         // CUDA: print the I/O kernel's counters when the store closes
+  bool read_only = false;          // open existing pools for reading only (no agent)
+  // Map the pool files on memory file systems and move their objects with loads and stores
+  // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
+  bool map_memory = true;
+};
+
+struct StoreStats {
+  uint64_t units = 0, pinned = 0, free_slots = 0, total_slots = 0;
+  uint64_t hits = 0, lookups = 0, evictions = 0, checksum_failures = 0, io_errors = 0;
+  uint64_t bad_headers = 0;  // slots whose header did not verify when the index was (re)built
+  uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
+  double agent_cpu_s = 0, kernel_cpu_s = 0;
+  // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
+  uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
+  bool direct_io = false, fixed_buffers = false;
+  uint32_t mapped_files = 0;  // pool files the I/O kernel moves with loads and stores (map_memory)
+  std::string backend;
+};
+
+class UnitStore {
+ public:
+  // Opens the pool (creating it unless read_only) and rebuilds the index from the slot headers.
+  static Status open(const StoreOptions& opt, const Geometry& geom, const std::string& desc,
+                     std::unique_ptr<UnitStore>* out);
+  virtual ~UnitStore();
+
+  const Geometry& geometry() const { return geom_; }
+  uint32_t lookup(const uint64_t* keys, uint32_t n);
+
+  // CPU paths for other nodes and replicas.
+  Status read_unit(uint64_t key, std::vector<uint8_t>* out);
+  // Reads and verifies a whole GPU file into `dst` (`cap` bytes, at least slot_bytes); in place, with
+  // O_DIRECT, when `dst` is 4 KiB aligned.
+  Status read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap, bool verify = true);
+  // Read-only stores: rescans the headers to see units committed since open.
+  Status refresh();
+  Status import_unit(const uint8_t* data, uint64_t n, uint64_t* key);
+
+  void pin(const uint64_t* keys, uint32_t n, bool on);
+  bool remove(uint64_t key);
+  std::vector<uint64_t> keys() const { return index_.keys(); }
+  virtual StoreStats stats() const;
+  // Evicted keys since the last call (for the node daemon and cluster directory).
+  std::vector<uint64_t> drain_evicted();
+  virtual void close();
+
+ protected:
+  UnitStore() = default;
+  Status open_units(const StoreOptions& opt, const Geometry& geom, const std::string& desc);
+  Status recover();
+  Status alloc_slot(uint32_t* slot);
+  void free_slot(uint32_t slot);
+  // Zeroes a slot's header, so that a crash while the slot is rewritten never brings the old key back.
+  Status invalidate(uint32_t slot) const;
+  // A GPU file's size and header (key, layout, per-object checksums into *sums); verify_unit also
+  // checks every object against its checksum.
+  Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
+  Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
+  StoreStats units_stats() const;  // under mu_
+
+  StoreOptions opt_;
+  Geometry geom_;
+  std::string desc_;
+  FilePool pool_;
+  Index index_;
+  std::vector<uint64_t> slot_checksums_;
+  std::vector<uint64_t> slot_key_;
+  uint64_t commit_seq_ = 1;
+  mutable std::mutex mu_;
+  std::vector<uint64_t> evicted_;
+  uint64_t lookups_ = 0, hits_ = 0, evictions_ = 0, checksum_failures_ = 0, io_errors_ = 0, bad_headers_ = 0;
+  uint64_t bytes_read_ = 0, bytes_written_ = 0;
+};
+
+}  // namespace tutti
