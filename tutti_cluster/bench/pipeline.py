@@ -280,7 +280,13 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
                          "map_memory_paths": plan.cfg.map_memory_paths, "total_slots": store.stats().get("total_slots"),
                          "io_sms": plan.cfg.io_sms, "compute_stream": h._stream is not None}
         for n in plan.inputs:
-            rows_n, summary[str(n)] = _run_input(plan, h, n, progress)
+            done = list(rows)
+
+            def part(rows_n: list[dict[str, Any]]) -> None:
+                if partial is not None:
+                    partial(_report(plan, info, done + rows_n, summary))
+
+            rows_n, summary[str(n)] = _run_input(plan, h, n, progress, part)
             rows.extend(rows_n)
             info["store"]["evictions"] = store.stats().get("evictions")
             if partial is not None:
@@ -311,7 +317,10 @@ def _report(plan: PipelinePlan, info: dict[str, Any], rows: list[dict[str, Any]]
     }
 
 
-def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress) -> tuple[list[dict[str, Any]], dict]:
+def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
+               partial: Callable[[list[dict[str, Any]]], None]) -> tuple[list[dict[str, Any]], dict]:
+    """One input: recompute, then every prefix, longest first (the cheap suffixes: a run cut short
+    keeps the high hit rates); ``partial`` gets the rows after each prefix."""
     s = plan.shape
     prefixes = plan.prefixes[n]
     case = h.new_case(n, max(prefixes))
@@ -328,7 +337,17 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress) -
         chunk_gb = plan.baseline_threads * 256 // s.block_tokens * s.kv_shape().block_bytes / GIB
         dram = {"tutti": staging_gb, "naive": staging_gb, "load-all": staging_gb, "per-chunk": chunk_gb}
         cross_pts: list[tuple[float, float, float]] = []
-        for p in prefixes:
+        rec_s = _median(rec_times) if rec_times else None
+        rec_row: dict[str, Any] | None = None
+        if rec_s is not None:
+            rec_row = {"input_tokens": n, "prefix_tokens": 0, "hit_rate": 0.0, "system": "recompute", "number": 6,
+                       "ttft_s": round(rec_s, 5), "ttft_runs_s": [round(t, 5) for t in rec_times],
+                       "rounds": len(rec_times), "matches_ideal": "not compared yet",
+                       "cost_per_1m_tokens": round(hz.cost_per_million(
+                           plan.prices, ttft_s=rec_s, itl_s=itl, output_tokens=plan.output_tokens, dram_gb=0.0,
+                           ssd_gb=0.0), 4)}
+            rows.append(rec_row)
+        for p in sorted(prefixes, reverse=True):
             h.warm_up(case, p)
             runs: dict[str, list[hz.Outcome]] = {}
             for _ in range(plan.repeat):
@@ -387,16 +406,11 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress) -
                     plain = _median([o.ttft_s for o in runs["tutti"]])
                     row["ttft_increase"] = round(ttft / plain - 1, 4)
                 rows.append(row)
-        rec_s = _median(rec_times) if rec_times else None
-        if rec is not None and rec_s is not None:
+            partial(rows)
+        if rec_row is not None and rec is not None:
             comp = hz.compare(rec.out, runs["ideal"][-1].out)
-            rows.append({"input_tokens": n, "prefix_tokens": 0, "hit_rate": 0.0, "system": "recompute",
-                         "number": 6, "ttft_s": round(rec_s, 5), "ttft_runs_s": [round(t, 5) for t in rec_times],
-                         "rounds": len(rec_times), "matches_ideal": "within bf16" if _close(comp) else "differs",
-                         "max_abs_diff_vs_ideal": comp.get("max_abs_diff"),
-                         "cost_per_1m_tokens": round(hz.cost_per_million(
-                             plan.prices, ttft_s=rec_s, itl_s=itl, output_tokens=plan.output_tokens, dram_gb=0.0,
-                             ssd_gb=0.0), 4)})
+            rec_row.update({"matches_ideal": "within bf16" if _close(comp) else "differs",
+                            "max_abs_diff_vs_ideal": comp.get("max_abs_diff")})
         tutti_bubbles = [r["bubble_s"] for r in rows if r["system"] == "tutti"]
         out = {
             "recompute_s": round(rec_s, 5) if rec_s is not None else None, "itl_s": round(itl, 6),
