@@ -149,8 +149,9 @@ class TuttiConfig(BaseSettings):
     stage_port: int = Field(0, ge=0, le=65535, description="Port of the node's stage endpoint (0: any free port).")
     transfer_ports: str | None = Field(
         None, pattern=r"^[0-9]{1,5}-[0-9]{1,5}$",
-        description="Port range LOW-HIGH the Transfer Engine takes its two listening ports from (handshake and "
-        "TCP data), at most 32767; unset: Mooncake's default, 15000-17000.")
+        description="Port range LOW-HIGH each Transfer Engine of the node (the daemon's and every engine's) takes "
+        "its two listening ports from (handshake and TCP data), at most 32767; unset: Mooncake's default, "
+        "15000-17000.")
 
     # Admin plane (`tutti up` serves the node's admin API; docs/ADMIN.md)
     admin_host: str = Field("127.0.0.1", description="Address the node's admin API listens on.")

@@ -120,10 +120,10 @@ class NodeAdmin:
         """What other nodes and the cluster-wide admin dial: a wildcard listen address is replaced
         by this host's address on the route to etcd."""
         host, port = self.sock.getsockname()[:2]
-        if host in ("0.0.0.0", "::") and self.config.etcd:
-            from tutti_cluster.cluster.directory import local_address_towards
+        if host in ("0.0.0.0", "::") and (self.config.etcd or self.config.advertise_host):
+            from tutti_cluster.cluster.directory import advertised_host
 
-            host = local_address_towards(",".join(self.config.etcd))
+            host = advertised_host(self.config)  # advertise_host when set, as the daemon advertises
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def start(self) -> None:

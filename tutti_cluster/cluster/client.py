@@ -75,7 +75,8 @@ class ClusterClient:
 
             slot = int(self.store.geometry()["slot_bytes"]) if callable(getattr(self.store, "geometry", None)) else 0
             arena = self.arena_bytes or max(default_depth() * slot, 64 << 20)
-            self._transfer = TransferNode(self.host, self.config.protocol, arena, slot_bytes=slot)
+            self._transfer = TransferNode(self.host, self.config.protocol, arena, slot_bytes=slot,
+                                          ports=getattr(self.config, "transfer_ports", None))
             # A GPU store then scatters each unit straight from the arena (mapped), with no copy.
             if callable(getattr(self.store, "register_host", None)):
                 try:

@@ -92,6 +92,12 @@ class TuttiScheduler:
     def take_stats(self) -> TuttiConnectorStats | None:
         return self._stats.take()
 
+    def shutdown(self) -> None:
+        """Closes the replica directory's etcd connection (lookups only: it holds no lease)."""
+        if self._directory is not None:
+            self._directory.stop(revoke=False)
+            self._directory = None
+
     # ---- what the workers' stores hold ----------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         for m in metadata.values():

@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tutti_cluster.config import TuttiConfig
+from tutti_cluster.config import TuttiConfig, check_instance_name
 from tutti_cluster.errors import TuttiError
 from tutti_cluster.kv_layout import LayerKV, layer_kv_from_vllm
 from tutti_cluster.vllm.config import ConnectorSetup, rank_prefix, unit_key
@@ -116,7 +116,7 @@ class TuttiWorker:
             layers.append(layer_kv_from_vllm(t, num_blocks))
         self.rank = self._worker_rank()
         pc = self._vllm_config.parallel_config
-        instance = f"{self.config.instance}-r{self.rank}"
+        instance = check_instance_name(f"{self.config.instance}-r{self.rank}")  # its pool files' name
         if int(getattr(pc, "data_parallel_size", 1)) > 1:
             instance += f"-dp{int(getattr(pc, 'data_parallel_rank', 0))}"
         cfg = self.config.model_copy(update={"instance": instance})
