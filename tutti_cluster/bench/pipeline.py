@@ -142,8 +142,6 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         raise ConfigError("--output-tokens must be positive")
     if args.baseline_threads < 1:
         raise ConfigError("--baseline-threads must be at least 1")
-    if args.attention == "flex" and cpu:
-        raise ConfigError("--attention flex runs compiled on CUDA only; use sdpa (or auto) on the CPU")
     if args.profile is not None and not args.profile.is_file():
         raise ConfigError(f"--profile {args.profile}: no such file (write one with `tutti profile`)")
     prices = hz.Prices(args.gpu_price_hour, args.dram_price_gb_hour, args.ssd_price_gb_hour)
