@@ -251,3 +251,33 @@ def test_compiled_flex_attention_restores_bitwise_and_matches_sdpa(tmp_path: Pat
         assert c["max_abs_diff"] <= 0.05 * c["logit_scale"], c
     finally:
         store.close()
+
+
+def test_reads_fill_windows_in_order_and_go_at_once_when_none_fits(rig: hz.Harness) -> None:
+    case = rig.new_case(N, N // 2)
+    rig.prepare(case, compute=False)
+    store, layers = rig.store, SHAPE.layers
+    ids = case.block_ids[: N // 2 // SHAPE.block_tokens].tolist()
+    ioctx = 2 * rig.objs_per_layer  # two units, one IOCB each per layer with iocb_ioctx=2
+
+    def issued_by_layer(windows: list[float]) -> list[int]:
+        req = store.begin_retrieve(case.keys[:2], ids)
+        sched = SlackScheduler(store, layers=layers, windows=windows, read_req=req, read_ioctx=ioctx,
+                               read_seconds_per_ioctx=1.0, iocb_ioctx=2)
+        counts = []
+        for l in range(layers):
+            before = sched.report.read_iocbs
+            sched.before_layer(l)
+            counts.append(sched.report.read_iocbs - before)
+            sched.before_attention(l)
+        sched.finish_reads()
+        store.finish(req)
+        assert sched.report.failed_iocbs == 0
+        return counts
+
+    # Two IOCBs per layer, 2 s each. A 2 s window takes one IOCB ahead: layer 0's two now plus the
+    # first half of layer 1; then each layer's second half now plus the next layer's first half.
+    assert issued_by_layer([2.0] * layers) == [3, 2, 2, 1]
+    total = 2 * layers
+    assert issued_by_layer([1.5] * layers) == [total, 0, 0, 0]  # none fits: everything at once
+    assert issued_by_layer([100.0] * layers) == [total, 0, 0, 0]  # all fit the first window

@@ -7,10 +7,10 @@ resident run). Reads are on the critical path; writes only ever fill what reads 
 
 Per layer ``l`` (``before_layer``):
 
-1. Reads of layer ``l`` not yet issued are needed now: they go at once, whatever they cost (the
-   I/O, not the compute, is then the bottleneck).
+1. Reads of layer ``l`` not yet issued are needed now: they go at once, whatever they cost.
 2. Then reads of the next layers, in order, one IOCB at a time, while their estimated time fits
-   what is left of window ``l``.
+   what is left of window ``l``. When not even one fits a whole window, retrieval is the
+   bottleneck: every read still needed goes at once (as a plain pipeline would issue them).
 3. Only when no read is left waiting for a later window (the read queue is empty, or its next IOCB
    did not fit) and the window still has room: writes of layers whose KV is final (``< l``), one
    layer at a time, while a layer's estimated write time fits the rest of the window. A window
@@ -161,12 +161,18 @@ class SlackScheduler(LayerHooks):
         now: list[_ReadIocb] = []
         while self._queue and self._queue[0].layer <= layer:
             now.append(self._queue.popleft())
-        self.report.reads_issued_at_once += len(now)
         ahead: list[_ReadIocb] = []
         while self._queue and self._queue[0].seconds <= budget:
             r = self._queue.popleft()
             budget -= r.seconds
             ahead.append(r)
+        if not ahead and self._queue and self._queue[0].seconds > self.windows[layer]:
+            # No slack window holds even one IOCB: retrieval is the bottleneck, so every read
+            # still needed goes now, for the most overlap the device can give.
+            now.extend(self._queue)
+            self._queue.clear()
+            budget = 0.0
+        self.report.reads_issued_at_once += len(now)
         self._issue(now + ahead)
         # Writes only where no read waits for this window.
         if self.write_req is not None and (not self._queue or self._queue[0].seconds > budget):
