@@ -185,6 +185,14 @@ def check_room(plan: PipelinePlan) -> None:
         if free < per_path:
             raise CapacityExceeded(f"{d}: {free / GIB:.1f} GiB free, the pipeline benchmark needs "
                                    f"{per_path / GIB:.1f} GiB there for inputs of {n} tokens; pass smaller --inputs")
+    tmpfs = sum(per_path for d in plan.dirs if fsutil.fs_type(d) in fsutil.MEMORY_FS)
+    host_need = tmpfs + (kv_bytes + _weights_bytes(plan.shape) if plan.device.type == "cpu" else 0)
+    avail = machine.meminfo_bytes("MemAvailable")
+    if avail and host_need > avail:
+        raise CapacityExceeded(f"{avail / GIB:.1f} GiB of memory available, the pipeline benchmark needs "
+                               f"{host_need / GIB:.1f} GiB (files on memory file systems"
+                               f"{', the model and its KV cache' if plan.device.type == 'cpu' else ''}); "
+                               "pass smaller --inputs")
     if plan.device.type == "cuda":
         s = plan.shape
         act = n * (6 * s.hidden + 2 * (s.q_heads + 2 * s.kv_heads) * s.head_dim) * 2
@@ -323,13 +331,15 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
     prefixes = plan.prefixes[n]
     case = h.new_case(n, max(prefixes))
     rows: list[dict[str, Any]] = []
+    if h.cuda:
+        torch.cuda.reset_peak_memory_stats()
     try:
         recompute = "recompute" in plan.systems
         rec = h.prepare(case, compute=recompute)
         rec_times = [rec.ttft_s] if rec is not None else []
         for _ in range(plan.repeat - 1 if recompute else 0):
             rec_times.append(h.run("recompute", case, 0).ttft_s)
-        progress.step(f"{n // 1024}K recompute" if recompute else f"{n // 1024}K prefix KV (random)")
+        progress.step(f"{_k(n)} recompute" if recompute else f"{_k(n)} prefix KV (random)")
         itl = h.itl(case, plan.decode_steps)
         staging_gb = plan.cfg.staging_mb / 1024
         chunk_gb = plan.baseline_threads * 256 // s.block_tokens * s.kv_shape().block_bytes / GIB
@@ -361,7 +371,7 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
                             f"{system} at {n} tokens, prefix {p}: output differs from the resident run "
                             f"(max |diff| {c['max_abs_diff']:.3g}{'' if c['finite'] else ', not finite'})")
                     runs.setdefault(system, []).append(o)
-                    progress.step(f"{n // 1024}K P={p // 1024}K {system}")
+                    progress.step(f"{_k(n)} P={_k(p)} {system}")
                     if system == "tutti" and plan.writeback:
                         o = h.run("tutti", case, p, writeback=True, decode_steps=plan.decode_steps)
                         if not hz.compare(ideal.out, o.out)["exact"]:
@@ -370,8 +380,8 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
                             h.store.remove(k)
                         case.write_keys.clear()
                         runs.setdefault("tutti-writeback", []).append(o)
-                        progress.step(f"{n // 1024}K P={p // 1024}K tutti write-back")
-                progress.step(f"{n // 1024}K P={p // 1024}K ideal")
+                        progress.step(f"{_k(n)} P={_k(p)} tutti write-back")
+                progress.step(f"{_k(n)} P={_k(p)} ideal")
             ideal_s = _median([o.ttft_s for o in runs["ideal"]])
             hit = p / n
             prefix_gb = p * s.kv_bytes_per_token / 1e9
@@ -419,6 +429,9 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
                                 for sy in {r["system"] for r in rows if "bubble_s" in r}},
             "read_gbps": round(h.read_bps / 1e9, 3), "write_gbps": round(h.write_bps / 1e9, 3),
         }
+        if h.cuda:  # the block masks and activations must not grow like queries x keys
+            out["peak_gpu_bytes"] = int(torch.cuda.max_memory_allocated())
+            out["kv_cache_bytes"] = h.kv.nbytes
         if tutti_bubbles:
             out["tutti_max_x_ideal"] = max(r["x_ideal"] for r in rows if r["system"] == "tutti")
         return rows, out
