@@ -207,7 +207,7 @@ void HostBackend::run() {
 // IOCTXs that go in one storage I/O: K and V of one unit and layer are adjacent in the GPU file, so
 // when their chunks are adjacent in staging too they move as one I/O of twice the size.
 uint32_t HostBackend::group_size(const Iocb& b, const RequestView& r, uint32_t off) const {
-  if (group_ < 2 || static_cast<IoOp>(b.op) == IoOp::kCommit || off + 1 >= b.ctx_count) return 1;
+  if (group_ < 2 || off + 1 >= b.ctx_count) return 1;
   const Ioctx& x = r.ctx[b.ctx_first + off];
   const Ioctx& y = r.ctx[b.ctx_first + off + 1];
   return x.obj == 0 && y.unit == x.unit && y.obj == 1 ? 2 : 1;
@@ -288,12 +288,11 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
   // again after its last IOCTX finished, when the engine may already be releasing it.
   while (posted_[id] < count_[id]) {
     const uint32_t off = posted_[id];
-    // Commit IOCBs walk units; layer IOCBs walk the request's IOCTX array.
     const uint32_t idx = b.ctx_first + off;
-    const Ioctx& x = op == IoOp::kCommit ? r.ctx[idx * g.objs_per_layer] : r.ctx[idx];
-    const uint32_t unit = op == IoOp::kCommit ? idx : x.unit;
+    const Ioctx& x = r.ctx[idx];
+    const uint32_t unit = x.unit;
     const uint32_t n = group_size(b, r, off);
-    if (op != IoOp::kCommit && mapped(x)) {  // moved by run_mapped when the IOCB was launched
+    if (mapped(x)) {  // moved by run_mapped when the IOCB was launched
       posted_[id] += 1;
       finish_ctx(id);
       continue;
@@ -312,25 +311,17 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
     s.buf_offset = buf_offset;
     s.path = static_cast<uint16_t>(x.path);
     slot_direct_[slot] = 0;
-    if (op == IoOp::kCommit) {
-      const uint64_t* sums = r.checksums + static_cast<uint64_t>(unit) * g.num_objs();
-      encode_header(g, k_->desc, r.keys[unit], r.commit_seq_base + unit, sums, buf);
-      s.file_offset = x.file_offset;
-      s.len = static_cast<uint32_t>(g.header_bytes);
-      s.op = static_cast<uint16_t>(IoOp::kWrite);
-    } else {
-      s.file_offset = x.file_offset + g.obj_offset(b.layer, x.obj);
-      s.len = static_cast<uint32_t>(n * g.obj_bytes);
-      s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kRead : IoOp::kWrite);
-      // Files that take any buffer (memory file systems): no staging copy, the I/O moves the bytes
-      // straight between the file and the KV blocks, and the checksum is taken in place.
-      std::vector<struct iovec>& iov = slot_iov_[slot];
-      if (k_->any_buffer[x.path] && build_iov(b.layer, r, &r.ctx[idx], n, buf, &iov)) {
-        slot_direct_[slot] = 1;
-        s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kReadv : IoOp::kWritev);
-        s.buf_offset = reinterpret_cast<uint64_t>(iov.data());
-        s.len = static_cast<uint32_t>(iov.size());
-      }
+    s.file_offset = x.file_offset + g.obj_offset(b.layer, x.obj);
+    s.len = static_cast<uint32_t>(n * g.obj_bytes);
+    s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kRead : IoOp::kWrite);
+    // Files that take any buffer (memory file systems): no staging copy, the I/O moves the bytes
+    // straight between the file and the KV blocks, and the checksum is taken in place.
+    std::vector<struct iovec>& iov = slot_iov_[slot];
+    if (k_->any_buffer[x.path] && build_iov(b.layer, r, &r.ctx[idx], n, buf, &iov)) {
+      slot_direct_[slot] = 1;
+      s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kReadv : IoOp::kWritev);
+      s.buf_offset = reinterpret_cast<uint64_t>(iov.data());
+      s.len = static_cast<uint32_t>(iov.size());
     }
     pending_.push_back(s);  // stores gather below, in parallel, before any of these is posted
     free_slots_.pop_back();
@@ -380,9 +371,9 @@ void HostBackend::verify(const Cqe& c) {
   const Geometry& g = k_->geom;
   const auto op = static_cast<IoOp>(b.op);
   const uint32_t idx = b.ctx_first + off;
-  const uint32_t unit = op == IoOp::kCommit ? idx : r.ctx[idx].unit;
+  const uint32_t unit = r.ctx[idx].unit;
   const uint32_t n = group_size(b, r, off);
-  const uint64_t want = op == IoOp::kCommit ? g.header_bytes : n * g.obj_bytes;
+  const uint64_t want = n * g.obj_bytes;
   if (c.res != static_cast<int64_t>(want)) {
     fail_unit(r, b, unit, 1);
     return;
@@ -420,7 +411,7 @@ void HostBackend::finish_ctx(uint32_t id) {
 // then finishes those IOCTXs in its walk.
 void HostBackend::run_mapped(uint32_t id) {
   const Iocb& b = k_->iocbs[id];
-  if (!any_mapped_ || static_cast<IoOp>(b.op) == IoOp::kCommit) return;
+  if (!any_mapped_) return;
   parallel_for(b.ctx_count, [this, id](uint32_t off) { move_mapped(id, off); });
 }
 

@@ -110,7 +110,6 @@ Status Store::init_queue(uint32_t depth) {
   if (!st.ok()) return st;
 
   kctx_.geom = g;
-  kctx_.desc = desc_;
   kctx_.extents = &extents_;
   kctx_.iocbs = iocbs_;
   kctx_.num_iocbs = depth;
@@ -178,8 +177,7 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   // cannot then fail half-way for want of one (they are taken below, under the same lock).
   const uint64_t nctx = static_cast<uint64_t>(n_units) * g.objs_per_layer;
   const uint32_t per_layer = static_cast<uint32_t>((nctx + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb);
-  const uint32_t commits = op == ReqOp::kStore ? (n_units + kMaxIoctxPerIocb - 1) / kMaxIoctxPerIocb : 0;
-  const uint64_t need = static_cast<uint64_t>(per_layer) * g.num_layers + commits;
+  const uint64_t need = static_cast<uint64_t>(per_layer) * g.num_layers;
   if (need > free_iocbs_.size())
     return {Code::kCapacityExceeded, "IOCB table exhausted: the request needs " + std::to_string(need) + " IOCBs, " +
                                          std::to_string(free_iocbs_.size()) + " of " + std::to_string(num_iocbs_) +
@@ -259,25 +257,12 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
       b.ctx_count = static_cast<uint32_t>(std::min<uint64_t>(kMaxIoctxPerIocb, nctx - uint64_t(i) * kMaxIoctxPerIocb));
     }
   }
-  take_iocbs(commits, id, &r.commit_iocbs);
-  for (uint32_t i = 0; i < commits; ++i) {
-    Iocb& b = iocbs_[r.commit_iocbs[i]];
-    b.op = static_cast<uint32_t>(IoOp::kCommit);
-    b.layer = 0;
-    b.request = id;
-    b.ctx_first = i * kMaxIoctxPerIocb;
-    b.ctx_count = std::min(kMaxIoctxPerIocb, n_units - i * kMaxIoctxPerIocb);
-  }
   RequestView& v = views_[id];
   v.ctx = r.ctx.data();
   v.extents = r.extents.data();
-  v.unit_slot = r.unit_slot.data();
-  v.keys = r.keys.data();
   v.checksums = r.checksums.data();
   v.unit_failed = r.unit_failed.data();
   v.num_units = n_units;
-  v.commit_seq_base = commit_seq_;
-  commit_seq_ += n_units;
   const uint64_t map_bytes = r.extents.size() * sizeof(Extent) + r.ctx.size() * sizeof(Ioctx) +
                              r.checksums.size() * sizeof(uint64_t) + n_units * (sizeof(uint64_t) + sizeof(uint32_t) + 2);
   request_map_peak_ = std::max(request_map_peak_, map_bytes);
@@ -471,7 +456,6 @@ Status Store::wait_layer(uint32_t layer, uint32_t id, uint64_t stream) {
 void Store::release_request(uint32_t id, Request& r) {
   for (auto& ids : r.layer_iocbs)
     for (uint32_t b : ids) give_back_iocb(b);
-  for (uint32_t b : r.commit_iocbs) give_back_iocb(b);
   for (uint32_t b : r.raw_iocbs) iocbs_[b].ctx_count = 0;  // still the caller's, pointing nowhere
   if (r.op == ReqOp::kRetrieve) {
     for (uint32_t u = 0; u < r.keys.size(); ++u)
@@ -517,33 +501,25 @@ Status Store::finish(uint32_t id, RequestResult* out) {
     else if (r.unit_failed[u] == 1 && r.unit_slot[u] != kNoSlot) io_errors_++;
   }
   if (r.op == ReqOp::kStore && n > 0) {
-    // Commit after write: the headers go out only now that every object of the unit is on storage,
-    // and only for units whose every layer was written and checksummed.
-    bool any = false;
-    for (uint32_t u = 0; u < n; ++u) {
-      if (not_moved[u]) r.unit_failed[u] |= 1;
-      any |= r.unit_present[u] && !r.unit_failed[u];
-    }
-    if (any) {
-      Status st = issue_locked(r.commit_iocbs.data(), static_cast<uint32_t>(r.commit_iocbs.size()), 0, 0);
-      for (uint32_t b : r.commit_iocbs) wait_done(b);
-      if (!st.ok())
-        for (uint32_t u = 0; u < n; ++u) r.unit_failed[u] |= r.unit_present[u];
-    }
+    // Commit after write: a unit's header goes out only now that every object of it is on storage,
+    // and only for units whose every layer was written and checksummed (UnitStore::commit_unit,
+    // the one way any unit becomes visible).
     for (uint32_t u = 0; u < n; ++u) {
       if (!r.unit_present[u]) continue;
       const uint32_t slot = r.unit_slot[u];
+      if (not_moved[u]) r.unit_failed[u] |= 1;
       if (r.unit_failed[u] || index_.contains(r.keys[u])) {
         invalidate(slot);
         continue;  // released below
       }
-      std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * g.num_objs()], &r.checksums[static_cast<uint64_t>(u) * g.num_objs()],
-                  g.num_objs() * sizeof(uint64_t));
-      slot_key_[slot] = r.keys[u];
-      index_.insert(r.keys[u], slot);
+      if (!commit_unit(slot, r.keys[u], &r.checksums[static_cast<uint64_t>(u) * g.num_objs()]).ok()) {
+        r.unit_failed[u] |= 1;
+        io_errors_++;
+        invalidate(slot);
+        continue;
+      }
       r.unit_present[u] = 0;  // now owned by the index
       out->committed_units.push_back(u);
-      bytes_written_ += g.slot_bytes;
     }
   } else if (r.op == ReqOp::kRetrieve) {
     for (uint32_t u = 0; u < n; ++u) {

@@ -218,23 +218,25 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
     return {Code::kCapacityExceeded, "out of memory"};
   }
   std::memcpy(buf.data(), data, n);
-  // Objects first, header last: commit after write.
+  // Objects first, header last.
   const uint64_t hb = geom_.header_bytes;
   st = pool_.pwrite_all(slot, hb, buf.data() + hb, n - hb);
-  if (st.ok()) {
-    // Renumber the commit so that recovery orders it as the newest.
-    uint64_t seq = commit_seq_++;
-    encode_header(geom_, desc_, *key, seq, sums.data(), buf.data());
-    st = pool_.pwrite_all(slot, 0, buf.data(), hb);
-  }
-  if (!st.ok()) {
-    free_slot(slot);
-    return st;
-  }
-  std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * geom_.num_objs()], sums.data(), sums.size() * 8);
-  slot_key_[slot] = *key;
-  index_.insert(*key, slot);
-  bytes_written_ += n;
+  if (st.ok()) st = commit_unit(slot, *key, sums.data());
+  if (!st.ok()) free_slot(slot);
+  return st;
+}
+
+Status UnitStore::commit_unit(uint32_t slot, uint64_t key, const uint64_t* sums) {
+  AlignedBuf hdr(geom_.header_bytes);
+  if (!hdr.p) return {Code::kCapacityExceeded, "out of memory"};
+  // A new sequence number: recovery keeps the newest commit of a key.
+  encode_header(geom_, desc_, key, commit_seq_++, sums, hdr.data());
+  Status st = pool_.pwrite_all(slot, 0, hdr.data(), geom_.header_bytes);
+  if (!st.ok()) return st;
+  std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * geom_.num_objs()], sums, geom_.num_objs() * sizeof(uint64_t));
+  slot_key_[slot] = key;
+  index_.insert(key, slot);
+  bytes_written_ += geom_.slot_bytes;
   return Status::Ok();
 }
 

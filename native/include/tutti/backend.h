@@ -18,18 +18,14 @@ namespace tutti {
 struct RequestView {
   const Ioctx* ctx = nullptr;
   const Extent* extents = nullptr;
-  const uint32_t* unit_slot = nullptr;      // slot of each unit
-  const uint64_t* keys = nullptr;
   uint64_t* checksums = nullptr;            // [unit][obj]: expected on retrieve, written by the kernel on store
   uint8_t* unit_failed = nullptr;           // written by the kernel
   uint32_t num_units = 0;
-  uint64_t commit_seq_base = 0;
 };
 
 // Everything an I/O kernel needs, set up once by the store.
 struct KernelContext {
   Geometry geom;
-  std::string desc;
   ExtentMap* extents = nullptr;
   Iocb* iocbs = nullptr;
   uint32_t num_iocbs = 0;
@@ -90,8 +86,7 @@ class Backend {
     (void)sms;
     return io_workers;
   }
-  // SQ/CQ pairs the store allocates: one per worker, plus any the backend drives from the host
-  // (the CUDA backend writes commit headers through its own host-owned pair).
+  // SQ/CQ pairs the store allocates: one per worker by default.
   virtual uint32_t num_queues(uint32_t workers) const { return workers; }
   // A stream on the SMs left to compute (the complement of the I/O partition), 0 when none.
   virtual uint64_t compute_stream() const { return 0; }

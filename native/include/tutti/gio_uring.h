@@ -25,7 +25,7 @@ constexpr uint32_t kMaxIoctxPerIocb = 2048;
 
 // kReadv/kWritev (host producers only): scatter-gather I/O straight between a file and the KV
 // blocks; the SQE's `buf_offset` is then the address of an iovec array and `len` its length.
-enum class IoOp : uint32_t { kRead = 1, kWrite = 2, kCommit = 3, kReadv = 4, kWritev = 5 };
+enum class IoOp : uint32_t { kRead = 1, kWrite = 2, kReadv = 4, kWritev = 5 };
 
 // One object transfer of a request: a GPU file (slot) and the extents of the unit's KV blocks.
 // The layer is a property of the IOCB, so one IOCTX array serves every layer of a request.

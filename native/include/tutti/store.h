@@ -85,7 +85,6 @@ class Store : public UnitStore {
     std::vector<Extent> extents;
     std::vector<uint64_t> checksums;
     std::vector<std::vector<uint32_t>> layer_iocbs;  // reserved at begin
-    std::vector<uint32_t> commit_iocbs;              // store: reserved at begin
     std::vector<uint32_t> raw_iocbs;                 // gio_uring API IOCBs filled against it
     std::vector<uint8_t> layer_issued;
     std::vector<uint8_t> layer_failed;               // its I/O could not be started

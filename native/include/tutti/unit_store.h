@@ -96,6 +96,10 @@ class UnitStore {
   Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
   Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
   StoreStats units_stats() const;  // under mu_
+  // Commit after write: writes the header of a unit whose objects are already in `slot`, then
+  // makes the unit visible under `key` (its plain CRC32Cs in `sums`). The one way any unit is
+  // committed: an engine's stores and imported replicas alike. Under mu_.
+  Status commit_unit(uint32_t slot, uint64_t key, const uint64_t* sums);
 
   StoreOptions opt_;
   Geometry geom_;

@@ -15,8 +15,8 @@
 // words with system-scope acquire loads; no read-modify-write atomic ever touches host memory.
 // Cross-block accounting (which block finishes an IOCB last) uses device-memory atomics only.
 //
-// Commit IOCBs (headers written after every object of a unit) are run by the host side of this
-// backend through an extra, host-owned SQ/CQ pair, so each ring still has one producer.
+// Commit headers are not the kernel's: the store writes a unit's header once every layer of it is
+// on storage (UnitStore::commit_unit).
 //
 // The driver API (green contexts exist only there on CUDA 13.0) is resolved at run time through
 // cudaGetDriverEntryPointByVersion: the module links no libcuda and imports on hosts without a GPU.
@@ -667,7 +667,7 @@ class CudaBackend final : public Backend {
     uint32_t s = std::max<uint32_t>(8, (sms + 7) / 8 * 8);
     return std::min<uint32_t>(s, std::max<uint32_t>(8, (num_sms_ - 8) / 8 * 8));
   }
-  uint32_t num_queues(uint32_t workers) const override { return kLanes * workers + 1; }
+  uint32_t num_queues(uint32_t workers) const override { return kLanes * workers; }
   uint64_t compute_stream() const override { return reinterpret_cast<uint64_t>(compute_stream_); }
   Status start(KernelContext* ctx, uint32_t workers) override;
   Status launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) override;
@@ -694,7 +694,6 @@ class CudaBackend final : public Backend {
     destroy(scatter_stream_);
     destroy(compute_stream_);
   }
-  Status host_commit(const uint32_t* ids, uint32_t n);
   void push() {
     if (io_ctx_) drv_.CtxPushCurrent(io_ctx_);
   }
@@ -743,7 +742,6 @@ class CudaBackend final : public Backend {
   bool print_trace_ = false;
   uint64_t launches_ = 0, launch_calls_ = 0;
   std::vector<RequestMem> req_;
-  std::vector<uint32_t> host_free_;
   bool vec16_ = false;
   uint32_t group_ = 1;  // IOCTXs per staging slot (2: K and V of a unit-layer as one I/O)
   // Shared memory of one I/O block: four words and one state byte per staging chunk.
@@ -839,7 +837,7 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   workers_ = workers;
   cudaSetDevice(device_);
   const uint32_t nq = num_queues(workers);
-  if (ctx->queues.size() != nq) return {Code::kDevice, "CUDA backend expects one SQ/CQ pair per worker and lane, plus one"};
+  if (ctx->queues.size() != nq) return {Code::kDevice, "CUDA backend expects one SQ/CQ pair per worker and lane"};
   per_worker_ = ctx->num_chunks / nq;
   if (per_worker_ == 0) return {Code::kConfig, "staging too small: no chunk per I/O thread block"};
   if (per_worker_ > kMaxChunksPerWorker)
@@ -877,7 +875,7 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   // from 24-26 to 35-38 GB/s with a 2 GiB staging area (docs/PERF.md).
   const uint32_t per_block = (TUTTI_WINDOW_QD * ctx->queue_depth + kLanes * grid_ - 1) / (kLanes * grid_);
   window_ = std::clamp<uint32_t>(per_block, 1, per_worker_ / group_);
-  const uint32_t nk = kLanes * workers;  // SQ/CQ pairs of the kernel; the last pair is the host's
+  const uint32_t nk = kLanes * workers;  // SQ/CQ pairs of the kernel
   std::vector<DevQueue> qs(nk);
   for (uint32_t w = 0; w < nk; ++w) {
     const QueuePair& q = ctx->queues[w];
@@ -947,8 +945,6 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   req_.assign(ctx->max_requests, RequestMem{});
   for (auto& m : req_) cudaEventCreateWithFlags(&m.uploaded, cudaEventDisableTiming);
   pop();
-  const uint32_t base = nk * per_worker_;
-  for (uint32_t c = per_worker_; c-- > 0;) host_free_.push_back(base + c);
   cudaDeviceSynchronize();
   started_ = true;
   return Status::Ok();
@@ -1026,7 +1022,6 @@ Status CudaBackend::end_request(uint32_t id, RequestView* v) {
 Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) {
   if (!started_) return {Code::kDevice, "CUDA backend not started"};
   if (n == 0) return Status::Ok();
-  if (k_->iocbs[ids[0]].op == static_cast<uint32_t>(IoOp::kCommit)) return host_commit(ids, n);
   const Geometry& g = k_->geom;
   uint32_t grid = grid_;
   if (sms && sms < grid) grid = std::max<uint32_t>(1, sms);
@@ -1193,72 +1188,6 @@ void CudaBackend::unregister_host(void* p) {
   host_regions_.erase(it);
 }
 
-// Writes the headers of a store's units through the host-owned queue pair (commit after write).
-Status CudaBackend::host_commit(const uint32_t* ids, uint32_t n) {
-  const Geometry& g = k_->geom;
-  const QueuePair& qp = k_->queues[kLanes * workers_];
-  SpscRing<Sqe> sq = qp.sq_ring();
-  SpscRing<Cqe> cq = qp.cq_ring();
-  struct Pending {
-    uint32_t iocb, unit;
-  };
-  std::vector<Pending> inflight(k_->num_chunks);
-  uint32_t outstanding = 0;
-  auto drain = [&](bool block) {
-    Cqe c;
-    bool any = false;
-    for (;;) {
-      while (cq.pop(&c)) {
-        const uint32_t chunk = static_cast<uint32_t>(c.tag);
-        const Pending pd = inflight[chunk];
-        Iocb& b = k_->iocbs[pd.iocb];
-        if (c.res != static_cast<int64_t>(g.header_bytes)) {
-          k_->requests[b.request].unit_failed[pd.unit] = 1;
-          b.errors++;
-        }
-        host_free_.push_back(chunk);
-        --outstanding;
-        any = true;
-      }
-      if (any || !block || outstanding == 0) return;
-      k_->kernel_bell->wait([&] { return !cq.empty(); }, 1000);
-    }
-  };
-  for (uint32_t i = 0; i < n; ++i) {
-    Iocb& b = k_->iocbs[ids[i]];
-    RequestView& r = k_->requests[b.request];
-    for (uint32_t off = 0; off < b.ctx_count; ++off) {
-      const uint32_t unit = b.ctx_first + off;
-      const Ioctx& x = r.ctx[static_cast<uint64_t>(unit) * g.objs_per_layer];
-      if (x.slot == UINT32_MAX || r.unit_failed[unit]) continue;
-      while (host_free_.empty()) drain(true);
-      const uint32_t chunk = host_free_.back();
-      host_free_.pop_back();
-      uint8_t* buf = k_->staging + static_cast<uint64_t>(chunk) * k_->chunk_bytes;
-      encode_header(g, k_->desc, r.keys[unit], r.commit_seq_base + unit, r.checksums + static_cast<uint64_t>(unit) * g.num_objs(),
-                    buf);
-      Sqe s{};
-      s.tag = chunk;
-      s.file_offset = x.file_offset;
-      s.buf_offset = static_cast<uint64_t>(chunk) * k_->chunk_bytes;
-      s.len = static_cast<uint32_t>(g.header_bytes);
-      s.path = static_cast<uint16_t>(x.path);
-      s.op = static_cast<uint16_t>(IoOp::kWrite);
-      inflight[chunk] = Pending{ids[i], unit};
-      while (!sq.push(s)) drain(true);
-      ++outstanding;
-      k_->agent->kick();
-    }
-  }
-  while (outstanding) drain(true);
-  for (uint32_t i = 0; i < n; ++i) {
-    Iocb& b = k_->iocbs[ids[i]];
-    __atomic_store_n(&b.done_seq, b.issue_seq, __ATOMIC_RELEASE);
-  }
-  k_->done_bell->notify();
-  return Status::Ok();
-}
-
 void CudaBackend::stop() {
   if (!started_) return;
   started_ = false;
@@ -1318,7 +1247,6 @@ void CudaBackend::stop() {
   }
   io_green_ = compute_green_ = nullptr;
   io_ctx_ = nullptr;
-  host_free_.clear();
 }
 
 }  // namespace
