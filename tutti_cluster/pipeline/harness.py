@@ -200,6 +200,7 @@ class Harness:
         self.read_bps = 0.0  # measured: restores of the prefix
         self.write_bps = 0.0  # measured: the prefix's store
         self.layer_seconds: dict[tuple[int, int], list[float]] = {}  # (n, P) -> per-layer compute
+        self.itl_s: dict[int, float] = {}  # input -> decode step with no I/O
         self.windows: Callable[[int, int], list[float] | None] | None = None  # an offline profile
 
     # ---- helpers -----------------------------------------------------------------------------------
@@ -399,7 +400,8 @@ class Harness:
             wkeys = [int(k) for k in self._rng.integers(1, 2**63 - 1, size=new_units)]
             case.write_keys.extend(wkeys)
         write_ids = case.block_ids[first_unit * self.unit_tokens // self.bt :].tolist()
-        decode_window = statistics.median(windows) if decode_steps else 0.0
+        # A decode step's slack: the I/O partition idles for a whole step (no reads in decode).
+        decode_window = self.itl_s.get(case.n) or (self.itl(case, 2) if decode_steps else 0.0)
         sched_box: list[SlackScheduler] = []
         itl: list[float] = []
 
@@ -460,8 +462,12 @@ class Harness:
         return times
 
     def itl(self, case: InputCase, steps: int) -> float:
-        """Median inter-token latency of ``steps`` decode steps with no I/O."""
-        return statistics.median(self.decode(case, steps)) if steps else 0.0
+        """Median inter-token latency of ``steps`` decode steps with no I/O (kept per input as the
+        scheduler's decode window)."""
+        if not steps:
+            return 0.0
+        t = self.itl_s[case.n] = statistics.median(self.decode(case, steps))
+        return t
 
 
 def crossover_hit_rate(points: Sequence[tuple[float, float, float]]) -> float | None:
