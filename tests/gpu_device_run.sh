@@ -19,7 +19,8 @@
 # PNG in $OUT. PIPE_MODEL (llama3-8b), PIPE_INPUTS (64K,128K), PIPE_PREFIXES (16K,32K,64K,96K,-1u),
 # PIPE_REPEAT (1), PIPE_SYSTEMS (all), PIPE_ARGS (more flags), PIPE_DISK (1; 0 skips the disk),
 # PIPE_DISK_INPUTS (64K), PIPE_DISK_PREFIXES (16K,32K,-1u), PIPE_GLM=1 adds the GLM-4-9B-1M shape
-# (PIPE_GLM_INPUTS 128K,640K, prefix -1u, no recompute or per-chunk, 512-token units).
+# (PIPE_GLM_INPUTS 128K,640K, prefix -1u, no recompute or per-chunk, 512-token units); PIPE_TEST=1
+# runs the pipeline's GPU tests first.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -116,6 +117,10 @@ for step in "$@"; do
       rm -rf $owner
     done ;;
   pipeline)
+    if [ "${PIPE_TEST:-0}" = 1 ]; then
+      log "pipeline gpu tests"
+      timeout 240 python3 -m pytest -q -m gpu -rs tests/test_pipeline.py 2>&1 | tee "$OUT/pipeline_tests.log" | tail -6
+    fi
     log "bench --pipeline ${PIPE_MODEL:-llama3-8b} from /dev/shm (stand-in for an NVMe array)"
     mkdir -p $SHM
     TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline --paths $SHM \

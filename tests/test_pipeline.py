@@ -281,3 +281,57 @@ def test_reads_fill_windows_in_order_and_go_at_once_when_none_fits(rig: hz.Harne
     total = 2 * layers
     assert issued_by_layer([1.5] * layers) == [total, 0, 0, 0]  # none fits: everything at once
     assert issued_by_layer([100.0] * layers) == [total, 0, 0, 0]  # all fit the first window
+
+
+# ---- on the GPU host (pytest -m gpu tests/test_pipeline.py) ---------------------------------------
+
+
+def _gpu_reason() -> str | None:
+    from tutti_cluster import _native
+
+    if not _native.has_cuda:
+        return "this build of the native module has no CUDA backend"
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("reads", ["layer", "iocb"])
+def test_gpu_every_system_restores_bitwise_with_compiled_flex(tmp_path: Path, reads: str) -> None:
+    """The CUDA store, flex_attention compiled for the GPU, the compute on the store's compute
+    stream: every restoring system equals the resident run bit for bit, write-back commits."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    shape = model_shape("tiny")
+    n = 4096
+    kv = PagedKV(shape, 2 * n // shape.block_tokens, dev)
+    model = Decoder(shape, dev, seed=5)
+    store = TuttiStore(TuttiConfig(paths=[tmp_path / "s"], capacity_gb=0.5, unit_tokens=UNIT, backend="cuda",
+                                   staging_mb=32))
+    (tmp_path / "s").mkdir()
+    (tmp_path / "c").mkdir()
+    store.register_kv_caches(kv.layers, block_tokens=shape.block_tokens, layout="kv_first")
+    reader = LayerwisePerChunk(kv, [tmp_path / "c"], threads=4)  # type: ignore[arg-type]
+    try:
+        h = hz.Harness(model, kv, store, per_chunk=reader, tutti_reads=reads)
+        case = h.new_case(n, n - UNIT)
+        h.prepare(case)
+        h.itl(case, 2)
+        for prefix in (UNIT, n // 2, n - UNIT):
+            h.warm_up(case, prefix)
+            ideal = h.run("ideal", case, prefix)
+            for system in ("tutti", "naive", "load-all", "per-chunk"):
+                c = hz.compare(ideal.out, h.run(system, case, prefix).out)
+                assert c["exact"], (system, prefix, c)
+            wb = h.run("tutti", case, prefix, writeback=True, decode_steps=2)
+            assert hz.compare(ideal.out, wb.out)["exact"]
+            sched = wb.extra["schedule"]
+            assert sched["committed_units"] + sched["skipped_units"] == sched["store_units"]
+            for k in case.write_keys:
+                store.remove(k)
+            case.write_keys.clear()
+        h.release(case)
+    finally:
+        reader.close()
+        store.close()
