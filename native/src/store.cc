@@ -502,21 +502,32 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   }
   if (r.op == ReqOp::kStore && n > 0) {
     // Commit after write: a unit's header goes out only now that every object of it is on storage,
-    // and only for units whose every layer was written and checksummed (UnitStore::commit_unit,
+    // and only for units whose every layer was written and checksummed (UnitStore::commit_units,
     // the one way any unit becomes visible).
+    std::vector<uint32_t> units, slots;
+    std::vector<uint64_t> keys, sums;
     for (uint32_t u = 0; u < n; ++u) {
       if (!r.unit_present[u]) continue;
-      const uint32_t slot = r.unit_slot[u];
       if (not_moved[u]) r.unit_failed[u] |= 1;
       if (r.unit_failed[u] || index_.contains(r.keys[u])) {
-        invalidate(slot);
+        invalidate(r.unit_slot[u]);
         continue;  // released below
       }
-      if (!commit_unit(slot, r.keys[u], &r.checksums[static_cast<uint64_t>(u) * g.num_objs()]).ok()) {
+      units.push_back(u);
+      slots.push_back(r.unit_slot[u]);
+      keys.push_back(r.keys[u]);
+      sums.insert(sums.end(), r.checksums.begin() + static_cast<int64_t>(u) * g.num_objs(),
+                  r.checksums.begin() + static_cast<int64_t>(u + 1) * g.num_objs());
+    }
+    std::vector<uint8_t> committed;
+    commit_units(slots.data(), keys.data(), sums.data(), static_cast<uint32_t>(units.size()), &committed);
+    for (uint32_t i = 0; i < units.size(); ++i) {
+      const uint32_t u = units[i];
+      if (!committed[i]) {
         r.unit_failed[u] |= 1;
         io_errors_++;
-        invalidate(slot);
-        continue;
+        invalidate(r.unit_slot[u]);
+        continue;  // released below
       }
       r.unit_present[u] = 0;  // now owned by the index
       out->committed_units.push_back(u);

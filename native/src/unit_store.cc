@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "tutti/crc32c.h"
 
@@ -221,23 +222,45 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
   // Objects first, header last.
   const uint64_t hb = geom_.header_bytes;
   st = pool_.pwrite_all(slot, hb, buf.data() + hb, n - hb);
-  if (st.ok()) st = commit_unit(slot, *key, sums.data());
+  if (st.ok()) {
+    std::vector<uint8_t> done;
+    commit_units(&slot, key, sums.data(), 1, &done);
+    if (!done[0]) st = {Code::kStorage, "writing the unit's header failed"};
+  }
   if (!st.ok()) free_slot(slot);
   return st;
 }
 
-Status UnitStore::commit_unit(uint32_t slot, uint64_t key, const uint64_t* sums) {
-  AlignedBuf hdr(geom_.header_bytes);
-  if (!hdr.p) return {Code::kCapacityExceeded, "out of memory"};
-  // A new sequence number: recovery keeps the newest commit of a key.
-  encode_header(geom_, desc_, key, commit_seq_++, sums, hdr.data());
-  Status st = pool_.pwrite_all(slot, 0, hdr.data(), geom_.header_bytes);
-  if (!st.ok()) return st;
-  std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * geom_.num_objs()], sums, geom_.num_objs() * sizeof(uint64_t));
-  slot_key_[slot] = key;
-  index_.insert(key, slot);
-  bytes_written_ += geom_.slot_bytes;
-  return Status::Ok();
+void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const uint64_t* sums, uint32_t n,
+                             std::vector<uint8_t>* committed) {
+  const Geometry& g = geom_;
+  committed->assign(n, 0);
+  if (n == 0) return;
+  AlignedBuf hdrs(static_cast<uint64_t>(n) * g.header_bytes);
+  if (!hdrs.p) return;  // nothing committed: every unit is reported not stored
+  // New sequence numbers: recovery keeps the newest commit of a key.
+  for (uint32_t i = 0; i < n; ++i)
+    encode_header(g, desc_, keys[i], commit_seq_++, sums + static_cast<uint64_t>(i) * g.num_objs(),
+                  hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes);
+  // One small write per unit, each to its own slot: in parallel, as storage takes them best.
+  const uint32_t threads = std::min<uint32_t>(8, (n + 7) / 8);
+  auto write = [&](uint32_t t) {
+    for (uint32_t i = t; i < n; i += threads)
+      (*committed)[i] = pool_.pwrite_all(slots[i], 0, hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes,
+                                         g.header_bytes).ok();
+  };
+  std::vector<std::thread> pool;
+  for (uint32_t t = 1; t < threads; ++t) pool.emplace_back(write, t);
+  write(0);
+  for (std::thread& th : pool) th.join();
+  for (uint32_t i = 0; i < n; ++i) {
+    if (!(*committed)[i]) continue;
+    std::memcpy(&slot_checksums_[static_cast<uint64_t>(slots[i]) * g.num_objs()], sums + static_cast<uint64_t>(i) * g.num_objs(),
+                g.num_objs() * sizeof(uint64_t));
+    slot_key_[slots[i]] = keys[i];
+    index_.insert(keys[i], slots[i]);
+    bytes_written_ += g.slot_bytes;
+  }
 }
 
 void UnitStore::pin(const uint64_t* keys, uint32_t n, bool on) {

@@ -96,10 +96,12 @@ class UnitStore {
   Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
   Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
   StoreStats units_stats() const;  // under mu_
-  // Commit after write: writes the header of a unit whose objects are already in `slot`, then
-  // makes the unit visible under `key` (its plain CRC32Cs in `sums`). The one way any unit is
-  // committed: an engine's stores and imported replicas alike. Under mu_.
-  Status commit_unit(uint32_t slot, uint64_t key, const uint64_t* sums);
+  // Commit after write: writes the headers of units whose objects are already in their slots, then
+  // makes each unit whose header was written visible under its key (`sums`: num_objs plain CRC32Cs
+  // per unit, in order). Headers go out on up to 8 threads. The one way any unit is committed: an
+  // engine's stores and imported replicas alike. Under mu_. committed[i]: unit i is visible.
+  void commit_units(const uint32_t* slots, const uint64_t* keys, const uint64_t* sums, uint32_t n,
+                    std::vector<uint8_t>* committed);
 
   StoreOptions opt_;
   Geometry geom_;

@@ -16,7 +16,7 @@
 // Cross-block accounting (which block finishes an IOCB last) uses device-memory atomics only.
 //
 // Commit headers are not the kernel's: the store writes a unit's header once every layer of it is
-// on storage (UnitStore::commit_unit).
+// on storage (UnitStore::commit_units).
 //
 // The driver API (green contexts exist only there on CUDA 13.0) is resolved at run time through
 // cudaGetDriverEntryPointByVersion: the module links no libcuda and imports on hosts without a GPU.
