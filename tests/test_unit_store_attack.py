@@ -2,7 +2,7 @@
 scatter_unit through Backend::scatter_from_host, import_unit through UnitStore::commit_unit,
 calls after close and concurrent with it, and a SIGKILL crash test with imports.
 
-Tests marked xfail(strict=True) expose a real bug (the reason says which); the others guard
+Tests commented "Regression (once failed)" reproduce a bug that was fixed; the others guard
 behaviour that holds today."""
 
 from __future__ import annotations
@@ -107,10 +107,10 @@ def test_open_pools_with_another_geometry_is_refused_and_the_right_one_is_byte_e
                                                          block_tokens=16)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "make_geometry: Geometry::num_objs() is num_layers * objs_per_layer in uint32 arithmetic and wraps; "
-    "open_pools(num_layers=2**31+1, objs_per_layer=2) opens with a 2-object slot (slot_bytes 20480) while "
-    "geometry() reports 2147483649 layers, instead of raising LayoutError"))
+# Regression (once failed): make_geometry: Geometry::num_objs() is num_layers * objs_per_layer
+# in uint32 arithmetic and wraps; open_pools(num_layers=2**31+1, objs_per_layer=2) opens with a
+# 2-object slot (slot_bytes 20480) while geometry() reports 2147483649 layers, instead of raising
+# LayoutError
 def test_open_pools_num_objs_overflow_is_rejected(tmp_path):
     d = tmp_path / "p"
     d.mkdir()
@@ -125,10 +125,10 @@ def test_open_pools_num_objs_overflow_is_rejected(tmp_path):
     assert g["slot_bytes"] >= g["num_layers"] * g["objs_per_layer"] * g["obj_bytes"], g
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "make_geometry accepts any num_layers: open_pools(num_layers=2**28, objs_per_layer=2) makes a 4 GiB header "
-    "(slot_bytes 4.4 TB, 0 slots in any pool) and UnitStore::recover then allocates and zeroes it (16 s, 8 GiB RSS "
-    "unlimited; under a 2 GiB RLIMIT_AS it is CapacityExceeded 'out of memory') instead of a prompt LayoutError"))
+# Regression (once failed): make_geometry accepts any num_layers: open_pools(num_layers=2**28,
+# objs_per_layer=2) makes a 4 GiB header (slot_bytes 4.4 TB, 0 slots in any pool) and
+# UnitStore::recover then allocates and zeroes it (16 s, 8 GiB RSS unlimited; under a 2 GiB
+# RLIMIT_AS it is CapacityExceeded 'out of memory') instead of a prompt LayoutError
 def test_open_pools_absurd_header_is_rejected_before_allocating(tmp_path):
     d = tmp_path / "p"
     d.mkdir()
@@ -154,10 +154,10 @@ def test_open_pools_absurd_header_is_rejected_before_allocating(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "module.cc raise(): PyErr_SetString needs UTF-8, so a Status message holding the desc's bytes "
-    "(UnitStore.open(o, 4, 2, 2048, b'\\xff\\xfe') on a pool with units: 'holds units of another layout ... "
-    "this store is \\xff\\xfe') surfaces as UnicodeDecodeError, not LayoutError/TuttiError"))
+# Regression (once failed): module.cc raise(): PyErr_SetString needs UTF-8, so a Status message
+# holding the desc's bytes (UnitStore.open(o, 4, 2, 2048, b'\xff\xfe') on a pool with units:
+# 'holds units of another layout ... this store is \xff\xfe') surfaces as UnicodeDecodeError, not
+# LayoutError/TuttiError
 def test_unit_store_open_non_utf8_desc_raises_tutti_error(stored):
     w, kv, d, data = stored
     o = native_options(cfg(d), backend="cpu", unit_blocks=4, read_only=True)
@@ -208,10 +208,10 @@ def _full_reader(tmp_path):
     return reader(d), extra
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "UnitStore::import_unit on a read-only store (open_pools) with no free slot: alloc_slot evicts the LRU unit "
-    "from the reader's index (and queues it in drain_evicted) before the pwrite fails with EBADF; the "
-    "StorageError leaves unit 1 unlisted though it is intact on disk, and its slot neither free nor used"))
+# Regression (once failed): UnitStore::import_unit on a read-only store (open_pools) with no
+# free slot: alloc_slot evicts the LRU unit from the reader's index (and queues it in
+# drain_evicted) before the pwrite fails with EBADF; the StorageError leaves unit 1 unlisted
+# though it is intact on disk, and its slot neither free nor used
 def test_import_into_full_read_only_store_keeps_its_index(tmp_path):
     r, extra = _full_reader(tmp_path)
     try:
@@ -226,10 +226,10 @@ def test_import_into_full_read_only_store_keeps_its_index(tmp_path):
         r.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "UnitStore::remove on a read-only store (open_pools, as the node daemon's 'remove' command uses it) "
-    "returns True and drops the key from the reader's index, while free_slot's invalidate fails silently "
-    "(EBADF) so the unit stays committed on disk: the remove is reported done but nothing was removed"))
+# Regression (once failed): UnitStore::remove on a read-only store (open_pools, as the node
+# daemon's 'remove' command uses it) returns True and drops the key from the reader's index, while
+# free_slot's invalidate fails silently (EBADF) so the unit stays committed on disk: the remove is
+# reported done but nothing was removed
 def test_remove_on_read_only_store_is_refused(tmp_path):
     r, extra = _full_reader(tmp_path)
     try:
@@ -245,10 +245,10 @@ def test_remove_on_read_only_store_is_refused(tmp_path):
 
 # ---- buffers: strides, read-only, zero length, register_host ------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "module.cc scatter_unit: py::buffer::request() accepts strided buffers and the bytes are read as "
-    "i.size*itemsize contiguous bytes from i.ptr; scatter_unit(np_bytes[::2]) whose logical content is not a "
-    "unit succeeds, scattering the contiguous memory under it"))
+# Regression (once failed): module.cc scatter_unit: py::buffer::request() accepts strided
+# buffers and the bytes are read as i.size*itemsize contiguous bytes from i.ptr;
+# scatter_unit(np_bytes[::2]) whose logical content is not a unit succeeds, scattering the
+# contiguous memory under it
 def test_scatter_unit_from_strided_buffer_is_refused(stored):
     s, kv, d, data = stored
     ub = s.unit_blocks
@@ -261,9 +261,9 @@ def test_scatter_unit_from_strided_buffer_is_refused(stored):
         s.scatter_unit(view, np.arange(ub) + 40)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "module.cc import_unit: a strided buffer is read as contiguous memory; import_unit(np_bytes[::2]) "
-    "whose logical bytes are no unit commits the unit lying contiguously under it"))
+# Regression (once failed): module.cc import_unit: a strided buffer is read as contiguous
+# memory; import_unit(np_bytes[::2]) whose logical bytes are no unit commits the unit lying
+# contiguously under it
 def test_import_unit_from_strided_buffer_is_refused(stored):
     s, kv, d, data = stored
     n = len(data)
@@ -275,10 +275,10 @@ def test_import_unit_from_strided_buffer_is_refused(stored):
     assert s.lookup([7]) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "module.cc read_unit_into: request(true) accepts a strided writable buffer and the unit is written as "
-    "slot_bytes contiguous bytes from its first element; the call returns slot_bytes with the view's logical "
-    "content not the unit (with a [::-1] view it writes past the buffer: see the next test)"))
+# Regression (once failed): module.cc read_unit_into: request(true) accepts a strided writable
+# buffer and the unit is written as slot_bytes contiguous bytes from its first element; the call
+# returns slot_bytes with the view's logical content not the unit (with a [::-1] view it writes
+# past the buffer: see the next test)
 def test_read_unit_into_strided_buffer_is_refused_or_exact(stored):
     s, kv, d, data = stored
     backing = bytearray(2 * len(data))
@@ -290,10 +290,9 @@ def test_read_unit_into_strided_buffer_is_refused_or_exact(stored):
     assert bytes(view) == data
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "module.cc read_unit_into with memoryview(mmap(slot_bytes))[::-1]: i.ptr is the buffer's last byte and "
-    "slot_bytes bytes are written from there, slot_bytes-1 bytes past the mapping: heap/mapping overflow, the "
-    "process dies with SIGSEGV"))
+# Regression (once failed): module.cc read_unit_into with memoryview(mmap(slot_bytes))[::-1]:
+# i.ptr is the buffer's last byte and slot_bytes bytes are written from there, slot_bytes-1 bytes
+# past the mapping: heap/mapping overflow, the process dies with SIGSEGV
 def test_read_unit_into_reversed_view_does_not_overflow(stored):
     s, kv, d, data = stored
     r = run_py(f"""
@@ -315,9 +314,8 @@ def test_read_unit_into_reversed_view_does_not_overflow(stored):
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "module.cc crc32c: a strided buffer is summed as contiguous memory (crc32c(a[::2]) != crc32c(bytes(a[::2]))); "
-    "with a [::-1] view it reads past the buffer"))
+# Regression (once failed): module.cc crc32c: a strided buffer is summed as contiguous memory
+# (crc32c(a[::2]) != crc32c(bytes(a[::2]))); with a [::-1] view it reads past the buffer
 def test_crc32c_of_strided_buffer(stored):
     a = np.arange(4096, dtype=np.uint8)
     assert _native.crc32c(a[::2]) == _native.crc32c(bytes(a[::2]))
@@ -646,11 +644,11 @@ _IN_FLIGHT = """
 """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "module.cc: every GIL-released call holds a bare UnitStore&/Store& while close() resets the unique_ptr "
-    "(also GIL-released) without waiting: close() returns while import_unit/read_unit of another thread is "
-    "still running on the freed store (use after free; import_unit then segfaults, read_unit on an "
-    "open_pools reader fails with NotFound 'unit not in store' read from the freed index)"))
+# Regression (once failed): module.cc: every GIL-released call holds a bare UnitStore&/Store&
+# while close() resets the unique_ptr (also GIL-released) without waiting: close() returns while
+# import_unit/read_unit of another thread is still running on the freed store (use after free;
+# import_unit then segfaults, read_unit on an open_pools reader fails with NotFound 'unit not in
+# store' read from the freed index)
 @pytest.mark.parametrize("mode", ["import", "read"])
 def test_close_waits_for_calls_in_flight(tmp_path, mode):
     """close() from one thread while another is inside a native call: the call must finish on a live
@@ -660,11 +658,11 @@ def test_close_waits_for_calls_in_flight(tmp_path, mode):
     assert ok, (r.returncode, r.stdout, r.stderr[-2000:])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "TuttiStore.finish: the native finish frees the request id before the wrapper pops _ops/_keys under "
-    "_lock; a begin in another thread in between gets the same id, so finish pops the other request's keys "
-    "(on_commit reports key 2 for a unit stored as key 1) and the other request's finish raises "
-    "'no request in flight'/KeyError, leaving it open in the native store (seen with real threads too)"))
+# Regression (once failed): TuttiStore.finish: the native finish frees the request id before the
+# wrapper pops _ops/_keys under _lock; a begin in another thread in between gets the same id, so
+# finish pops the other request's keys (on_commit reports key 2 for a unit stored as key 1) and
+# the other request's finish raises 'no request in flight'/KeyError, leaving it open in the native
+# store (seen with real threads too)
 def test_request_ids_reused_between_threads(stored, monkeypatch):
     import tutti_cluster.store as store_mod
 

@@ -315,12 +315,14 @@ class TuttiStore:
 
     def finish(self, req: int) -> RequestResult:
         """Completes a request: commits stored units, unpins retrieved ones, reports failures."""
-        if req not in self._ops:
-            raise TuttiError(f"no request {req} in flight")
-        res = RequestResult(**struct_dict(self._e.finish(req)))
+        # The request's entry goes before the native finish frees its id, which another thread's
+        # begin may then take at once.
         with self._lock:
-            self._ops.pop(req, None)
+            if req not in self._ops:
+                raise TuttiError(f"no request {req} in flight")
+            self._ops.pop(req)
             keys = self._keys.pop(req)
+        res = RequestResult(**struct_dict(self._e.finish(req)))
         if self.on_commit is not None:
             for u in res.committed_units:
                 self.on_commit(int(keys[u]))

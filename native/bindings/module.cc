@@ -3,6 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <mutex>
+#include <shared_mutex>
+
 #include "tutti/crc32c.h"
 #include "tutti/store.h"
 
@@ -25,7 +28,10 @@ py::handle g_errors;
     case Code::kLayout: cls = "LayoutError"; break;
     default: break;
   }
-  PyErr_SetString(g_errors.attr(cls).ptr(), s.message().c_str());
+  // Messages may quote bytes from the caller (a layout text): never let decoding them fail.
+  PyObject* text = PyUnicode_DecodeUTF8(s.message().data(), static_cast<Py_ssize_t>(s.message().size()), "replace");
+  PyErr_SetObject(g_errors.attr(cls).ptr(), text);
+  Py_XDECREF(text);
   throw py::error_already_set();
 }
 
@@ -59,17 +65,59 @@ uint32_t u32(const py::handle& v, const char* what) {
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
 
-// The Python objects own their store; close() drops it, and any later call says so.
+// A store held for the length of one call: close() waits until no call holds it.
+template <typename T>
+struct Held {
+  std::shared_lock<std::shared_mutex> lk;
+  T* s;
+  T& operator*() const { return *s; }
+  T* operator->() const { return s; }
+};
+
+// The Python objects own their store; close() drops it once the calls in flight (other threads,
+// the GIL released) are done, and any later call says the store is closed.
 struct PyUnits {
   std::unique_ptr<UnitStore> s;
-  UnitStore& get() {
+  std::shared_mutex mu;
+  Held<UnitStore> hold() {
+    std::shared_lock<std::shared_mutex> lk(mu, std::try_to_lock);
+    if (!lk.owns_lock()) {  // close() is running or waiting: wait without the GIL
+      py::gil_scoped_release nogil;
+      lk.lock();
+    }
     if (!s) raise({Code::kInvalid, "store is closed"});
-    return *s;
+    return {std::move(lk), s.get()};
+  }
+  void close() {
+    py::gil_scoped_release nogil;
+    std::unique_lock<std::shared_mutex> lk(mu);
+    s.reset();
   }
 };
 struct PyStore : PyUnits {
-  Store& get() { return static_cast<Store&>(PyUnits::get()); }
+  Held<Store> hold() {
+    Held<UnitStore> h = PyUnits::hold();
+    return {std::move(h.lk), static_cast<Store*>(h.s)};
+  }
 };
+
+// The bytes of a buffer that must be one contiguous piece of memory (a strided view, such as
+// a[::2], is not the bytes its pointer and length would say).
+struct Bytes {
+  uint8_t* p;
+  uint64_t n;
+};
+// `i` must stay alive while the bytes are used: it holds the export (a bytearray cannot be resized
+// meanwhile).
+Bytes contiguous(const py::buffer_info& i, const char* what) {
+  py::ssize_t want = i.itemsize;
+  for (py::ssize_t d = i.ndim; d-- > 0;) {
+    if (i.shape[d] > 1 && i.strides[d] != want)
+      raise({Code::kLayout, std::string(what) + " must be one contiguous buffer, not a strided view"});
+    want *= i.shape[d];
+  }
+  return {static_cast<uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize)};
+}
 
 py::bytes to_bytes(const std::vector<uint8_t>& v) { return py::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
 
@@ -87,6 +135,12 @@ PYBIND11_MODULE(_native, m) {
 
   m.def("crc32c", [](py::buffer b, uint32_t crc) {
     py::buffer_info i = b.request();
+    if (!PyBuffer_IsContiguous(i.view(), 'C')) {  // a strided view: sum its bytes in order
+      py::bytes copy = py::reinterpret_steal<py::bytes>(PyBytes_FromObject(b.ptr()));
+      if (!copy) throw py::error_already_set();
+      const std::string v = copy;
+      return crc32c_extend(crc, v.data(), v.size());
+    }
     return crc32c_extend(crc, i.ptr, static_cast<size_t>(i.size * i.itemsize));
   }, py::arg("data"), py::arg("crc") = 0);
 
@@ -197,11 +251,13 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("options"), py::arg("num_layers"), py::arg("objs_per_layer"), py::arg("block_bytes"), py::arg("desc"))
       .def("lookup", [](PyUnits& p, U64Array keys) {
-        UnitStore& s = p.get();
+        auto held = p.hold();
+        UnitStore& s = *held;
         return s.lookup(keys.data(), static_cast<uint32_t>(keys.size()));
       })
       .def("read_unit", [](PyUnits& p, uint64_t key) {
-        UnitStore& s = p.get();
+        auto held = p.hold();
+        UnitStore& s = *held;
         std::vector<uint8_t> out;
         {
           ok(without_gil([&] { return s.read_unit(key, &out); }));
@@ -209,34 +265,38 @@ PYBIND11_MODULE(_native, m) {
         return to_bytes(out);
       })
       .def("read_unit_into", [](PyUnits& p, uint64_t key, py::buffer out, bool verify) {
-        UnitStore& s = p.get();
+        auto held = p.hold();
+        UnitStore& s = *held;
         py::buffer_info i = out.request(true);
-        const uint64_t n = static_cast<uint64_t>(i.size * i.itemsize);
-        ok(without_gil([&] { return s.read_unit_into(key, static_cast<uint8_t*>(i.ptr), n, verify); }));
+        const Bytes d = contiguous(i, "out");
+        ok(without_gil([&] { return s.read_unit_into(key, d.p, d.n, verify); }));
         return s.geometry().slot_bytes;
       }, py::arg("key"), py::arg("out"), py::arg("verify") = true)
       .def("refresh", [](PyUnits& p) {
-        UnitStore& s = p.get();
+        auto held = p.hold();
+        UnitStore& s = *held;
         ok(without_gil([&] { return s.refresh(); }));
       })
       .def("import_unit", [](PyUnits& p, py::buffer data) {
-        UnitStore& s = p.get();
+        auto held = p.hold();
+        UnitStore& s = *held;
         py::buffer_info i = data.request();
+        const Bytes d = contiguous(i, "data");
         uint64_t key;
-        ok(without_gil([&] { return s.import_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), &key); }));
+        ok(without_gil([&] { return s.import_unit(d.p, d.n, &key); }));
         return key;
       })
-      .def("pin", [](PyUnits& p, U64Array keys, bool on) { p.get().pin(keys.data(), static_cast<uint32_t>(keys.size()), on); })
-      .def("remove", [](PyUnits& p, uint64_t key) { return p.get().remove(key); })
-      .def("keys", [](PyUnits& p) { return p.get().keys(); })
-      .def("drain_evicted", [](PyUnits& p) { return p.get().drain_evicted(); })
-      .def("geometry", [](PyUnits& p) { return p.get().geometry(); })
-      .def("stats", [](PyUnits& p) { return p.get().stats(); })
-      .def("close", [](PyUnits& p) {
-        if (!p.s) return;
-        py::gil_scoped_release nogil;
-        p.s.reset();
-      });
+      .def("pin", [](PyUnits& p, U64Array keys, bool on) { p.hold()->pin(keys.data(), static_cast<uint32_t>(keys.size()), on); })
+      .def("remove", [](PyUnits& p, uint64_t key) {
+        bool removed = false;
+        ok(p.hold()->remove(key, &removed));
+        return removed;
+      })
+      .def("keys", [](PyUnits& p) { return p.hold()->keys(); })
+      .def("drain_evicted", [](PyUnits& p) { return p.hold()->drain_evicted(); })
+      .def("geometry", [](PyUnits& p) { return p.hold()->geometry(); })
+      .def("stats", [](PyUnits& p) { return p.hold()->stats(); })
+      .def("close", [](PyUnits& p) { p.close(); });
 ;
 
   // An engine session: a unit store plus the engine API over the registered KV memory.
@@ -260,28 +320,33 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("options"), py::arg("layers"), py::arg("desc"))
       .def("init_queue", [](PyStore& p, uint32_t depth) {
-        Store& s = p.get();
+        auto held = p.hold();
+        Store& s = *held;
         ok(without_gil([&] { return s.init_queue(depth); }));
       })
       .def("begin", [](PyStore& p, ReqOp op, U64Array keys, I64Array blocks) {
-        Store& s = p.get();
+        auto held = p.hold();
+        Store& s = *held;
         uint32_t id;
         ok(without_gil([&] { return s.begin(op, keys.data(), static_cast<uint32_t>(keys.size()), blocks.data(),
                    static_cast<uint64_t>(blocks.size()), &id); }));
         return id;
       })
       .def("layer", [](PyStore& p, py::handle layer, py::handle req, uint64_t event, int64_t stream) {
-        Store& s = p.get();
+        auto held = p.hold();
+        Store& s = *held;
         const uint32_t l = u32(layer, "layer"), r = u32(req, "request");
         ok(without_gil([&] { return s.layer(l, r, event, stream); }));
       }, py::arg("layer"), py::arg("request"), py::arg("event") = 0, py::arg("stream") = -1)
       .def("wait_layer", [](PyStore& p, py::handle layer, py::handle req, uint64_t stream) {
-        Store& s = p.get();
+        auto held = p.hold();
+        Store& s = *held;
         const uint32_t l = u32(layer, "layer"), r = u32(req, "request");
         ok(without_gil([&] { return s.wait_layer(l, r, stream); }));
       }, py::arg("layer"), py::arg("request"), py::arg("stream") = 0)
       .def("finish", [](PyStore& p, py::handle req) {
-        Store& s = p.get();
+        auto held = p.hold();
+        Store& s = *held;
         const uint32_t id = u32(req, "request");
         RequestResult r;
         ok(without_gil([&] { return s.finish(id, &r); }));
@@ -289,41 +354,46 @@ PYBIND11_MODULE(_native, m) {
       })
       .def("get_iocb", [](PyStore& p, py::handle n) {
         std::vector<uint32_t> ids;
-        ok(p.get().get_iocb(u32(n, "n"), &ids));
+        ok(p.hold()->get_iocb(u32(n, "n"), &ids));
         return ids;
       })
       .def("fill_iocb", [](PyStore& p, py::handle id, IoOp op, py::handle layer, py::handle request, py::handle first,
                            py::handle count) {
-        ok(p.get().fill_iocb(u32(id, "iocb"), op, u32(layer, "layer"), u32(request, "request"), u32(first, "first"),
+        ok(p.hold()->fill_iocb(u32(id, "iocb"), op, u32(layer, "layer"), u32(request, "request"), u32(first, "first"),
                              u32(count, "count")));
       })
       .def("issue_io", [](PyStore& p, py::iterable ids, py::handle sms, uint64_t event) {
-        Store& s = p.get();
+        auto held = p.hold();
+        Store& s = *held;
         std::vector<uint32_t> v;
         for (py::handle h : ids) v.push_back(u32(h, "iocb"));
         const uint32_t n_sms = u32(sms, "sms");
         ok(without_gil([&] { return s.issue_io(v.data(), static_cast<uint32_t>(v.size()), n_sms, event); }));
       }, py::arg("ids"), py::arg("sms") = 0, py::arg("event") = 0)
       .def("wait_cqe", [](PyStore& p, py::handle id) {
-        Store& s = p.get();
+        auto held = p.hold();
+        Store& s = *held;
         const uint32_t b = u32(id, "iocb");
         uint64_t errors = 0;
         ok(without_gil([&] { return s.wait_cqe(b, &errors); }));
         return errors;
       })
-      .def("put_iocb", [](PyStore& p, py::handle id) { ok(p.get().put_iocb(u32(id, "iocb"))); })
-      .def("compute_stream", [](PyStore& p) { return p.get().compute_stream(); })
+      .def("put_iocb", [](PyStore& p, py::handle id) { ok(p.hold()->put_iocb(u32(id, "iocb"))); })
+      .def("compute_stream", [](PyStore& p) { return p.hold()->compute_stream(); })
       .def("scatter_unit", [](PyStore& p, py::buffer data, I64Array blocks) {
-        Store& s = p.get();
+        auto held = p.hold();
+        Store& s = *held;
         py::buffer_info i = data.request();
-        ok(without_gil([&] { return s.scatter_unit(static_cast<const uint8_t*>(i.ptr), static_cast<uint64_t>(i.size * i.itemsize), blocks.data(),
-                          static_cast<uint64_t>(blocks.size())); }));
+        const Bytes d = contiguous(i, "data");
+        ok(without_gil([&] { return s.scatter_unit(d.p, d.n, blocks.data(), static_cast<uint64_t>(blocks.size())); }));
       })
       .def("register_host", [](PyStore& p, py::buffer data) {
-        Store& s = p.get();
+        auto held = p.hold();
+        Store& s = *held;
         py::buffer_info i = data.request();
-        ok(s.register_host(i.ptr, static_cast<uint64_t>(i.size * i.itemsize)));
-        return reinterpret_cast<uint64_t>(i.ptr);
+        const Bytes d = contiguous(i, "data");
+        ok(s.register_host(d.p, d.n));
+        return reinterpret_cast<uint64_t>(d.p);
       })
-      .def("unregister_host", [](PyStore& p, uint64_t addr) { p.get().unregister_host(reinterpret_cast<void*>(addr)); });
+      .def("unregister_host", [](PyStore& p, uint64_t addr) { p.hold()->unregister_host(reinterpret_cast<void*>(addr)); });
 }

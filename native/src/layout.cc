@@ -33,6 +33,8 @@ Status make_geometry(const std::vector<LayerKV>& layers, uint32_t unit_blocks, c
 Status make_geometry(uint32_t num_layers, uint32_t objs_per_layer, uint64_t block_bytes, uint32_t unit_blocks,
                      const std::string& desc, Geometry* out) {
   if (num_layers == 0) return {Code::kLayout, "no KV cache layers given"};
+  if (num_layers > kMaxLayers)
+    return {Code::kLayout, std::to_string(num_layers) + " layers: at most " + std::to_string(kMaxLayers) + " are supported"};
   if (unit_blocks == 0) return {Code::kConfig, "unit_blocks must be positive"};
   if (block_bytes == 0 || block_bytes % 4 != 0) return {Code::kLayout, "block_bytes must be a positive multiple of 4"};
   if (objs_per_layer != 1 && objs_per_layer != 2) return {Code::kLayout, "each layer needs 1 or 2 object pointers"};

@@ -205,6 +205,7 @@ Status UnitStore::refresh() {
 }
 
 Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
+  if (opt_.read_only) return {Code::kInvalid, "store opened read-only: import units into the engine's store"};
   std::vector<uint64_t> sums;
   Status st = verify_unit(data, n, key, &sums);
   if (!st.ok()) return st;
@@ -270,12 +271,22 @@ void UnitStore::pin(const uint64_t* keys, uint32_t n, bool on) {
   }
 }
 
-bool UnitStore::remove(uint64_t key) {
+Status UnitStore::remove(uint64_t key, bool* removed) {
+  *removed = false;
+  if (opt_.read_only) return {Code::kInvalid, "store opened read-only: remove units through the engine that owns them"};
   std::lock_guard<std::mutex> lk(mu_);
   uint32_t slot;
-  if (!index_.remove(key, &slot)) return false;
-  free_slot(slot);
-  return true;
+  if (!index_.remove(key, &slot)) return Status::Ok();
+  // The header goes first: a unit whose header cannot be cleared stays (it would come back at the
+  // next open otherwise).
+  Status st = invalidate(slot);
+  if (!st.ok()) {
+    index_.insert(key, slot);
+    return st;
+  }
+  pool_.release(slot);
+  *removed = true;
+  return Status::Ok();
 }
 
 std::vector<uint64_t> UnitStore::drain_evicted() {

@@ -60,6 +60,8 @@ constexpr uint32_t kHeaderVersion = 2;
 constexpr size_t kDescBytes = 96;
 // CRC32C detects every error of up to 3 bits only below 2^31 bits: objects stay under 256 MiB.
 constexpr uint64_t kMaxObjBytes = 1ull << 28;
+// Layers of a model at most (a header holds 2 checksums per layer: 128 KiB at most).
+constexpr uint32_t kMaxLayers = 8192;
 
 struct HeaderFixed {
   uint64_t magic;

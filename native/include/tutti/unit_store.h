@@ -76,7 +76,8 @@ class UnitStore {
   Status import_unit(const uint8_t* data, uint64_t n, uint64_t* key);
 
   void pin(const uint64_t* keys, uint32_t n, bool on);
-  bool remove(uint64_t key);
+  // Drops a unit (*removed: it was present). Refused on a read-only store.
+  Status remove(uint64_t key, bool* removed);
   std::vector<uint64_t> keys() const { return index_.keys(); }
   virtual StoreStats stats() const;
   // Evicted keys since the last call (for the node daemon and cluster directory).
