@@ -125,7 +125,7 @@ for step in "$@"; do
     mkdir -p $SHM
     TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline --paths $SHM \
       --model ${PIPE_MODEL:-llama3-8b} --inputs ${PIPE_INPUTS:-64K,128K} \
-      --prefix-tokens ${PIPE_PREFIXES:-16K,32K,64K,96K,-1u} --repeat ${PIPE_REPEAT:-1} \
+      --prefix-tokens=${PIPE_PREFIXES:-16K,32K,64K,96K,-1u} --repeat ${PIPE_REPEAT:-1} \
       ${PIPE_SYSTEMS:+--systems $PIPE_SYSTEMS} ${PIPE_ARGS:-} \
       --json "$OUT/pipeline_shm.json" --plot "$OUT/pipeline_shm.png" | grep -v "step/s\]" | tail -60
     rm -rf $SHM
@@ -142,7 +142,7 @@ for step in "$@"; do
       log "bench --pipeline from the disk (O_DIRECT)"
       mkdir -p /var/tmp/tutti-pipe
       bench --pipeline --paths /var/tmp/tutti-pipe --model ${PIPE_MODEL:-llama3-8b} \
-        --inputs ${PIPE_DISK_INPUTS:-64K} --prefix-tokens ${PIPE_DISK_PREFIXES:-16K,32K,-1u} \
+        --inputs ${PIPE_DISK_INPUTS:-64K} --prefix-tokens=${PIPE_DISK_PREFIXES:-16K,32K,-1u} \
         --repeat 1 ${PIPE_SYSTEMS:+--systems $PIPE_SYSTEMS} ${PIPE_ARGS:-} \
         --json "$OUT/pipeline_disk.json" --plot "$OUT/pipeline_disk.png" | grep -v "step/s\]" | tail -40
       rm -rf /var/tmp/tutti-pipe
