@@ -92,6 +92,7 @@ Status Store::init_queue(uint32_t depth) {
   num_iocbs_ = depth;
   for (uint32_t i = depth; i-- > 0;) free_iocbs_.push_back(i);
   iocb_owner_.assign(depth, kFree);
+  raw_issue_.assign(depth, RawIssue{});
   requests_.assign(opt_.max_requests, Request{});
   views_.assign(opt_.max_requests, RequestView{});
 
@@ -245,6 +246,7 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
                     &slot_checksums_[static_cast<uint64_t>(r.unit_slot[u]) * g.num_objs()], g.num_objs() * sizeof(uint64_t));
   r.layer_iocbs.assign(g.num_layers, {});
   r.layer_issued.assign(g.num_layers, 0);
+  r.raw_done.assign(g.num_layers, {});
   r.layer_failed.assign(g.num_layers, 0);
   for (uint32_t l = 0; l < g.num_layers; ++l) {
     take_iocbs(per_layer, id, &r.layer_iocbs[l]);
@@ -330,6 +332,7 @@ Status Store::fill_iocb(uint32_t id, IoOp op, uint32_t layer, uint32_t request, 
   if (static_cast<uint64_t>(first) + count > r.ctx.size())
     return {Code::kInvalid, "IOCTXs [" + std::to_string(first) + ", " + std::to_string(uint64_t(first) + count) +
                                 ") exceed the request's " + std::to_string(r.ctx.size())};
+  settle_raw(id);
   Iocb& b = iocbs_[id];
   if (b.ctx_count && b.request != request && b.request < requests_.size()) {  // refilled for another request
     auto& before = requests_[b.request].raw_iocbs;
@@ -350,6 +353,7 @@ Status Store::put_iocb(uint32_t id) {
   if (id >= num_iocbs_ || iocb_owner_[id] != kRawOwner)
     return {Code::kInvalid, "IOCB " + std::to_string(id) + " was not taken with get_iocb (or was put back already)"};
   if (in_flight(id)) return {Code::kInvalid, "IOCB " + std::to_string(id) + " is in flight: wait_cqe first"};
+  settle_raw(id);
   const Iocb& b = iocbs_[id];
   if (b.ctx_count && b.request < requests_.size()) {
     auto& raw = requests_[b.request].raw_iocbs;
@@ -371,6 +375,11 @@ Status Store::issue_io(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t e
       return {Code::kInvalid, "IOCB " + std::to_string(id) + " is not filled (or its request finished)"};
     if (in_flight(id)) return {Code::kInvalid, "IOCB " + std::to_string(id) + " is already in flight"};
     if (std::find(ids, ids + i, id) != ids + i) return {Code::kInvalid, "IOCB " + std::to_string(id) + " given twice"};
+  }
+  for (uint32_t i = 0; i < n; ++i) {
+    settle_raw(ids[i]);  // its previous issue is done (checked above)
+    const Iocb& b = iocbs_[ids[i]];
+    raw_issue_[ids[i]] = RawIssue{b.request, b.layer, b.ctx_first, b.ctx_count, b.issue_seq + 1};
   }
   return issue_locked(ids, n, sms, event);
 }
@@ -468,6 +477,31 @@ void Store::release_request(uint32_t id, Request& r) {
   r = Request{};
 }
 
+void Store::settle_raw(uint32_t id) {
+  RawIssue& x = raw_issue_[id];
+  if (x.request == UINT32_MAX) return;
+  const Iocb& b = iocbs_[id];
+  if (__atomic_load_n(&b.done_seq, __ATOMIC_ACQUIRE) != x.seq) return;  // still in flight
+  Request& r = requests_[x.request];
+  // An issue that could not start or saw an error covers nothing: its units stay unvouched for.
+  if (r.active && __atomic_load_n(&b.errors, __ATOMIC_ACQUIRE) == 0) r.raw_done[x.layer].push_back({x.first, x.count});
+  x.request = UINT32_MAX;
+}
+
+// A layer is complete when its own IOCBs ran, or gio_uring IOCBs moved every IOCTX of it.
+bool Store::layer_complete(const Request& r, uint32_t layer) const {
+  if (r.layer_issued[layer] && !r.layer_failed[layer]) return true;
+  std::vector<std::pair<uint32_t, uint32_t>> v = r.raw_done[layer];
+  if (r.ctx.empty() || v.empty()) return false;
+  std::sort(v.begin(), v.end());
+  uint64_t end = 0;
+  for (const auto& [first, count] : v) {
+    if (first > end) return false;
+    end = std::max<uint64_t>(end, static_cast<uint64_t>(first) + count);
+  }
+  return end >= r.ctx.size();
+}
+
 Status Store::finish(uint32_t id, RequestResult* out) {
   std::vector<uint32_t> wait_ids;
   {
@@ -482,6 +516,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   for (uint32_t b : wait_ids) wait_done(b);
   std::lock_guard<std::mutex> lk(mu_);
   Request& r = requests_[id];
+  for (uint32_t b : r.raw_iocbs) settle_raw(b);
   const Geometry& g = geom_;
   const uint32_t n = static_cast<uint32_t>(r.keys.size());
   out->units = n;
@@ -490,7 +525,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   out->committed_units.clear();
   out->incomplete_layers.clear();
   for (uint32_t l = 0; l < g.num_layers; ++l)
-    if (!r.layer_issued[l] || r.layer_failed[l]) out->incomplete_layers.push_back(l);
+    if (!layer_complete(r, l)) out->incomplete_layers.push_back(l);
   // A unit the kernel could not vouch for (device failure, layers missing) failed, but is not damaged.
   std::vector<uint8_t> not_moved(n, 0);
   Status est = backend_->end_request(id, &views_[id]);

@@ -420,8 +420,8 @@ class Harness:
             finally:
                 sched.finish_reads()
                 res = self.store.finish(req)
-            # Raw IOCBs are judged by wait_cqe (finish counts retrieve_layer's layers only).
-            if self.tutti_reads == "layer" and res.failed_units:
+            # finish counts the layers gio_uring IOCBs moved as well as retrieve_layer's.
+            if res.failed_units:
                 raise BenchVerificationError(f"tutti: {len(res.failed_units)} of {len(keys)} units failed to load")
             return out
 

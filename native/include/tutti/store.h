@@ -86,11 +86,20 @@ class Store : public UnitStore {
     std::vector<uint64_t> checksums;
     std::vector<std::vector<uint32_t>> layer_iocbs;  // reserved at begin
     std::vector<uint32_t> raw_iocbs;                 // gio_uring API IOCBs filled against it
+    // Per layer: IOCTX ranges [first, first + count) that gio_uring IOCBs moved without errors.
+    std::vector<std::vector<std::pair<uint32_t, uint32_t>>> raw_done;
     std::vector<uint8_t> layer_issued;
     std::vector<uint8_t> layer_failed;               // its I/O could not be started
     uint32_t skipped = 0;
   };
   static constexpr uint32_t kRawOwner = UINT32_MAX;  // iocb_owner_: taken with get_iocb
+  // A gio_uring IOCB's last issue, until settled into its request's raw_done.
+  struct RawIssue {
+    uint32_t request = UINT32_MAX, layer = 0, first = 0, count = 0;
+    uint64_t seq = 0;
+  };
+  void settle_raw(uint32_t id);                                                 // under mu_
+  bool layer_complete(const Request& r, uint32_t layer) const;                  // under mu_
   Store() = default;
   Status take_iocbs(uint32_t n, uint32_t owner, std::vector<uint32_t>* ids);  // under mu_
   void give_back_iocb(uint32_t id);                                             // under mu_
@@ -114,6 +123,7 @@ class Store : public UnitStore {
   uint64_t iocb_bytes_ = 0;
   std::vector<uint32_t> free_iocbs_;
   std::vector<uint32_t> iocb_owner_;  // request id, kRawOwner, or kFree
+  std::vector<RawIssue> raw_issue_;    // per IOCB
   static constexpr uint32_t kFree = UINT32_MAX - 1;
   std::vector<Request> requests_;
   std::vector<RequestView> views_;
