@@ -411,6 +411,9 @@ class TuttiStore:
         A no-op on the CPU backend."""
         view = memoryview(buffer)
         addr = int(self._e.register_host(view))
+        if addr in self._host_regions:  # one registration per address: one unregister undoes it
+            view.release()
+            raise ConfigError(f"host memory at {addr:#x} is registered already")
         self._host_regions[addr] = view
         return addr
 
