@@ -1,14 +1,7 @@
 #include "tutti/store.h"
 
-#include "tutti/crc32c.h"
-
-#include <sys/mman.h>
-#include <sys/vfs.h>
-
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <thread>
 
 namespace tutti {
 
