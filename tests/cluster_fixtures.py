@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -25,11 +26,31 @@ import pytest
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1 (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free now on every address, outside the kernel's ephemeral range.
+
+    Ports the OS hands to ``bind(("", 0))`` come from the ephemeral range, which every outgoing
+    connection (etcd clients, Transfer Engines, gRPC) also draws its source port from, so one of
+    them can take the port between this call and the server's own bind (seen in CI: etcd exited
+    with "address already in use"). Ports below that range are only ever taken by a bind, and
+    none is handed out twice in one test process.
+    """
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(20000, 32000)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError("no free TCP port in 20000-32000")
 
 
 def wait_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None,
@@ -103,7 +124,11 @@ class EtcdServer:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        wait_port(self.client_port, proc=self.proc, host=self.host)
+        try:
+            wait_port(self.client_port, proc=self.proc, host=self.host)
+        except RuntimeError as exc:
+            tail = self.log_path.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"{exc}; etcd's log ends:\n{tail}") from None
         # The client port opens before the member has elected itself leader; wait for health.
         self._wait_ready()
 
