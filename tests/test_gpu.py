@@ -221,6 +221,44 @@ def test_kv_pairing_keeps_the_file_format(dirs: list[Path], monkeypatch: pytest.
 
 
 @gpu
+@pytest.mark.parametrize("mapped", [False, True], ids=["io_uring", "mapped"])
+def test_partial_last_units(shm_dirs: list[Path], dirs: list[Path], mapped: bool) -> None:
+    """A request's last unit holding fewer blocks: stored and retrieved byte-exact by the I/O kernel
+    (whose bytes past the blocks are zeros under the CRC), the CPU agrees on its checksums, a unit
+    asked for more blocks than it holds is a miss that writes nothing, and a whole unit serves a
+    prefix of its blocks."""
+    kv = make_gpu_kv("kv_first", layers=3, blocks=96, seed=12)
+    paths = [shm_dirs[0], dirs[0]]
+    with open_gpu_store(paths, kv, "kv_first", map_memory_paths=mapped) as s:
+        ub = s.unit_blocks
+        for tail in (1, ub - 1):
+            keys = [1000 * tail + i for i in range(4)]
+            src = np.arange(3 * ub + tail)
+            res = s.store(keys, src)
+            assert res.ok and res.committed_units == [0, 1, 2, 3], res
+            assert s.stored_blocks(keys) == [ub, ub, ub, tail]
+            want = clone(kv)
+            poison(kv)
+            dst = np.arange(96 - len(src), 96)
+            res = s.retrieve(keys, dst)
+            torch.cuda.synchronize()
+            assert res.ok, res
+            assert_moved(want, src, kv, dst, "kv_first")
+            rest = torch.arange(0, 96 - len(src), device="cuda")
+            assert bool((_bits(kv[0][0]).index_select(0, rest) == 0x5A5A).all())
+            s.read_unit(keys[3])  # the CPU verifies the GPU's checksums of the zero tail
+            poison(kv)
+            res = s.retrieve(keys[3:], np.arange(tail + 1))
+            torch.cuda.synchronize()
+            assert res.failed_units == [0], res
+            assert bool((_bits(kv[0][0]) == 0x5A5A).all())
+            res = s.retrieve(keys[:1], np.arange(1))  # one block of a whole unit
+            torch.cuda.synchronize()
+            assert res.ok, res
+            assert_moved(want, src[:1], kv, [0], "kv_first")
+
+
+@gpu
 def test_unaligned_objects_and_padding(dirs: list[Path]) -> None:
     """60-byte blocks (not 16-byte multiples) and objects padded to 4 KiB: the 4-byte kernel path."""
     kv = make_gpu_kv("kv_first", layers=3, blocks=64, block_shape=(3, 1, 5), dtype=torch.float32, seed=2)

@@ -247,6 +247,16 @@ class TuttiStore:
     def contains(self, key: Key) -> bool:
         return self.lookup([key]) == 1
 
+    def stored_blocks(self, keys: Sequence[Key]) -> list[int]:
+        """KV blocks each unit of ``keys`` holds: ``unit_blocks`` for a whole unit, fewer for a
+        prefix's partial last unit, 0 when absent.
+
+        A request's last unit may be partial: ``begin_store``/``begin_retrieve`` take any number of
+        block ids from one past the whole units before it up to whole units, and a retrieve of a
+        unit asks for at most the blocks it holds (more is a miss, never zeros presented as KV).
+        """
+        return [int(b) for b in self._n.stored_blocks(key_array(keys))]
+
     # ---- engine API ----------------------------------------------------------------------------
     def begin_retrieve(self, keys: Sequence[Key], block_ids: Any) -> int:
         """Hands a request's unit keys and destination block ids over once; returns its handle."""

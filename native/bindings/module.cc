@@ -255,6 +255,13 @@ PYBIND11_MODULE(_native, m) {
         UnitStore& s = *held;
         return s.lookup(keys.data(), static_cast<uint32_t>(keys.size()));
       })
+      .def("stored_blocks", [](PyUnits& p, U64Array keys) {
+        auto held = p.hold();
+        UnitStore& s = *held;
+        std::vector<uint32_t> out(keys.size());
+        s.stored_blocks(keys.data(), static_cast<uint32_t>(keys.size()), out.data());
+        return out;
+      })
       .def("read_unit", [](PyUnits& p, uint64_t key) {
         auto held = p.hold();
         UnitStore& s = *held;

@@ -118,6 +118,13 @@ class HostBackend final : public Backend {
   void verify(const Cqe& c);
   void retire(const Cqe& c);
   void finish_ctx(uint32_t id);
+  // Bytes of the object that sit in KV blocks: all its blocks, fewer for a partial unit (the rest
+  // of the object is zeros on store and is only summed on retrieve, like alignment padding).
+  uint64_t payload_of(const RequestView& r, const Ioctx& x) const {
+    uint64_t blocks = 0;
+    for (uint32_t e = 0; e < x.extent_count; ++e) blocks += r.extents[x.extent_first + e].num_blocks;
+    return blocks * k_->geom.block_bytes;
+  }
   bool mapped(const Ioctx& x) const { return x.slot != UINT32_MAX && x.path < k_->mapped.size() && k_->mapped[x.path]; }
   // The checksum the commit header carries for object `x` of `layer`.
   uint64_t& object_sum(RequestView& r, uint32_t layer, const Ioctx& x) const {
@@ -239,8 +246,8 @@ uint64_t HostBackend::move_object(uint32_t layer, const RequestView& r, const Io
   for_each_piece(layer, r, x, [&](uint8_t* blocks, uint64_t at, uint64_t n) {
     crc = to_blocks ? crc32c_copy(crc, blocks, obj + at, n) : crc32c_copy(crc, obj + at, blocks, n);
   });
-  const uint64_t payload = g.payload_bytes();
-  if (payload < g.obj_bytes) {  // alignment padding: zero on store, checked on retrieve
+  const uint64_t payload = payload_of(r, x);
+  if (payload < g.obj_bytes) {  // padding, or a partial unit's missing blocks: zero on store, checked on retrieve
     if (!to_blocks) std::memset(obj + payload, 0, g.obj_bytes - payload);
     crc = crc32c_extend(crc, obj + payload, g.obj_bytes - payload);
   }
@@ -252,7 +259,7 @@ uint64_t HostBackend::sum_in_place(uint32_t layer, const RequestView& r, const I
   const Geometry& g = k_->geom;
   uint32_t crc = 0;
   for_each_piece(layer, r, x, [&](uint8_t* blocks, uint64_t, uint64_t n) { crc = crc32c_extend(crc, blocks, n); });
-  const uint64_t payload = g.payload_bytes();
+  const uint64_t payload = payload_of(r, x);
   if (payload < g.obj_bytes) crc = crc32c_extend(crc, pad, g.obj_bytes - payload);
   return crc;
 }
@@ -271,9 +278,9 @@ bool HostBackend::build_iov(uint32_t layer, const RequestView& r, const Ioctx* x
       next = at + len;
       iov->push_back({blocks, len});
     });
-    if (!ordered || next != g.payload_bytes()) return false;
-    if (g.payload_bytes() < g.obj_bytes)
-      iov->push_back({pad + k * k_->chunk_bytes + g.payload_bytes(), g.obj_bytes - g.payload_bytes()});
+    const uint64_t payload = payload_of(r, xs[k]);
+    if (!ordered || next != payload) return false;
+    if (payload < g.obj_bytes) iov->push_back({pad + k * k_->chunk_bytes + payload, g.obj_bytes - payload});
   }
   return iov->size() <= kMaxIov;
 }
@@ -351,8 +358,9 @@ void HostBackend::gather(const Sqe& e) {
     uint8_t* obj = buf + k * k_->chunk_bytes;
     uint64_t& sum = object_sum(r, b.layer, xk);
     if (slot_direct_[slot]) {
-      std::memset(obj + g.payload_bytes(), 0, g.obj_bytes - g.payload_bytes());
-      sum = sum_in_place(b.layer, r, xk, obj + g.payload_bytes());
+      const uint64_t payload = payload_of(r, xk);
+      std::memset(obj + payload, 0, g.obj_bytes - payload);
+      sum = sum_in_place(b.layer, r, xk, obj + payload);
     } else {
       sum = move_object(b.layer, r, xk, obj, false);
     }
@@ -383,7 +391,7 @@ void HostBackend::verify(const Cqe& c) {
   for (uint32_t k = 0; k < n; ++k) {
     const Ioctx& xk = r.ctx[idx + k];
     uint8_t* obj = buf + k * k_->chunk_bytes;
-    const uint64_t got = slot_direct_[slot] ? sum_in_place(b.layer, r, xk, obj + g.payload_bytes())
+    const uint64_t got = slot_direct_[slot] ? sum_in_place(b.layer, r, xk, obj + payload_of(r, xk))
                                             : move_object(b.layer, r, xk, obj, true);
     if (got != object_sum(r, b.layer, xk)) fail_unit(r, b, unit, 2);
   }

@@ -18,14 +18,21 @@ bool Index::contains(uint64_t key) const {
   return map_.count(key) != 0;
 }
 
-bool Index::acquire(uint64_t key, uint32_t* slot) {
+bool Index::acquire(uint64_t key, uint32_t* slot, uint32_t* blocks) {
   std::lock_guard<std::mutex> g(mu_);
   auto it = map_.find(key);
   if (it == map_.end()) return false;
   it->second.pins++;
   lru_.splice(lru_.begin(), lru_, it->second.lru);
   *slot = it->second.slot;
+  if (blocks) *blocks = it->second.blocks;
   return true;
+}
+
+uint32_t Index::blocks(uint64_t key) const {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = map_.find(key);
+  return it == map_.end() ? 0 : it->second.blocks;
 }
 
 bool Index::pin(uint64_t key) {
@@ -42,15 +49,16 @@ void Index::unpin(uint64_t key) {
   if (it != map_.end() && it->second.pins > 0) it->second.pins--;
 }
 
-void Index::insert(uint64_t key, uint32_t slot) {
+void Index::insert(uint64_t key, uint32_t slot, uint32_t blocks) {
   std::lock_guard<std::mutex> g(mu_);
   auto it = map_.find(key);
   if (it != map_.end()) {
     it->second.slot = slot;
+    it->second.blocks = blocks;
     return;
   }
   lru_.push_front(key);
-  map_.emplace(key, Entry{slot, 0, lru_.begin()});
+  map_.emplace(key, Entry{slot, 0, blocks, lru_.begin()});
 }
 
 bool Index::remove(uint64_t key, uint32_t* slot) {

@@ -15,7 +15,7 @@ uint64_t mix(uint64_t h, uint64_t v) {
 }  // namespace
 
 uint64_t header_bytes_for(uint32_t num_objs) {
-  return align_up(sizeof(HeaderFixed) + static_cast<uint64_t>(num_objs) * sizeof(uint64_t));
+  return align_up(sizeof(HeaderFixed) + sizeof(uint64_t) + static_cast<uint64_t>(num_objs) * sizeof(uint64_t));
 }
 
 Status make_geometry(const std::vector<LayerKV>& layers, uint32_t unit_blocks, const std::string& desc,
@@ -75,7 +75,9 @@ uint64_t object_tag(uint64_t key, uint64_t seq, uint32_t obj) {
 
 namespace {
 
-uint64_t header_list_bytes(uint32_t num_objs) { return sizeof(HeaderFixed) + sizeof(uint64_t) * num_objs; }
+// Where the object list starts: format 3 puts the block word before it.
+uint64_t list_at(uint32_t version) { return sizeof(HeaderFixed) + (version >= 3 ? sizeof(uint64_t) : 0); }
+uint64_t header_list_bytes(uint32_t version, uint32_t num_objs) { return list_at(version) + sizeof(uint64_t) * num_objs; }
 
 // CRC32C of the header's first `n` bytes with the checksum field read as zero.
 uint32_t header_crc(const uint8_t* buf, uint64_t n) {
@@ -102,7 +104,7 @@ bool legacy_header_ok(const uint8_t* buf, uint64_t n, uint64_t stored) {
 
 }  // namespace
 
-void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq,
+void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq, uint32_t blocks,
                    const uint64_t* obj_crcs, uint8_t* buf) {
   std::memset(buf, 0, g.header_bytes);
   HeaderFixed h{};
@@ -118,40 +120,51 @@ void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uin
   h.num_layers = g.num_layers;
   std::memcpy(h.desc, desc.data(), std::min(desc.size(), kDescBytes - 1));
   std::memcpy(buf, &h, sizeof(h));
+  const uint64_t word = blocks;
+  std::memcpy(buf + sizeof(h), &word, sizeof(word));
+  const uint64_t at = list_at(kHeaderVersion);
   for (uint32_t o = 0; o < g.num_objs(); ++o) {
     const uint64_t v = (obj_crcs[o] & 0xffffffffull) ^ object_tag(key, seq, o);
-    std::memcpy(buf + sizeof(h) + 8 * o, &v, 8);
+    std::memcpy(buf + at + 8 * o, &v, 8);
   }
-  const uint64_t cs = header_crc(buf, header_list_bytes(g.num_objs()));
+  const uint64_t cs = header_crc(buf, header_list_bytes(kHeaderVersion, g.num_objs()));
   std::memcpy(buf + offsetof(HeaderFixed, header_checksum), &cs, sizeof(cs));
 }
 
-HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint64_t* obj_crcs,
-                          std::string* other) {
+HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint32_t* blocks,
+                          uint64_t* obj_crcs, std::string* other) {
   HeaderFixed h;
   std::memcpy(&h, buf, sizeof(h));
   if (std::all_of(buf, buf + sizeof(h), [](uint8_t b) { return b == 0; })) return HeaderState::kEmpty;
   // The object list's length comes from the header itself: bound it by the slot's header space
   // before it is read, and trust no other field until the checksum holds.
-  const uint64_t max_objs = (g.header_bytes - sizeof(h)) / sizeof(uint64_t);
+  const uint64_t max_objs = (g.header_bytes - list_at(3)) / sizeof(uint64_t);
   if (h.magic != kHeaderMagic || h.num_objs > max_objs) return HeaderState::kCorrupt;
-  const uint64_t n = header_list_bytes(h.num_objs);
-  if (h.version == 1) return legacy_header_ok(buf, n, h.header_checksum) ? HeaderState::kOldFormat : HeaderState::kCorrupt;
-  if (h.version != kHeaderVersion || h.header_checksum != header_crc(buf, n)) return HeaderState::kCorrupt;
+  if (h.version == 1)
+    return legacy_header_ok(buf, header_list_bytes(1, h.num_objs), h.header_checksum) ? HeaderState::kOldFormat
+                                                                                       : HeaderState::kCorrupt;
+  if ((h.version != 2 && h.version != kHeaderVersion) ||
+      h.header_checksum != header_crc(buf, header_list_bytes(h.version, h.num_objs)))
+    return HeaderState::kCorrupt;
   if (h.layout_id != g.layout_id || h.num_objs != g.num_objs() || h.obj_bytes != g.obj_bytes ||
       h.unit_blocks != g.unit_blocks || h.block_bytes != g.block_bytes || h.num_layers != g.num_layers) {
     if (other) *other = layout_text(std::string(h.desc, strnlen(h.desc, kDescBytes)), h.num_layers, h.unit_blocks);
     return HeaderState::kOtherLayout;
   }
+  uint64_t word = g.unit_blocks;  // format 2: whole units
+  if (h.version >= 3) std::memcpy(&word, buf + sizeof(h), sizeof(word));
+  if (word == 0 || word > g.unit_blocks) return HeaderState::kCorrupt;
+  const uint64_t at = list_at(h.version);
   for (uint32_t o = 0; o < g.num_objs(); ++o) {
     uint64_t v;
-    std::memcpy(&v, buf + sizeof(h) + 8 * o, 8);
+    std::memcpy(&v, buf + at + 8 * o, 8);
     v ^= object_tag(h.key, h.commit_seq, o);
     if (v >> 32) return HeaderState::kCorrupt;
     obj_crcs[o] = v;
   }
   *key = h.key;
   *seq = h.commit_seq;
+  *blocks = static_cast<uint32_t>(word);
   return HeaderState::kValid;
 }
 

@@ -160,9 +160,11 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
                     uint32_t* request) {
   if (!started_) return {Code::kInvalid, "store is closed or read-only"};
   const Geometry& g = geom_;
-  if (n_blocks != static_cast<uint64_t>(n_units) * g.unit_blocks)
+  // Every unit is whole but the last, which holds 1 to unit_blocks blocks (a prefix's partial tail).
+  const uint64_t whole = n_units ? static_cast<uint64_t>(n_units - 1) * g.unit_blocks : 0;
+  if (n_units ? n_blocks <= whole || n_blocks > whole + g.unit_blocks : n_blocks != 0)
     return {Code::kLayout, "got " + std::to_string(n_blocks) + " block ids for " + std::to_string(n_units) +
-                               " units of " + std::to_string(g.unit_blocks) + " blocks"};
+                               " units of " + std::to_string(g.unit_blocks) + " blocks (only the last may hold fewer)"};
   std::lock_guard<std::mutex> lk(mu_);
   uint32_t id = 0;
   while (id < requests_.size() && requests_[id].active) ++id;
@@ -183,17 +185,26 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   r.unit_slot.assign(n_units, kNoSlot);
   r.unit_present.assign(n_units, 0);
   r.unit_failed.assign(n_units, 0);
+  r.unit_blocks.assign(n_units, g.unit_blocks);
+  if (n_units) r.unit_blocks.back() = static_cast<uint32_t>(n_blocks - whole);
   std::vector<std::pair<uint32_t, uint32_t>> unit_ext(n_units);
   for (uint32_t u = 0; u < n_units; ++u) {
     uint32_t first = static_cast<uint32_t>(r.extents.size());
-    Status st = extents_.build(block_ids + static_cast<uint64_t>(u) * g.unit_blocks, g.unit_blocks, &r.extents);
+    Status st = extents_.build(block_ids + static_cast<uint64_t>(u) * g.unit_blocks, r.unit_blocks[u], &r.extents);
     if (!st.ok()) return st;
     unit_ext[u] = {first, static_cast<uint32_t>(r.extents.size()) - first};
   }
   for (uint32_t u = 0; u < n_units; ++u) {
     if (op == ReqOp::kRetrieve) {
-      if (index_.acquire(keys[u], &r.unit_slot[u])) r.unit_present[u] = 1;
-      else r.unit_failed[u] = 1;  // evicted since lookup: a miss
+      uint32_t held = 0;
+      if (index_.acquire(keys[u], &r.unit_slot[u], &held) && held >= r.unit_blocks[u]) {
+        r.unit_present[u] = 1;
+      } else {
+        // Evicted since lookup, or a partial unit asked for more blocks than it holds: a miss.
+        if (held) index_.unpin(keys[u]);
+        r.unit_slot[u] = kNoSlot;
+        r.unit_failed[u] = 1;
+      }
     } else {
       bool dup = index_.contains(keys[u]) || std::find(keys, keys + u, keys[u]) != keys + u;
       if (dup) {
@@ -532,7 +543,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
     // Commit after write: a unit's header goes out only now that every object of it is on storage,
     // and only for units whose every layer was written and checksummed (UnitStore::commit_units,
     // the one way any unit becomes visible).
-    std::vector<uint32_t> units, slots;
+    std::vector<uint32_t> units, slots, blocks;
     std::vector<uint64_t> keys, sums;
     for (uint32_t u = 0; u < n; ++u) {
       if (!r.unit_present[u]) continue;
@@ -544,11 +555,12 @@ Status Store::finish(uint32_t id, RequestResult* out) {
       units.push_back(u);
       slots.push_back(r.unit_slot[u]);
       keys.push_back(r.keys[u]);
+      blocks.push_back(r.unit_blocks[u]);
       sums.insert(sums.end(), r.checksums.begin() + static_cast<int64_t>(u) * g.num_objs(),
                   r.checksums.begin() + static_cast<int64_t>(u + 1) * g.num_objs());
     }
     std::vector<uint8_t> committed;
-    commit_units(slots.data(), keys.data(), sums.data(), static_cast<uint32_t>(units.size()), &committed);
+    commit_units(slots.data(), keys.data(), blocks.data(), sums.data(), static_cast<uint32_t>(units.size()), &committed);
     for (uint32_t i = 0; i < units.size(); ++i) {
       const uint32_t u = units[i];
       if (!committed[i]) {
@@ -575,7 +587,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
       } else if (not_moved[u]) {
         r.unit_failed[u] = 3;  // a miss; the unit stays (unpinned below)
       } else {
-        bytes_read_ += g.payload_bytes() * g.num_objs();
+        bytes_read_ += static_cast<uint64_t>(r.unit_blocks[u]) * g.block_bytes * g.num_objs();
       }
     }
   }
@@ -590,9 +602,13 @@ Status Store::scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block
   const Geometry& g = geom_;
   if (n_blocks != g.unit_blocks) return {Code::kLayout, "scatter_unit needs exactly one unit of block ids"};
   uint64_t key;
+  uint32_t blocks;
   std::vector<uint64_t> sums;
-  Status st = decode_unit(data, n, &key, &sums);
+  Status st = decode_unit(data, n, &key, &blocks, &sums);
   if (!st.ok()) return st;
+  if (blocks != g.unit_blocks)
+    return {Code::kLayout, "scatter_unit moves whole units; this one holds " + std::to_string(blocks) + " of " +
+                               std::to_string(g.unit_blocks) + " blocks (a prefix's partial tail)"};
   std::vector<Extent> ext;
   st = extents_.build(block_ids, g.unit_blocks, &ext);
   if (!st.ok()) return st;

@@ -56,7 +56,7 @@ Status UnitStore::recover() {
   if (!buf.p) return {Code::kCapacityExceeded, "out of memory"};
   struct Found {
     uint64_t seq, key;
-    uint32_t slot;
+    uint32_t slot, blocks;
   };
   std::vector<Found> found;
   std::vector<uint64_t> sums(g.num_objs());
@@ -65,8 +65,9 @@ Status UnitStore::recover() {
     Status st = pool_.pread_all(slot, 0, buf.data(), g.header_bytes);
     if (!st.ok()) return st;
     uint64_t key, seq;
+    uint32_t blocks;
     std::string other;
-    switch (decode_header(g, buf.data(), &key, &seq, sums.data(), &other)) {
+    switch (decode_header(g, buf.data(), &key, &seq, &blocks, sums.data(), &other)) {
       case HeaderState::kValid:
         break;
       case HeaderState::kEmpty:
@@ -85,7 +86,7 @@ Status UnitStore::recover() {
                                     "*.pool) or use another path or instance name"};
     }
     std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * g.num_objs()], sums.data(), sums.size() * 8);
-    found.push_back({seq, key, slot});
+    found.push_back({seq, key, slot, blocks});
   }
   bad_headers_ = bad;
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.seq < b.seq; });
@@ -93,13 +94,17 @@ Status UnitStore::recover() {
   for (const Found& f : found) {
     uint32_t old;
     if (index_.remove(f.key, &old)) used[old] = 0;  // an older copy of the same unit
-    index_.insert(f.key, f.slot);
+    index_.insert(f.key, f.slot, f.blocks);
     slot_key_[f.slot] = f.key;
     used[f.slot] = 1;
     commit_seq_ = std::max(commit_seq_, f.seq + 1);
   }
   pool_.set_used(used);
   return Status::Ok();
+}
+
+void UnitStore::stored_blocks(const uint64_t* keys, uint32_t n, uint32_t* out) const {
+  for (uint32_t i = 0; i < n; ++i) out[i] = index_.blocks(keys[i]);
 }
 
 uint32_t UnitStore::lookup(const uint64_t* keys, uint32_t n) {
@@ -134,13 +139,14 @@ Status UnitStore::alloc_slot(uint32_t* slot) {
   return invalidate(*slot);
 }
 
-Status UnitStore::decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const {
+Status UnitStore::decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks,
+                              std::vector<uint64_t>* sums) const {
   const Geometry& g = geom_;
   if (n != g.slot_bytes)
     return {Code::kLayout, "unit is " + std::to_string(n) + " bytes, this layout's GPU file is " + std::to_string(g.slot_bytes)};
   sums->assign(g.num_objs(), 0);
   uint64_t seq;
-  switch (decode_header(g, data, key, &seq, sums->data())) {
+  switch (decode_header(g, data, key, &seq, blocks, sums->data())) {
     case HeaderState::kValid: break;
     case HeaderState::kOtherLayout: return {Code::kNotFound, "unit is of another layout"};
     default: return {Code::kNotFound, "unit header does not verify"};
@@ -148,9 +154,10 @@ Status UnitStore::decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, st
   return Status::Ok();
 }
 
-Status UnitStore::verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const {
+Status UnitStore::verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks,
+                              std::vector<uint64_t>* sums) const {
   const Geometry& g = geom_;
-  Status st = decode_unit(data, n, key, sums);
+  Status st = decode_unit(data, n, key, blocks, sums);
   if (!st.ok()) return st;
   for (uint32_t o = 0; o < g.num_objs(); ++o)
     if (crc32c_extend(0, data + g.header_bytes + static_cast<uint64_t>(o) * g.obj_bytes, g.obj_bytes) != (*sums)[o])
@@ -178,10 +185,11 @@ Status UnitStore::read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap, bool 
   index_.unpin(key);
   if (!st.ok()) return st;
   uint64_t k;
+  uint32_t blocks;
   std::vector<uint64_t> sums;
   // Without verify only the header is checked; the reader then verifies the objects (as
   // scatter_unit and import_unit do) so that each byte is summed once on its way.
-  st = verify ? verify_unit(buf, n, &k, &sums) : decode_unit(buf, n, &k, &sums);
+  st = verify ? verify_unit(buf, n, &k, &blocks, &sums) : decode_unit(buf, n, &k, &blocks, &sums);
   if (st.ok() && k != key) st = {Code::kNotFound, "unit slot holds another key"};
   if (!st.ok()) return st;
   if (!aligned) std::memcpy(dst, buf, n);
@@ -207,7 +215,8 @@ Status UnitStore::refresh() {
 Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
   if (opt_.read_only) return {Code::kInvalid, "store opened read-only: import units into the engine's store"};
   std::vector<uint64_t> sums;
-  Status st = verify_unit(data, n, key, &sums);
+  uint32_t blocks;
+  Status st = verify_unit(data, n, key, &blocks, &sums);
   if (!st.ok()) return st;
   std::lock_guard<std::mutex> lk(mu_);
   if (index_.contains(*key)) return Status::Ok();
@@ -225,15 +234,15 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
   st = pool_.pwrite_all(slot, hb, buf.data() + hb, n - hb);
   if (st.ok()) {
     std::vector<uint8_t> done;
-    commit_units(&slot, key, sums.data(), 1, &done);
+    commit_units(&slot, key, &blocks, sums.data(), 1, &done);
     if (!done[0]) st = {Code::kStorage, "writing the unit's header failed"};
   }
   if (!st.ok()) free_slot(slot);
   return st;
 }
 
-void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const uint64_t* sums, uint32_t n,
-                             std::vector<uint8_t>* committed) {
+void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const uint32_t* blocks, const uint64_t* sums,
+                             uint32_t n, std::vector<uint8_t>* committed) {
   const Geometry& g = geom_;
   committed->assign(n, 0);
   if (n == 0) return;
@@ -241,7 +250,7 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
   if (!hdrs.p) return;  // nothing committed: every unit is reported not stored
   // New sequence numbers: recovery keeps the newest commit of a key.
   for (uint32_t i = 0; i < n; ++i)
-    encode_header(g, desc_, keys[i], commit_seq_++, sums + static_cast<uint64_t>(i) * g.num_objs(),
+    encode_header(g, desc_, keys[i], commit_seq_++, blocks[i], sums + static_cast<uint64_t>(i) * g.num_objs(),
                   hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes);
   // One small write per unit, each to its own slot: in parallel, as storage takes them best.
   const uint32_t threads = std::min<uint32_t>(8, (n + 7) / 8);
@@ -259,7 +268,7 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
     std::memcpy(&slot_checksums_[static_cast<uint64_t>(slots[i]) * g.num_objs()], sums + static_cast<uint64_t>(i) * g.num_objs(),
                 g.num_objs() * sizeof(uint64_t));
     slot_key_[slots[i]] = keys[i];
-    index_.insert(keys[i], slots[i]);
+    index_.insert(keys[i], slots[i], blocks[i]);
     bytes_written_ += g.slot_bytes;
   }
 }
@@ -276,12 +285,13 @@ Status UnitStore::remove(uint64_t key, bool* removed) {
   if (opt_.read_only) return {Code::kInvalid, "store opened read-only: remove units through the engine that owns them"};
   std::lock_guard<std::mutex> lk(mu_);
   uint32_t slot;
+  const uint32_t blocks = index_.blocks(key);
   if (!index_.remove(key, &slot)) return Status::Ok();
   // The header goes first: a unit whose header cannot be cleared stays (it would come back at the
   // next open otherwise).
   Status st = invalidate(slot);
   if (!st.ok()) {
-    index_.insert(key, slot);
+    index_.insert(key, slot, blocks);
     return st;
   }
   pool_.release(slot);

@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
   for (auto& k : keys) k = rng();
   const long before = resident_bytes();
   tutti::Index index;
-  for (uint32_t i = 0; i < units; ++i) index.insert(keys[i], i);
+  for (uint32_t i = 0; i < units; ++i) index.insert(keys[i], i, 16);
   const long after = resident_bytes();
   std::vector<double> us;
   for (int r = 0; r < rounds; ++r) {

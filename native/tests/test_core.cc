@@ -160,7 +160,7 @@ static void test_crc32c_lane_scheme() {
 
 static void test_index_lru_and_pins() {
   Index ix;
-  for (uint64_t k = 1; k <= 4; ++k) ix.insert(k, static_cast<uint32_t>(k * 10));
+  for (uint64_t k = 1; k <= 4; ++k) ix.insert(k, static_cast<uint32_t>(k * 10), 16);
   uint64_t keys[] = {1, 2, 9, 3};
   CHECK(ix.lookup_prefix(keys, 4) == 2);  // touches 1 and 2
   CHECK(ix.pin(3));
@@ -212,34 +212,44 @@ static void test_header_round_trip() {
   std::vector<uint64_t> sums(64), back(64);
   for (size_t i = 0; i < sums.size(); ++i) sums[i] = i * 7 + 1;
   std::vector<uint8_t> buf(g.header_bytes);
-  encode_header(g, "bf16[16,8,128]x2", 42, 9, sums.data(), buf.data());
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, 16, sums.data(), buf.data());
   uint64_t key, seq;
-  CHECK(decode_header(g, buf.data(), &key, &seq, back.data()) == HeaderState::kValid && key == 42 && seq == 9 &&
-        back == sums);
-  // Every single-bit flip anywhere in the header's checked bytes is a damaged header, no header.
-  const size_t checked = sizeof(HeaderFixed) + 8 * 64;
+  uint32_t blocks = 0;
+  CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data()) == HeaderState::kValid && key == 42 &&
+        seq == 9 && blocks == 16 && back == sums);
+  // Every single-bit flip anywhere in the header's checked bytes (block word included) is a damaged
+  // header, no header.
+  const size_t checked = sizeof(HeaderFixed) + 8 + 8 * 64;
   for (size_t bit = 0; bit < 8 * checked; ++bit) {
     buf[bit / 8] ^= 1 << (bit % 8);
-    CHECK(decode_header(g, buf.data(), &key, &seq, back.data()) != HeaderState::kValid);
+    CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data()) != HeaderState::kValid);
     buf[bit / 8] ^= 1 << (bit % 8);
   }
   // The key and the commit sequence, both flipped at bit 31: found by the header CRC.
   buf[offsetof(HeaderFixed, key) + 3] ^= 0x80;
   buf[offsetof(HeaderFixed, commit_seq) + 3] ^= 0x80;
-  CHECK(decode_header(g, buf.data(), &key, &seq, back.data()) == HeaderState::kCorrupt);
+  CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data()) == HeaderState::kCorrupt);
   std::vector<uint8_t> zero(g.header_bytes, 0);
-  CHECK(decode_header(g, zero.data(), &key, &seq, back.data()) == HeaderState::kEmpty);
+  CHECK(decode_header(g, zero.data(), &key, &seq, &blocks, back.data()) == HeaderState::kEmpty);
+  // A partial unit's block count comes back; 0 or more than unit_blocks is a damaged header even
+  // under a valid header checksum.
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, 5, sums.data(), buf.data());
+  CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data()) == HeaderState::kValid && blocks == 5);
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, 17, sums.data(), buf.data());
+  CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data()) == HeaderState::kCorrupt);
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, 0, sums.data(), buf.data());
+  CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data()) == HeaderState::kCorrupt);
   // The same checksums under another key or commit decode to other values: bound to the unit.
-  encode_header(g, "bf16[16,8,128]x2", 43, 9, sums.data(), buf.data());
+  encode_header(g, "bf16[16,8,128]x2", 43, 9, 16, sums.data(), buf.data());
   std::vector<uint8_t> b43 = buf;
-  encode_header(g, "bf16[16,8,128]x2", 42, 9, sums.data(), buf.data());
-  CHECK(std::memcmp(b43.data() + sizeof(HeaderFixed), buf.data() + sizeof(HeaderFixed), 8 * 64) != 0);
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, 16, sums.data(), buf.data());
+  CHECK(std::memcmp(b43.data() + sizeof(HeaderFixed) + 8, buf.data() + sizeof(HeaderFixed) + 8, 8 * 64) != 0);
   Geometry other;
   CHECK(make_geometry(std::vector<LayerKV>(32, l), 16, "fp16[16,8,128]x2", &other).ok());
   CHECK(other.layout_id != g.layout_id);
   std::string named;
-  encode_header(other, "fp16[16,8,128]x2", 42, 9, sums.data(), buf.data());
-  CHECK(decode_header(g, buf.data(), &key, &seq, back.data(), &named) == HeaderState::kOtherLayout);
+  encode_header(other, "fp16[16,8,128]x2", 42, 9, 16, sums.data(), buf.data());
+  CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data(), &named) == HeaderState::kOtherLayout);
   CHECK(named.find("fp16") == 0);
 }
 

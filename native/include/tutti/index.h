@@ -1,4 +1,4 @@
-// The CPU-side index: cache-unit key -> slot, with LRU order and pins.
+// The CPU-side index: cache-unit key -> slot and the unit's KV blocks, with LRU order and pins.
 #pragma once
 
 #include <cstdint>
@@ -14,12 +14,14 @@ class Index {
   // Number of leading keys present; touches them (most recently used).
   uint32_t lookup_prefix(const uint64_t* keys, uint32_t n);
   bool contains(uint64_t key) const;
-  // Pins `key` and returns its slot; false when absent.
-  bool acquire(uint64_t key, uint32_t* slot);
+  // Pins `key` and returns its slot (and its blocks); false when absent.
+  bool acquire(uint64_t key, uint32_t* slot, uint32_t* blocks = nullptr);
+  // KV blocks the unit holds (0: absent).
+  uint32_t blocks(uint64_t key) const;
   bool pin(uint64_t key);
   void unpin(uint64_t key);
   // Inserts a committed unit. `seq` orders recovery inserts (older first = less recently used).
-  void insert(uint64_t key, uint32_t slot);
+  void insert(uint64_t key, uint32_t slot, uint32_t blocks);
   bool remove(uint64_t key, uint32_t* slot);
   // Removes the least recently used unpinned entry.
   bool evict_lru(uint64_t* key, uint32_t* slot);
@@ -31,6 +33,7 @@ class Index {
   struct Entry {
     uint32_t slot;
     uint32_t pins;
+    uint32_t blocks;
     std::list<uint64_t>::iterator lru;
   };
   mutable std::mutex mu_;

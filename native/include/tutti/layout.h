@@ -49,14 +49,17 @@ Status make_geometry(uint32_t num_layers, uint32_t objs_per_layer, uint64_t bloc
 // On-disk header at the start of each slot. Written after all of the unit's objects: a slot whose
 // header does not verify is free space, never a hit.
 //
-// Format 2: every checksum is CRC32C (crc32c.h). The header's own checksum covers the fixed part
-// (with that field zero) and the object checksum list. Each entry of the list is the object's CRC32C
-// xor a 64-bit tag of (key, commit_seq, object index), so an object's checksum is bound to the unit,
-// the commit and its place: a header's list, decoded, yields the plain CRC32C each object must have,
+// Format 3: every checksum is CRC32C (crc32c.h). After the fixed part comes one word, the number of
+// the unit's KV blocks it holds (1 to unit_blocks: a prefix's last unit may be partial; the objects'
+// bytes past those blocks are zeros), then the object checksum list. The header's own checksum
+// covers all three (with its own field zero). Each entry of the list is the object's CRC32C xor a
+// 64-bit tag of (key, commit_seq, object index), so an object's checksum is bound to the unit, the
+// commit and its place: a header's list, decoded, yields the plain CRC32C each object must have,
 // and an entry that decodes to more than 32 bits means the header is damaged.
+// Format 2 is format 3 without the block word (every unit whole): its pools are read as such.
 // Format 1 (an additive checksum that missed two-bit errors) is recognised only to refuse its pools.
 constexpr uint64_t kHeaderMagic = 0x31495454554e4b56ull;  // "VKNUTTI1"
-constexpr uint32_t kHeaderVersion = 2;
+constexpr uint32_t kHeaderVersion = 3;
 constexpr size_t kDescBytes = 96;
 // CRC32C detects every error of up to 3 bits only below 2^31 bits: objects stay under 256 MiB.
 constexpr uint64_t kMaxObjBytes = 1ull << 28;
@@ -84,8 +87,9 @@ uint64_t header_bytes_for(uint32_t num_objs);
 std::string layout_text(const std::string& desc, uint32_t num_layers, uint32_t unit_blocks);
 // The tag folded into the checksum of object `obj` (layer * objs_per_layer + K/V) of a commit.
 uint64_t object_tag(uint64_t key, uint64_t seq, uint32_t obj);
-// Fills `buf` (header_bytes long) for a committed unit; `obj_crcs` are the objects' plain CRC32C.
-void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq,
+// Fills `buf` (header_bytes long) for a committed unit of `blocks` KV blocks; `obj_crcs` are the
+// objects' plain CRC32C.
+void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq, uint32_t blocks,
                    const uint64_t* obj_crcs, uint8_t* buf);
 
 enum class HeaderState {
@@ -96,9 +100,9 @@ enum class HeaderState {
   kOldFormat,    // a header that verifies as format 1
 };
 // Verifies `buf` (header_bytes of geometry `g`) before trusting any field; when valid fills key,
-// seq and the objects' plain CRC32C values (`obj_crcs`, num_objs entries).
-HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint64_t* obj_crcs,
-                          std::string* other = nullptr);
+// seq, the unit's blocks and the objects' plain CRC32C values (`obj_crcs`, num_objs entries).
+HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint32_t* blocks,
+                          uint64_t* obj_crcs, std::string* other = nullptr);
 
 // Extent: a run of consecutive KV blocks of one cache unit (16 bytes, as in the paper).
 struct Extent {

@@ -81,6 +81,7 @@ class Store : public UnitStore {
     std::vector<uint32_t> unit_slot;
     std::vector<uint8_t> unit_present;  // retrieve: pinned; store: slot reserved
     std::vector<uint8_t> unit_failed;
+    std::vector<uint32_t> unit_blocks;  // KV blocks each unit moves: unit_blocks, fewer for a partial last unit
     std::vector<Ioctx> ctx;
     std::vector<Extent> extents;
     std::vector<uint64_t> checksums;

@@ -65,6 +65,8 @@ class UnitStore {
 
   const Geometry& geometry() const { return geom_; }
   uint32_t lookup(const uint64_t* keys, uint32_t n);
+  // KV blocks each unit holds: unit_blocks, fewer for a prefix's last, partial unit, 0 when absent.
+  void stored_blocks(const uint64_t* keys, uint32_t n, uint32_t* out) const;
 
   // CPU paths for other nodes and replicas.
   Status read_unit(uint64_t key, std::vector<uint8_t>* out);
@@ -92,17 +94,18 @@ class UnitStore {
   void free_slot(uint32_t slot);
   // Zeroes a slot's header, so that a crash while the slot is rewritten never brings the old key back.
   Status invalidate(uint32_t slot) const;
-  // A GPU file's size and header (key, layout, per-object checksums into *sums); verify_unit also
-  // checks every object against its checksum.
-  Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
-  Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, std::vector<uint64_t>* sums) const;
+  // A GPU file's size and header (key, layout, blocks, per-object checksums into *sums); verify_unit
+  // also checks every object against its checksum.
+  Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks, std::vector<uint64_t>* sums) const;
+  Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks, std::vector<uint64_t>* sums) const;
   StoreStats units_stats() const;  // under mu_
   // Commit after write: writes the headers of units whose objects are already in their slots, then
-  // makes each unit whose header was written visible under its key (`sums`: num_objs plain CRC32Cs
-  // per unit, in order). Headers go out on up to 8 threads. The one way any unit is committed: an
-  // engine's stores and imported replicas alike. Under mu_. committed[i]: unit i is visible.
-  void commit_units(const uint32_t* slots, const uint64_t* keys, const uint64_t* sums, uint32_t n,
-                    std::vector<uint8_t>* committed);
+  // makes each unit whose header was written visible under its key (`blocks`: the KV blocks each
+  // holds; `sums`: num_objs plain CRC32Cs per unit, in order). Headers go out on up to 8 threads. The
+  // one way any unit is committed: an engine's stores and imported replicas alike. Under mu_.
+  // committed[i]: unit i is visible.
+  void commit_units(const uint32_t* slots, const uint64_t* keys, const uint32_t* blocks, const uint64_t* sums,
+                    uint32_t n, std::vector<uint8_t>* committed);
 
   StoreOptions opt_;
   Geometry geom_;

@@ -228,7 +228,11 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
   const bool read = B.op == static_cast<uint32_t>(IoOp::kRead);
   uint8_t* m = mapped_object(p, B, x);
   if (m) chunk = m;
-  const uint64_t payload = static_cast<uint64_t>(p.unit_blocks) * p.block_bytes;
+  // Bytes in KV blocks: the unit's blocks, fewer for a partial unit (whose other bytes are zeros on
+  // store and only summed on retrieve, like alignment padding).
+  uint64_t blocks = 0;
+  for (uint32_t e = 0; e < x.extent_count; ++e) blocks += B.extents[x.extent_first + e].num_blocks;
+  const uint64_t payload = blocks * p.block_bytes;
   // A retrieve from staging copies first and hands the chunk back, then sums the blocks it wrote
   // (device memory, its own writes): the chunk's next I/O does not wait for the checksum, which
   // costs table lookups per byte. The unit is still failed, a miss, when the sum does not match.
