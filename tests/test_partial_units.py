@@ -175,7 +175,7 @@ def test_a_format_2_pool_is_read_as_whole_units(tmp_path):
     kv = make_kv(seed=11)
     with open_store([d], kv) as s:
         ub = s.unit_blocks
-        num_objs = s.geometry()["num_objs"] if "num_objs" in s.geometry() else 2 * len(kv)
+        num_objs = 2 * len(kv)  # kv_first: K and V objects per layer
         assert s.store([71], np.arange(ub)).ok
     want = snapshot(kv)
     _, fields, fixed = header_format()

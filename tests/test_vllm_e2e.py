@@ -36,6 +36,7 @@ from vllm_model import corrupt_pool, kv_transfer_config, run_engine  # noqa: E40
 
 DRIVER = Path(__file__).with_name("vllm_model.py")
 UNIT_TOKENS = 128  # 4 blocks of 32; the 600-token shared prefix holds 4 full units
+BLOCK_TOKENS = 32
 RUN_TIMEOUT_S = 400
 
 
@@ -100,9 +101,32 @@ def test_fresh_engine_reuses_stored_prefix_async(work: dict[str, Any]) -> None:
     c = _engine(work["model"], work["root"] / "c_async.json",
                 _kv_config(work["root"], paths=[str(store)], load_async=True))
     m = c["metrics"]
-    assert m.get("vllm:external_prefix_cache_hits", 0) > 0, m
-    assert m.get("vllm:tutti_load_units", 0) > 0, m
+    # Block granularity: every prompt (640 tokens, 5 whole units) loads all but its last block, the
+    # fifth unit serving its leading blocks (the three requests wait for their loads together, so
+    # vLLM's own prefix cache holds nothing yet).
+    assert m.get("vllm:external_prefix_cache_hits", 0) == 3 * (640 - BLOCK_TOKENS), m
+    assert m.get("vllm:tutti_load_units", 0) == 3 * 5, m
     assert c["outputs"] == work["baseline"]["outputs"]
+
+
+def test_a_prompts_partial_last_unit_is_stored_and_served(work: dict[str, Any]) -> None:
+    """Prompts of 700 tokens: 5 whole units and a partial one of 1 block (the other 28 tokens are
+    not a whole block). The partial unit is stored, and a fresh engine loads 672 of each prompt's
+    700 tokens (recomputing 28), not 640, with outputs equal to the engine without a connector."""
+    env = {"VLLM_MODEL_SUFFIX_TOKENS": "100"}
+    root = work["root"]
+    baseline = _engine(work["model"], root / "a700.json", **env)
+    store = root / "store700"
+    store.mkdir()
+    b = _engine(work["model"], root / "b700.json", _kv_config(root, paths=[str(store)]), **env)
+    assert b["outputs"] == baseline["outputs"]
+    # 4 shared whole units, each prompt's fifth unit and its partial sixth.
+    assert b["metrics"].get("vllm:tutti_store_units", 0) == 4 + 3 + 3, b["metrics"]
+    c = _engine(work["model"], root / "c700.json", _kv_config(root, paths=[str(store)], load_async=True), **env)
+    m = c["metrics"]
+    assert m.get("vllm:external_prefix_cache_hits", 0) == 3 * 672, m
+    assert m.get("vllm:tutti_load_units", 0) == 3 * 6, m
+    assert c["outputs"] == baseline["outputs"]
 
 
 def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:

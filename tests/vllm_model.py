@@ -69,7 +69,7 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
     )
     # The first request ends with its prefill (one token): the connector must hold its blocks until
     # any save still reading them is done. The others decode on the shared prefix.
-    ps = prompts()
+    ps = prompts(suffix_tokens=int(os.environ.get("VLLM_MODEL_SUFFIX_TOKENS", "40")))
     params = [SamplingParams(temperature=0.0, max_tokens=1 if i == 0 else 8, detokenize=False) for i in range(len(ps))]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params)
     metrics: dict[str, float] = {}

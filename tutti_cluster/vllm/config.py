@@ -32,12 +32,13 @@ __all__ = [
     "ConnectorSetup",
     "connector_config",
     "rank_prefix",
+    "tail_hash",
     "unit_hashes",
     "unit_key",
 ]
 
 # Keys of kv_connector_extra_config that belong to the connector rather than to TuttiConfig.
-CONNECTOR_KEYS = ("load_async", "namespace")
+CONNECTOR_KEYS = ("load_async", "namespace", "partial_units")
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,16 @@ class ConnectorOptions:
     ``kv_both`` does both. ``load_async`` makes loads run between scheduler steps (vLLM's
     WAITING_FOR_REMOTE_KVS) instead of inside the step that needs them. ``namespace`` overrides the
     model identity mixed into every key (default: model path, dtype, block size, parallel layout).
+    ``partial_units`` (default on) also stores each prompt's last, partial unit (its whole blocks),
+    so a later prompt that extends it hits at block granularity instead of recomputing up to
+    ``unit_tokens - 1`` tokens.
     """
 
     load: bool = True
     save: bool = True
     load_async: bool = False
     namespace: str | None = None
+    partial_units: bool = True
 
 
 def _as_bool(name: str, v: Any) -> bool:
@@ -91,6 +96,7 @@ def connector_config(extra: dict[str, Any] | None, kv_role: str | None = None) -
         save=role != "kv_consumer",
         load_async=_as_bool("load_async", conn.get("load_async", False)),
         namespace=ns,
+        partial_units=_as_bool("partial_units", conn.get("partial_units", True)),
     )
     return cfg, opts
 
@@ -104,6 +110,13 @@ def unit_hashes(block_hashes: list[Any], unit_hash_blocks: int, num_units: int) 
     """
     n = min(num_units, len(block_hashes) // unit_hash_blocks)
     return [bytes(block_hashes[(u + 1) * unit_hash_blocks - 1]) for u in range(n)]
+
+
+def tail_hash(block_hashes: list[Any], hash_block: int, tokens: int) -> bytes | None:
+    """The hash naming the first ``tokens`` tokens of a prompt (a multiple of ``hash_block``): that
+    of its last hash block, as for a whole unit; None when the prompt has no such hash yet."""
+    i = tokens // hash_block - 1
+    return bytes(block_hashes[i]) if 0 <= i < len(block_hashes) else None
 
 
 def _namespace(vllm_config: VllmConfig, opts: ConnectorOptions, unit_tokens: int) -> bytes:
@@ -147,9 +160,15 @@ class ConnectorSetup:
     unit_tokens: int
     unit_blocks: int  # vLLM blocks per unit
     unit_hash_blocks: int  # vLLM hash blocks per unit
+    hash_block: int  # tokens per vLLM hash block
     world: int  # worker ranks: tensor x pipeline parallel size
     namespace: bytes
     prefixes: tuple[bytes, ...]  # key prefix of each rank
+
+    @property
+    def tail_step(self) -> int:
+        """Tokens a partial unit grows by: a whole vLLM block that is also whole hash blocks."""
+        return max(self.block_size, self.hash_block)
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> ConnectorSetup:
@@ -181,6 +200,7 @@ class ConnectorSetup:
             unit_tokens=unit_tokens,
             unit_blocks=unit_tokens // block_size,
             unit_hash_blocks=unit_tokens // hash_block,
+            hash_block=hash_block,
             world=world,
             namespace=namespace,
             prefixes=tuple(rank_prefix(namespace, r) for r in range(world)),

@@ -2,7 +2,7 @@
 
 - :class:`TuttiConnectorMetadata`, scheduler -> workers once per step (``build_connector_meta``,
   bound by the model runner before the step): the loads and saves of the step, each a
-  :class:`Transfer` of whole units with their block ids.
+  :class:`Transfer` of units with their block ids.
 - :class:`TuttiWorkerMetadata`, workers -> scheduler once per step (``build_connector_worker_meta``,
   summed over ranks with ``aggregate``, read in ``update_connector_output``): the keys committed and
   evicted, and each request's first unit that failed to load.
@@ -26,7 +26,8 @@ __all__ = ["Transfer", "TuttiConnectorMetadata", "TuttiHandshake", "TuttiWorkerM
 @dataclass
 class Transfer:
     """One request's units to move this step: ``hashes[i]`` names unit ``i``; its blocks are
-    ``block_ids[i * unit_blocks : (i + 1) * unit_blocks]``."""
+    ``block_ids[i * unit_blocks : (i + 1) * unit_blocks]``, except that the last unit may hold fewer
+    (a prompt's partial last unit)."""
 
     req_id: str
     hashes: list[bytes]

@@ -8,6 +8,12 @@ committed. A unit counts as a hit only when every rank holds it, and at least th
 is left to compute. With ``etcd`` configured (cluster mode) the hit prefix is extended with the
 units other nodes hold, looked up in the replica directory.
 
+Hits are at block granularity: each prompt's last, partial unit (its whole blocks, named by the hash
+of its last block like any unit) is saved too, and after the leading whole units a lookup tries the
+partial units that could follow them, longest first. So a prompt that repeats or extends a stored
+one recomputes less than one block, not up to ``unit_tokens - 1`` tokens (local units only: the
+replica directory is asked for whole units).
+
 Each step, ``build_connector_meta`` hands the workers the loads decided since the last step and the
 saves of the units whose last prompt token was computed (chunked prefill saves a request's units
 over several steps). KV computed on top of a load is saved only once that load is known good: the
@@ -25,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tutti_cluster.vllm.config import ConnectorSetup, unit_hashes, unit_key
+from tutti_cluster.vllm.config import ConnectorSetup, tail_hash, unit_hashes, unit_key
 from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
 from tutti_cluster.vllm.metrics import TuttiConnectorStats
 
@@ -71,7 +77,7 @@ class TuttiScheduler:
         self._stats = TuttiConnectorStats()
         self._present: set[int] = set()
         self._reqs: dict[str, _ReqState] = {}
-        self._lookups: dict[str, tuple[int, int]] = {}  # req_id -> (local, all) hit units of the latest lookup
+        self._lookups: dict[str, tuple[int, int, int, bytes | None]] = {}  # req_id -> the latest _lookup
         self._pending_loads: list[Transfer] = []
         self._pending_async: list[Transfer] = []
         self._lookups_at: dict[str, tuple[float, int, int, int]] = {}  # req_id -> (time, units asked, local, all)
@@ -128,42 +134,66 @@ class TuttiScheduler:
             n = min(n, len(owners))
         return n
 
-    def _lookup(self, request: Request) -> tuple[int, int]:
-        """(local, total) leading units of the request's prompt available to load.
+    def _lookup(self, request: Request) -> tuple[int, int, int, bytes | None]:
+        """(local, total, tail, tail hash): the leading whole units of the request's prompt available
+        to load from this node and from the cluster, then the tokens available after them from one
+        more unit and the hash naming that unit (when all of them are local; else 0 and None).
 
         A directory lookup costs an etcd round trip, and vLLM asks again for a request it could not
         schedule yet, so a cluster answer is reused for a second.
         """
-        max_units = max(request.num_tokens - 1, 0) // self.unit_tokens
-        if max_units == 0:
-            return 0, 0
-        hashes = self._hashes(request, max_units)
-        local = self._hits(hashes)
-        if self._directory is None or local == len(hashes):
-            return local, local
-        now = time.monotonic()
-        cached = self._lookups_at.get(request.request_id)
-        if cached is not None and now - cached[0] < 1.0 and cached[1:3] == (len(hashes), local):
-            return local, cached[3]
-        total = local + self._remote_hits(hashes, local)
-        self._lookups_at[request.request_id] = (now, len(hashes), local, total)
-        return local, total
+        max_tokens = max(request.num_tokens - 1, 0)
+        hashes = self._hashes(request, max_tokens // self.unit_tokens)
+        local = total = self._hits(hashes)
+        if self._directory is not None and local < len(hashes):
+            now = time.monotonic()
+            cached = self._lookups_at.get(request.request_id)
+            if cached is not None and now - cached[0] < 1.0 and cached[1:3] == (len(hashes), local):
+                total = cached[3]
+            else:
+                total = local + self._remote_hits(hashes, local)
+                self._lookups_at[request.request_id] = (now, len(hashes), local, total)
+        tail, tail_h = self._tail_hit(request, local, max_tokens) if total == local else (0, None)
+        return local, total, tail, tail_h
+
+    def _tail_hit(self, request: Request, units: int, max_tokens: int) -> tuple[int, bytes | None]:
+        """(tokens, hash) of the longest run of blocks after the first ``units`` that every rank
+        holds in one unit: the leading blocks of the next whole unit (when the prompt covers it but
+        its last token must be computed), else the longest partial unit stored there."""
+        if not self.options.partial_units:
+            return 0, None
+        step, start = self.setup.tail_step, units * self.unit_tokens
+        t = min(self.unit_tokens - step, (max_tokens - start) // step * step)
+        for end in (start + self.unit_tokens, *range(start + t, start, -step)):
+            h = tail_hash(request.block_hashes, self.setup.hash_block, end) if t > 0 else None
+            if h is not None and all(unit_key(p, h) in self._present for p in self._prefixes):
+                return min(t, end - start), h
+        return 0, None
+
+    def _prompt_tail(self, request: Request) -> tuple[int, int]:
+        """(unit index, tokens) of the prompt's partial last unit; tokens 0 when it has none."""
+        n = int(request.num_prompt_tokens)
+        unit = n // self.unit_tokens
+        if not self.options.partial_units:
+            return unit, 0
+        return unit, (n - unit * self.unit_tokens) // self.setup.tail_step * self.setup.tail_step
 
     def _hashes(self, request: Request, num_units: int) -> list[bytes]:
         return unit_hashes(list(request.block_hashes), self.setup.unit_hash_blocks, num_units)
 
     # ---- loads ----------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """Tokens beyond ``num_computed_tokens`` whose whole units the stores hold.
+        """Tokens beyond ``num_computed_tokens`` whose units (whole, then one partial) the stores hold.
 
         At least the last prompt token is left to compute. Side-effect free for vLLM; the lookup is
         remembered for ``update_state_after_alloc``.
         """
         if not self.options.load:
             return 0, False
-        local, hits = self._lookup(request)
-        self._lookups[request.request_id] = (local, hits)
-        ext = hits * self.unit_tokens - num_computed_tokens
+        looked = self._lookup(request)
+        self._lookups[request.request_id] = looked
+        _, hits, tail, _ = looked
+        ext = hits * self.unit_tokens + tail - num_computed_tokens
         if ext <= 0:
             return 0, False
         return ext, self.options.load_async
@@ -171,7 +201,7 @@ class TuttiScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         looked = self._lookups.pop(req_id, None)
-        local, hits = looked if looked is not None else self._lookup(request)
+        local, hits, tail, tail_h = looked if looked is not None else self._lookup(request)
         state = self._reqs.get(req_id)
         if state is None or num_external_tokens > 0:
             state = _ReqState(request=request, save_next=hits)
@@ -180,12 +210,16 @@ class TuttiScheduler:
             state.request = request
         if num_external_tokens <= 0:
             return
-        end = hits * self.unit_tokens
+        end = hits * self.unit_tokens + tail
         first = (end - num_external_tokens) // self.unit_tokens
         (block_ids,) = blocks.get_block_ids()[:1]
         hashes = self._hashes(request, hits)[first:hits]
-        ids = list(block_ids[first * self.unit_blocks : hits * self.unit_blocks])
-        if len(ids) != len(hashes) * self.unit_blocks:
+        want = len(hashes) * self.unit_blocks
+        if tail and tail_h is not None:  # last: only a request's last unit may move fewer blocks
+            hashes.append(tail_h)
+            want += tail // self.setup.block_size
+        ids = list(block_ids[first * self.unit_blocks : first * self.unit_blocks + want])
+        if len(ids) != want:
             log.warning("request %s: %d blocks allocated for %d units; not loading", req_id, len(ids), len(hashes))
             return
         self._stats.add("lookup_hit_units", len(hashes))
@@ -253,6 +287,9 @@ class TuttiScheduler:
             done = min(computed[req_id] + n_sched, st.request.num_prompt_tokens)
             end_unit = min(done // self.unit_tokens, len(st.block_ids) // self.unit_blocks,
                            len(st.request.block_hashes) // self.setup.unit_hash_blocks)
+            tail_unit, tail = self._prompt_tail(st.request)
+            if tail and end_unit == tail_unit and done >= tail_unit * self.unit_tokens + tail:
+                end_unit += 1  # the prompt's partial last unit: its whole blocks are computed
             if end_unit <= st.save_next:
                 continue
             units = list(range(st.save_next, end_unit))
@@ -265,18 +302,37 @@ class TuttiScheduler:
                 self._emit(meta, req_id, st, units, seen)
         return meta
 
+    def _span(self, st: _ReqState, unit: int) -> tuple[bytes, list[int]] | None:
+        """(hash, block ids) of unit ``unit`` of a request's prompt: whole, or the prompt's partial
+        last unit; None while its hash or blocks are not known yet."""
+        tail_unit, tail = self._prompt_tail(st.request)
+        lo = unit * self.unit_blocks
+        if unit == tail_unit and tail:
+            h = tail_hash(st.request.block_hashes, self.setup.hash_block, unit * self.unit_tokens + tail)
+            hi = lo + tail // self.setup.block_size
+        else:
+            hashes = self._hashes(st.request, unit + 1)
+            h = hashes[unit] if unit < len(hashes) else None
+            hi = lo + self.unit_blocks
+        if h is None or len(st.block_ids) < hi:
+            return None
+        return h, st.block_ids[lo:hi]
+
     def _emit(self, meta: TuttiConnectorMetadata, req_id: str, st: _ReqState, units: list[int],
               seen: set[bytes]) -> None:
-        """Adds a save of ``units`` of a request (those not yet present) to this step's metadata."""
-        hashes = self._hashes(st.request, max(units) + 1) if units else []
-        units = [u for u in units if u < len(hashes) and hashes[u] not in seen
-                 and not all(unit_key(p, hashes[u]) in self._present for p in self._prefixes)]
-        seen.update(hashes[u] for u in units)
+        """Adds a save of ``units`` of a request (those not yet present) to this step's metadata.
+        A partial unit can only be the prompt's last, so it is the transfer's last too."""
+        hashes: list[bytes] = []
         ids: list[int] = []
         for u in units:
-            ids.extend(st.block_ids[u * self.unit_blocks : (u + 1) * self.unit_blocks])
-        if units or st.finished:
-            meta.saves.append(Transfer(req_id, [hashes[u] for u in units], ids, finish=st.finished))
+            span = self._span(st, u)
+            if span is None or span[0] in seen or all(unit_key(p, span[0]) in self._present for p in self._prefixes):
+                continue
+            seen.add(span[0])
+            hashes.append(span[0])
+            ids.extend(span[1])
+        if hashes or st.finished:
+            meta.saves.append(Transfer(req_id, hashes, ids, finish=st.finished))
         if st.finished:
             del self._reqs[req_id]
 
