@@ -45,7 +45,7 @@ def test_unknown_keys_are_misses(live):
     [
         (lambda ub: np.arange(ub) + BLOCKS, "out of range"),
         (lambda ub: np.arange(ub) - 1, "out of range"),
-        (lambda ub: np.arange(ub - 1), "block ids for"),
+        (lambda ub: np.arange(ub + 1), "block ids for"),  # one unit holds at most unit_blocks
         (lambda ub: np.arange(ub, dtype=np.float32), "integers"),
         (lambda ub: np.arange(ub).reshape(1, ub), "one-dimensional"),
     ],

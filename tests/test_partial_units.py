@@ -8,6 +8,7 @@ map_memory_paths). Real files throughout.
 from __future__ import annotations
 
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -207,8 +208,7 @@ def test_any_request_shape_round_trips_or_misses_never_serving_zeros(tmp_path, d
     """Property: stores of 1-4 units whose last holds 1..unit_blocks blocks, then retrieves of the same
     keys asking any block count for the last: byte-exact when it asks at most what the unit holds,
     else that unit is a miss; and no block outside the retrieve's is ever written."""
-    d = tmp_path / f"p{data.draw(st.integers(0, 1 << 30))}"
-    d.mkdir()
+    d = Path(tempfile.mkdtemp(dir=tmp_path))
     kv = make_kv(seed=data.draw(st.integers(0, 1000)))
     with open_store([d], kv) as s:
         ub = s.unit_blocks

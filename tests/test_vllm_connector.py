@@ -7,6 +7,8 @@ another, for every tensor form vLLM hands to ``register_kv_caches``.
 
 from __future__ import annotations
 
+import time
+
 import importlib.util
 
 import pytest
@@ -308,8 +310,9 @@ def _no_request_left(c) -> None:
 
 def test_a_load_that_cannot_begin_is_reported_failed(tmp_path) -> None:
     """IOCBs for one load only (2 layers, iocb_depth 3): the second of two loads in a step raises
-    CapacityExceeded at begin and is reported as load errors; the first loads byte-exact."""
-    c, kv = _worker(tmp_path, iocb_depth=3)
+    CapacityExceeded at begin and is reported as load errors; the first loads byte-exact. Saves end
+    in their step here (defer_saves off), so the IOCBs are free for the loads."""
+    c, kv = _worker(tmp_path, iocb_depth=3, defer_saves=False)
     try:
         _step(c, saves=[_unit(c, b"a", [0, 1])])
         _step(c, saves=[_unit(c, b"b", [2, 3])])
@@ -333,7 +336,7 @@ def test_a_load_that_cannot_begin_is_reported_failed(tmp_path) -> None:
 def test_a_load_with_a_failed_layer_call_is_never_reported_loaded(tmp_path, monkeypatch, fault) -> None:
     """A layer call of a load raises (an injected fault: a real store does not fail these calls on
     the CPU backend): every block of the load is reported failed, and the request is finished."""
-    c, kv = _worker(tmp_path)
+    c, kv = _worker(tmp_path, defer_saves=False)
     try:
         _step(c, saves=[_unit(c, b"a", [0, 1])])
         real = getattr(c.worker.store, fault)
@@ -354,8 +357,9 @@ def test_a_load_with_a_failed_layer_call_is_never_reported_loaded(tmp_path, monk
 
 def test_a_save_with_a_failed_store_layer_is_finished_and_commits_nothing(tmp_path, monkeypatch) -> None:
     """store_layer raises (an injected fault): the engine sees no exception, the save is finished
-    (its slots and IOCBs return), nothing is committed, and the next save works."""
-    c, kv = _worker(tmp_path, iocb_depth=3)
+    (its slots and IOCBs return), nothing is committed, and the next save works (in its step:
+    defer_saves off)."""
+    c, kv = _worker(tmp_path, iocb_depth=3, defer_saves=False)
     try:
         real = c.worker.store.store_layer
         calls = []
@@ -378,6 +382,97 @@ def test_a_save_with_a_failed_store_layer_is_finished_and_commits_nothing(tmp_pa
         assert c.worker.store.lookup([_key(c.worker.prefix, b"b".ljust(32, b"."))]) == 1
     finally:
         c.shutdown()
+
+
+# ---- writes that run on past their step (defer_saves, the default) ------------------------------
+def _in_flight(c) -> set[str]:
+    return {f.transfer.req_id for f in c.worker._writing}
+
+
+def test_deferred_writes_are_committed_by_a_later_step_without_waiting(tmp_path, monkeypatch) -> None:
+    """The step that saves does not wait for its writes: while they run (held running here by an
+    injected `done`, standing in for a slow device) later steps go on and commit nothing; the first
+    step after they are done commits the units, and nothing is left in the store."""
+    c, kv = _worker(tmp_path)
+    try:
+        store = c.worker.store
+        real_done = store.done
+        monkeypatch.setattr(store, "done", lambda req: False)
+        _step(c, saves=[_unit(c, b"a", [0, 1])])
+        _step(c)
+        assert _in_flight(c) == {"a"}
+        assert store.lookup([_key(c.worker.prefix, b"a".ljust(32, b"."))]) == 0
+        monkeypatch.setattr(store, "done", real_done)
+        deadline = time.monotonic() + 30
+        while _in_flight(c) and time.monotonic() < deadline:  # the real device: done in milliseconds
+            _step(c)
+            time.sleep(0.001)
+        assert not _in_flight(c)
+        assert store.lookup([_key(c.worker.prefix, b"a".ljust(32, b"."))]) == 1
+        assert c.get_kv_connector_stats().reduce()["store_units"] == 1
+        zero = {n: t.clone() for n, t in kv.items()}
+        for t in kv.values():
+            t[8:10] = 0
+        _step(c, loads=[_unit(c, b"a", [8, 9])])
+        assert not c.get_block_ids_with_load_errors()
+        for n, t in kv.items():
+            assert torch.equal(t[8:10], zero[n][0:2])
+        _no_request_left(c)
+    finally:
+        c.shutdown()
+
+
+def test_a_finished_request_is_reported_only_once_its_writes_are_done(tmp_path, monkeypatch) -> None:
+    """vLLM frees a finished request's blocks when the worker reports it (finished_sending): never
+    while a write of it still reads them."""
+    c, _ = _worker(tmp_path)
+    try:
+        store = c.worker.store
+        real_done = store.done
+        monkeypatch.setattr(store, "done", lambda req: False)
+        _step(c, saves=[_unit(c, b"a", [0, 1])])
+        from tutti_cluster.vllm import _Transfer
+
+        _step(c, saves=[_Transfer("a", [], [], finish=True)])
+        sent, _ = c.get_finished(set())
+        assert not sent and _in_flight(c) == {"a"}
+        monkeypatch.setattr(store, "done", real_done)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            _step(c)
+            sent, _ = c.get_finished(set())
+            if sent:
+                break
+            time.sleep(0.001)
+        assert sent == {"a"} and not _in_flight(c)
+        assert store.lookup([_key(c.worker.prefix, b"a".ljust(32, b"."))]) == 1
+    finally:
+        c.shutdown()
+
+
+def test_a_preempted_requests_writes_complete_before_the_next_forward(tmp_path, monkeypatch) -> None:
+    """A preempted request's blocks go back to vLLM's pool in the scheduling that preempts it and
+    may be written by that step's forward: binding that step's metadata completes the writes still
+    reading them (the injected `done` keeps them running until then), before any forward."""
+    c, _ = _worker(tmp_path)
+    try:
+        store = c.worker.store
+        monkeypatch.setattr(store, "done", lambda req: False)
+        _step(c, saves=[_unit(c, b"a", [0, 1]), _unit(c, b"b", [2, 3])])
+        assert _in_flight(c) == {"a", "b"}
+        from tutti_cluster.vllm import TuttiConnectorMetadata
+
+        c.bind_connector_metadata(TuttiConnectorMetadata(preempted=["a"]))
+        assert _in_flight(c) == {"b"}  # b still runs: its request keeps its blocks
+        assert store.lookup([_key(c.worker.prefix, b"a".ljust(32, b"."))]) == 1
+        c.clear_connector_metadata()
+    finally:
+        c.shutdown()  # finishes b: nothing written is dropped
+    again, _ = _worker(tmp_path)
+    try:
+        assert again.worker.store.lookup([_key(again.worker.prefix, b"b".ljust(32, b"."))]) == 1
+    finally:
+        again.shutdown()
 
 
 @pytest.mark.parametrize("policy", [None, "fail", "recompute"])

@@ -123,7 +123,8 @@ class TuttiStore:
 
         Builds the extent map, opens (creating and preallocating) the pool files, rebuilds the index
         from their headers and starts the queues. ``read_only`` opens existing pools for lookups and
-        ``read_unit`` only (no queues, no writes), as the node daemon does.
+        ``read_unit`` only (no queues, no writes, no KV memory touched): :meth:`open_pools` with the
+        layers' geometry.
         """
         if self._native is not None:
             raise ConfigError("KV caches are already registered")
@@ -136,6 +137,12 @@ class TuttiStore:
         layers = [l if isinstance(l, LayerKV) else layer_kv_from_tensor(l, layout) for l in kv_caches]
         desc = describe(layers)
         device = layers[0].device
+        if read_only:  # the unit store alone: it never touches the KV memory
+            l0 = layers[0]
+            self.open_pools(num_layers=len(layers), objs_per_layer=len(l0.ptrs), block_bytes=l0.block_bytes,
+                            block_tokens=block_tokens, dtype=l0.dtype, block_shape=l0.block_shape)
+            self._layers, self.device = layers, device
+            return
         backend = self.config.backend
         if backend == "auto":
             backend = "cuda" if device == "cuda" else "cpu"
@@ -150,23 +157,20 @@ class TuttiStore:
                         obj, self.config.min_io_bytes)
         if not self.config.paths:
             self.config.storage_paths()[0].mkdir(parents=True, exist_ok=True)  # embedded default only
-        if self.config.prewrite_pool and not read_only:
+        if self.config.prewrite_pool:
             for p, cap in zip(self.config.storage_paths(), self.config.capacity_bytes()):
                 pool = p / f"tutti-{self.config.instance}.pool"
                 if not pool.exists() or pool.stat().st_size < cap // max(1, self.config.pool_files) // 2:
                     log.info("creating the cache files in %s (%.1f GiB); they are filled once now so that "
                              "later stores never wait for the disk to allocate space", p, cap / (1 << 30))
-        options = native_options(self.config, backend=backend, unit_blocks=unit_blocks, read_only=read_only)
-        if read_only:  # the unit store alone: it never touches the KV memory
-            nat = _native.UnitStore.open(options, len(layers), len(layers[0].ptrs), layers[0].block_bytes, desc)
-        else:
-            descs = [_native.LayerKVDesc(list(l.ptrs), l.block_stride, l.block_bytes, l.num_blocks) for l in layers]
-            nat = _native.Store.open(options, descs, desc)
-            try:
-                nat.init_queue(self.config.iocb_depth)
-            except TuttiError:
-                nat.close()
-                raise
+        options = native_options(self.config, backend=backend, unit_blocks=unit_blocks)
+        descs = [_native.LayerKVDesc(list(l.ptrs), l.block_stride, l.block_bytes, l.num_blocks) for l in layers]
+        nat = _native.Store.open(options, descs, desc)
+        try:
+            nat.init_queue(self.config.iocb_depth)
+        except TuttiError:
+            nat.close()
+            raise
         self._native = nat
         # The native store holds raw pointers into these tensors: keep them alive as long as it lives.
         self._kv_refs = list(kv_caches)
@@ -322,6 +326,13 @@ class TuttiStore:
         """A ``cudaStream_t`` handle on the SMs outside the I/O partition (CUDA stores with green
         contexts), for the engine's compute; 0 when there is none."""
         return int(self._e.compute_stream())
+
+    def done(self, req: int) -> bool:
+        """Whether the request's I/O issued so far is complete, without waiting (``finish`` then
+        returns at once): how a caller lets writes run on while it does other work."""
+        if req not in self._ops:
+            raise TuttiError(f"no request {req} in flight")
+        return bool(self._e.done(req))
 
     def finish(self, req: int) -> RequestResult:
         """Completes a request: commits stored units, unpins retrieved ones, reports failures."""

@@ -359,6 +359,11 @@ PYBIND11_MODULE(_native, m) {
         ok(without_gil([&] { return s.finish(id, &r); }));
         return r;
       })
+      .def("done", [](PyStore& p, py::handle req) {
+        bool out = false;
+        ok(p.hold()->done(u32(req, "request"), &out));
+        return out;
+      })
       .def("get_iocb", [](PyStore& p, py::handle n) {
         std::vector<uint32_t> ids;
         ok(p.hold()->get_iocb(u32(n, "n"), &ids));

@@ -506,6 +506,21 @@ bool Store::layer_complete(const Request& r, uint32_t layer) const {
   return end >= r.ctx.size();
 }
 
+Status Store::done(uint32_t id, bool* out) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
+  const Request& r = requests_[id];
+  *out = false;
+  for (uint32_t l = 0; l < r.layer_iocbs.size(); ++l)
+    if (r.layer_issued[l])
+      for (uint32_t b : r.layer_iocbs[l])
+        if (in_flight(b)) return Status::Ok();
+  for (uint32_t b : r.raw_iocbs)
+    if (in_flight(b)) return Status::Ok();
+  *out = true;
+  return Status::Ok();
+}
+
 Status Store::finish(uint32_t id, RequestResult* out) {
   std::vector<uint32_t> wait_ids;
   {

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 # Keys of kv_connector_extra_config that belong to the connector rather than to TuttiConfig.
-CONNECTOR_KEYS = ("load_async", "namespace", "partial_units")
+CONNECTOR_KEYS = ("load_async", "namespace", "partial_units", "defer_saves")
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,10 @@ class ConnectorOptions:
     model identity mixed into every key (default: model path, dtype, block size, parallel layout).
     ``partial_units`` (default on) also stores each prompt's last, partial unit (its whole blocks),
     so a later prompt that extends it hits at block granularity instead of recomputing up to
-    ``unit_tokens - 1`` tokens.
+    ``unit_tokens - 1`` tokens. ``defer_saves`` (default on) lets a step's writes run on past the
+    step: the step ends without waiting for them, they complete while later steps (decode) run,
+    and their units are committed then; a finished request keeps its blocks until its writes are
+    done, and a preempted one's writes complete before its blocks are reused.
     """
 
     load: bool = True
@@ -59,6 +62,7 @@ class ConnectorOptions:
     load_async: bool = False
     namespace: str | None = None
     partial_units: bool = True
+    defer_saves: bool = True
 
 
 def _as_bool(name: str, v: Any) -> bool:
@@ -97,6 +101,7 @@ def connector_config(extra: dict[str, Any] | None, kv_role: str | None = None) -
         load_async=_as_bool("load_async", conn.get("load_async", False)),
         namespace=ns,
         partial_units=_as_bool("partial_units", conn.get("partial_units", True)),
+        defer_saves=_as_bool("defer_saves", conn.get("defer_saves", True)),
     )
     return cfg, opts
 

@@ -112,6 +112,13 @@ class TuttiConnector(KVConnectorBase_V1):
         return self.scheduler.request_finished(request)
 
     # ================================ worker role ================================
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Before the step's forward (start_load_kv may run after it): writes still reading blocks
+        # that the scheduler has just freed (preempted requests) are completed here.
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None and isinstance(connector_metadata, TuttiConnectorMetadata):
+            self.connector_worker.before_step(connector_metadata)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 

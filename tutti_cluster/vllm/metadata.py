@@ -44,6 +44,9 @@ class TuttiConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     async_loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    # Requests preempted in this step's scheduling: their blocks are free, so a write still
+    # reading them completes before the forward reuses them (TuttiWorker.before_step).
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass

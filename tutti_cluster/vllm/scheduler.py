@@ -56,6 +56,7 @@ class _ReqState:
     pending: set[int] = field(default_factory=set)  # claimed units whose save waits (see build_connector_meta)
     due: int = 0  # the step from which the pending units may be saved
     finished: bool = False  # finished, blocks held until the pending save is done
+    writing: bool = False  # a save was handed to the workers, whose writes may still run (defer_saves)
 
 
 class TuttiScheduler:
@@ -262,7 +263,8 @@ class TuttiScheduler:
             if st is not None and st.pending:  # blocks freed: nothing left to save from
                 st.save_next = min(st.save_next, min(st.pending))
                 st.pending.clear()
-        meta = TuttiConnectorMetadata(loads=self._pending_loads, async_loads=self._pending_async)
+        meta = TuttiConnectorMetadata(loads=self._pending_loads, async_loads=self._pending_async,
+                                      preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         self._pending_loads, self._pending_async = [], []
         if meta.loads:
             self._last_load_step = step
@@ -333,6 +335,7 @@ class TuttiScheduler:
             ids.extend(span[1])
         if hashes or st.finished:
             meta.saves.append(Transfer(req_id, hashes, ids, finish=st.finished))
+        st.writing = st.writing or (bool(hashes) and self.options.defer_saves)
         if st.finished:
             del self._reqs[req_id]
 
@@ -362,16 +365,18 @@ class TuttiScheduler:
 
     # ---- finished requests ----------------------------------------------------------------------
     def has_pending_push_work(self) -> bool:
-        # A finished request's deferred save holds its blocks: keep the engine stepping until done.
+        # A finished request's pending save or running writes hold its blocks: keep the engine
+        # stepping until they are done (and their units committed).
         return any(st.finished for st in self._reqs.values())
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        """Frees the blocks at once unless a deferred save still has to read them; then the worker
-        reports the request (``get_finished``) once that save is done."""
+        """Frees the blocks at once unless a save still has to read them (one deferred until a
+        load is known good, or writes running on past their step); then the workers report the
+        request (``get_finished``) once that is done."""
         self._lookups.pop(request.request_id, None)
         self._lookups_at.pop(request.request_id, None)
         st = self._reqs.get(request.request_id)
-        if st is not None and st.pending:
+        if st is not None and (st.pending or st.writing):
             st.finished = True
             return True, None
         self._reqs.pop(request.request_id, None)

@@ -4,9 +4,13 @@ It opens one :class:`~tutti_cluster.TuttiStore` instance per rank (``<instance>-
 ``-dp<rank>`` under data parallelism), registers vLLM's paged KV tensors and maps the layer-wise
 hooks onto the store: ``start_load_kv``/``wait_for_layer_load`` onto ``begin_retrieve``,
 ``retrieve_layer`` and ``wait_layer``; ``save_kv_layer``/``wait_for_save`` onto ``begin_store``,
-``store_layer`` and ``finish``. ``wait_for_save`` ends the step: every load and write begun in it is
-finished there (or, for asynchronous loads, in ``get_finished``), so vLLM never frees a block under
-an unfinished I/O and the store gets its pins, slots and IOCBs back.
+``store_layer`` and ``finish``. ``wait_for_save`` ends the step: every load begun in it is finished
+there (or, for asynchronous loads, in ``get_finished``). Writes are finished there too, or, with
+``defer_saves`` (the default), left running: each later step finishes (commits) those whose I/O is
+done, without waiting; a finished request's blocks stay held (the scheduler) until its writes are
+done, and ``before_step`` completes the writes of a preempted request before the step's forward can
+reuse its blocks. So vLLM never frees a block under an unfinished I/O, and the store gets its pins,
+slots and IOCBs back.
 
 Errors never reach the engine and never count as loaded: a load that cannot begin, a load with any
 failed layer call or wait, and the units the store reports failed are returned by
@@ -27,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tutti_cluster.config import TuttiConfig, check_instance_name
-from tutti_cluster.errors import TuttiError
+from tutti_cluster.errors import CapacityExceeded, TuttiError
 from tutti_cluster.kv_layout import LayerKV, layer_kv_from_vllm
 from tutti_cluster.vllm.config import ConnectorSetup, rank_prefix, unit_key
 from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
@@ -70,6 +74,7 @@ class TuttiWorker:
         self._loads: list[_InFlight] = []
         self._async: list[_InFlight] = []
         self._saves: list[_InFlight] = []
+        self._writing: list[_InFlight] = []  # saves whose writes run on past their step (defer_saves)
         self._saves_started = False
         self._saved_layers: set[int] = set()
         self._invalid: set[int] = set()
@@ -169,7 +174,13 @@ class TuttiWorker:
             if load:
                 h = self.store.begin_retrieve(keys, t.block_ids)
             else:
-                h = self.store.begin_store(keys, t.block_ids)
+                try:
+                    h = self.store.begin_store(keys, t.block_ids)
+                except CapacityExceeded:
+                    if not self._writing:
+                        raise
+                    self._settle_writes(wait=True)  # earlier writes hold IOCBs and slots: end them first
+                    h = self.store.begin_store(keys, t.block_ids)
         except TuttiError as e:
             log.warning("Tutti %s of request %s not started: %s", "load" if load else "store", t.req_id, e)
             if load:
@@ -311,22 +322,58 @@ class TuttiWorker:
             except TuttiError as e:
                 log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
                 f.error = True
-            try:
-                # Always finished, so that its slots and IOCBs go back; a request with a layer that
-                # did not move commits nothing.
-                res = self.store.finish(f.handle)
-            except TuttiError as e:
-                log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
-                self._stats.add("store_failed_units", len(f.keys))
-                continue
-            self._stats.add("store_units", len(res.committed_units))
-            self._stats.add("store_skipped_units", res.skipped_units)
-            self._stats.add("store_failed_units", len(res.failed_units))
+            if self.options.defer_saves and not f.error:
+                self._writing.append(f)  # runs on; finished by a later step
+            else:
+                self._finish_save(f)
         self._saves = []
         self._saves_started = False
         self._saved_layers = set()
-        self._finished_sending.update(self._finishing)
-        self._finishing = []
+        self._settle_writes(wait=False)
+        self._report_finished()
+
+    def _finish_save(self, f: _InFlight) -> None:
+        """Finishes a save, always, so that its slots and IOCBs go back; a request with a layer
+        that did not move commits nothing."""
+        try:
+            res = self.store.finish(f.handle)
+        except TuttiError as e:
+            log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
+            self._stats.add("store_failed_units", len(f.keys))
+            return
+        self._stats.add("store_units", len(res.committed_units))
+        self._stats.add("store_skipped_units", res.skipped_units)
+        self._stats.add("store_failed_units", len(res.failed_units))
+
+    def _settle_writes(self, wait: bool, req_ids: set[str] | None = None) -> None:
+        """Finishes the running writes whose I/O is done (``wait``: all of them, waiting), or only
+        those of ``req_ids``, waiting."""
+        keep: list[_InFlight] = []
+        for f in self._writing:
+            if req_ids is not None:
+                ready = f.transfer.req_id in req_ids
+            else:
+                try:
+                    ready = wait or self.store.done(f.handle)
+                except TuttiError:
+                    ready = True  # finish reports it
+            if ready:
+                self._finish_save(f)
+            else:
+                keep.append(f)
+        self._writing = keep
+
+    def _report_finished(self) -> None:
+        """Finished requests whose writes are all done: vLLM may free their blocks now."""
+        writing = {f.transfer.req_id for f in self._writing}
+        self._finished_sending.update(r for r in self._finishing if r not in writing)
+        self._finishing = [r for r in self._finishing if r in writing]
+
+    def before_step(self, meta: TuttiConnectorMetadata) -> None:
+        """Runs when the step's metadata is bound, before its forward: the writes of requests the
+        scheduler preempted (their blocks are free and may be reallocated in this step) complete now."""
+        if self.store is not None and meta.preempted and self._writing:
+            self._settle_writes(wait=True, req_ids=set(meta.preempted))
 
     # ---- after the step -------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -353,6 +400,8 @@ class TuttiWorker:
         return meta
 
     def shutdown(self) -> None:
+        if self.store is not None:
+            self._settle_writes(wait=True)  # nothing written is dropped
         if self._cluster is not None:
             self._cluster.close()
             self._cluster = None

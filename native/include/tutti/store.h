@@ -51,6 +51,9 @@ class Store : public UnitStore {
   // Waits for a layer: on the host, or, with a device `stream`, by making that stream wait.
   Status wait_layer(uint32_t layer, uint32_t request, uint64_t stream = 0);
   Status finish(uint32_t request, RequestResult* out);
+  // Whether every IOCB the request has issued (layer calls and gio_uring IOCBs) is done, without
+  // waiting: `finish` then returns at once.
+  Status done(uint32_t request, bool* out);
 
   // gio_uring API. IOCBs taken with get_iocb belong to the caller until put_iocb; fill_iocb points
   // one at IOCTXs [first, first + count) of an active request. Every id, request, range and layer
