@@ -141,3 +141,28 @@ def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:
     assert d["outputs"] == work["baseline"]["outputs"]
     # The recomputed units were stored again in place of the damaged ones.
     assert m.get("vllm:tutti_store_units", 0) > 0, m
+
+
+def test_preemption_while_writes_run_keeps_outputs_and_stored_kv(work: dict[str, Any]) -> None:
+    """Three 1,020-token prompts with no shared prefix in a KV cache of 65 blocks: two fill it and
+    the first decode step preempts one, whose prefill's writes are still running (an injected fault
+    keeps each save's writes pending for its first 20 polls, as on a slow device). Its blocks go
+    back to vLLM's pool at once; the connector completes those writes before the step's forward.
+    Outputs equal the engine without a connector, and a fresh engine restores every stored unit
+    with outputs equal again."""
+    env = {"VLLM_MODEL_PREFIX_TOKENS": "0", "VLLM_MODEL_SUFFIX_TOKENS": "1020"}
+    root = work["root"]
+    baseline = _engine(work["model"], root / "a_pre.json", **env)
+    store = root / "store_pre"
+    store.mkdir()
+    cfg = _kv_config(root, paths=[str(store)])
+    b = _engine(work["model"], root / "b_pre.json", cfg, VLLM_MODEL_NUM_BLOCKS="65", VLLM_MODEL_SLOW_WRITES="20", **env)
+    assert b["metrics"].get("vllm:num_preemptions", 0) >= 1, b["metrics"]
+    assert b["outputs"] == baseline["outputs"]
+    # Each prompt: 7 whole units and a partial one of 3 blocks (96 of its last 124 tokens).
+    assert b["metrics"].get("vllm:tutti_store_units", 0) == 3 * 8, b["metrics"]
+    c = _engine(work["model"], root / "c_pre.json", cfg, **env)
+    m = c["metrics"]
+    assert m.get("vllm:tutti_load_units", 0) == 3 * 8 and m.get("vllm:tutti_load_failed_units", 0) == 0, m
+    assert m.get("vllm:external_prefix_cache_hits", 0) == 3 * 992, m
+    assert c["outputs"] == baseline["outputs"]

@@ -61,15 +61,32 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
     from vllm.inputs import TokensPrompt
 
     t0 = time.monotonic()
+    slow = int(os.environ.get("VLLM_MODEL_SLOW_WRITES", "0"))
+    if slow:
+        # A fault: writes look slow (a store's `done` says no to its first `slow` polls of each
+        # request), so they run on across several steps, as on a loaded device. Needs the worker
+        # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+        from tutti_cluster.store import TuttiStore
+
+        polls: dict[tuple[int, int], int] = {}
+        real_done = TuttiStore.done
+
+        def slow_done(self: TuttiStore, req: int) -> bool:
+            n = polls[(id(self), req)] = polls.get((id(self), req), 0) + 1
+            return n > slow and real_done(self, req)
+
+        TuttiStore.done = slow_done  # type: ignore[method-assign]
+    blocks = os.environ.get("VLLM_MODEL_NUM_BLOCKS")  # a KV cache this small forces preemptions
     llm = LLM(
         model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=2048,
         max_num_batched_tokens=MAX_BATCHED_TOKENS, dtype="float32", enforce_eager=True,
         enable_prefix_caching=True, disable_log_stats=False, seed=0, tensor_parallel_size=tp,
-        kv_transfer_config=kv_transfer_config,
+        kv_transfer_config=kv_transfer_config, num_gpu_blocks_override=int(blocks) if blocks else None,
     )
     # The first request ends with its prefill (one token): the connector must hold its blocks until
     # any save still reading them is done. The others decode on the shared prefix.
-    ps = prompts(suffix_tokens=int(os.environ.get("VLLM_MODEL_SUFFIX_TOKENS", "40")))
+    ps = prompts(prefix_tokens=int(os.environ.get("VLLM_MODEL_PREFIX_TOKENS", "600")),
+                 suffix_tokens=int(os.environ.get("VLLM_MODEL_SUFFIX_TOKENS", "40")))
     params = [SamplingParams(temperature=0.0, max_tokens=1 if i == 0 else 8, detokenize=False) for i in range(len(ps))]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params)
     metrics: dict[str, float] = {}
