@@ -57,6 +57,7 @@ class _ReqState:
     due: int = 0  # the step from which the pending units may be saved
     finished: bool = False  # finished, blocks held until the pending save is done
     writing: bool = False  # a save was handed to the workers, whose writes may still run (defer_saves)
+    finish_sent: bool = False  # finished; told the workers, who report it once its writes are done
 
 
 class TuttiScheduler:
@@ -274,7 +275,7 @@ class TuttiScheduler:
         seen: set[bytes] = set()
         # Saves that waited for their step's outcome.
         for req_id, st in list(self._reqs.items()):
-            if (st.pending or st.finished) and st.due <= step:
+            if (st.pending or (st.finished and not st.finish_sent)) and st.due <= step:
                 units = sorted(st.pending)
                 st.pending.clear()
                 self._emit(meta, req_id, st, units, seen)
@@ -337,9 +338,17 @@ class TuttiScheduler:
             meta.saves.append(Transfer(req_id, hashes, ids, finish=st.finished))
         st.writing = st.writing or (bool(hashes) and self.options.defer_saves)
         if st.finished:
-            del self._reqs[req_id]
+            # Kept (and the engine stepping) until the workers report it, once its writes are done:
+            # an idle engine would otherwise stop before they commit.
+            st.finish_sent = True
+            if not st.writing:
+                del self._reqs[req_id]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in getattr(connector_output, "finished_sending", None) or ():
+            st = self._reqs.get(req_id)
+            if st is not None and st.finished:
+                del self._reqs[req_id]
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if isinstance(meta, TuttiWorkerMetadata):
             self._present.update(meta.committed)
