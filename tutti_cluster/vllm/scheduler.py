@@ -9,10 +9,15 @@ is left to compute. With ``etcd`` configured (cluster mode) the hit prefix is ex
 units other nodes hold, looked up in the replica directory.
 
 Hits are at block granularity: each prompt's last, partial unit (its whole blocks, named by the hash
-of its last block like any unit) is saved too, and after the leading whole units a lookup tries the
-partial units that could follow them, longest first. So a prompt that repeats or extends a stored
-one recomputes less than one block, not up to ``unit_tokens - 1`` tokens (local units only: the
-replica directory is asked for whole units).
+of its last block like any unit) is saved too, and after the leading whole units a lookup takes the
+most blocks one more unit offers: the leading blocks of the next whole unit, or the longest partial
+unit stored there. So a prompt that repeats or extends a stored one recomputes less than one block,
+not up to ``unit_tokens - 1`` tokens (local units only: the replica directory is asked for whole
+units).
+
+With ``defer_saves`` a save's writes run on past its step (``TuttiWorker``); a finished request with
+such writes keeps its blocks, and stays tracked here with the engine stepping, until the workers
+report it in ``finished_sending``.
 
 Each step, ``build_connector_meta`` hands the workers the loads decided since the last step and the
 saves of the units whose last prompt token was computed (chunked prefill saves a request's units
