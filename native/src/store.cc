@@ -326,8 +326,7 @@ Status Store::fill_iocb(uint32_t id, IoOp op, uint32_t layer, uint32_t request, 
   if (op != IoOp::kRead && op != IoOp::kWrite) return {Code::kInvalid, "an IOCB's op is read or write"};
   if (layer >= geom_.num_layers)
     return {Code::kLayout, "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(geom_.num_layers) + ")"};
-  if (request >= requests_.size() || !requests_[request].active)
-    return {Code::kInvalid, "no request " + std::to_string(request) + " in flight"};
+  if (!open_request(request)) return {Code::kInvalid, "no request " + std::to_string(request) + " in flight"};
   Request& r = requests_[request];
   if ((op == IoOp::kRead) != (r.op == ReqOp::kRetrieve))
     return {Code::kInvalid, std::string("request ") + std::to_string(request) + " is a " +
@@ -375,8 +374,8 @@ Status Store::issue_io(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t e
     if (id >= num_iocbs_ || iocb_owner_[id] != kRawOwner)
       return {Code::kInvalid, "IOCB " + std::to_string(id) + " was not taken with get_iocb"};
     const Iocb& b = iocbs_[id];
-    if (b.ctx_count == 0 || b.request >= requests_.size() || !requests_[b.request].active)
-      return {Code::kInvalid, "IOCB " + std::to_string(id) + " is not filled (or its request finished)"};
+    if (b.ctx_count == 0 || !open_request(b.request))
+      return {Code::kInvalid, "IOCB " + std::to_string(id) + " is not filled (or its request is finishing or finished)"};
     if (in_flight(id)) return {Code::kInvalid, "IOCB " + std::to_string(id) + " is already in flight"};
     if (std::find(ids, ids + i, id) != ids + i) return {Code::kInvalid, "IOCB " + std::to_string(id) + " given twice"};
   }
@@ -426,7 +425,7 @@ Status Store::wait_cqe(uint32_t id, uint64_t* errors) {
 
 Status Store::layer(uint32_t layer, uint32_t id, uint64_t event, int64_t stream) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
+  if (!open_request(id)) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
   Request& r = requests_[id];
   if (layer >= geom_.num_layers)
     return {Code::kLayout, "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(geom_.num_layers) + ")"};
@@ -454,7 +453,7 @@ Status Store::wait_layer(uint32_t layer, uint32_t id, uint64_t stream) {
   std::vector<uint32_t> ids;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
+    if (!open_request(id)) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
     Request& r = requests_[id];
     if (layer >= geom_.num_layers) return {Code::kLayout, "layer " + std::to_string(layer) + " out of range"};
     if (!r.layer_issued[layer]) return {Code::kInvalid, "layer " + std::to_string(layer) + " was not issued"};
@@ -508,7 +507,7 @@ bool Store::layer_complete(const Request& r, uint32_t layer) const {
 
 Status Store::done(uint32_t id, bool* out) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
+  if (!open_request(id)) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
   const Request& r = requests_[id];
   *out = false;
   for (uint32_t l = 0; l < r.layer_iocbs.size(); ++l)
@@ -525,8 +524,11 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   std::vector<uint32_t> wait_ids;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    if (id >= requests_.size() || !requests_[id].active) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
-    const Request& r = requests_[id];
+    if (!open_request(id)) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
+    Request& r = requests_[id];
+    // From here on nothing more is issued against it (layer calls and gio_uring IOCBs are refused),
+    // so the IOCBs waited for below are all that can still read it.
+    r.finishing = true;
     for (uint32_t l = 0; l < r.layer_iocbs.size(); ++l)
       if (r.layer_issued[l]) wait_ids.insert(wait_ids.end(), r.layer_iocbs[l].begin(), r.layer_iocbs[l].end());
     // IOCBs of the gio_uring API that still read this request: it is released only after them.

@@ -170,17 +170,16 @@ class TuttiWorker:
     # ---- loads ----------------------------------------------------------------------------------
     def _begin(self, t: Transfer, load: bool) -> _InFlight | None:
         keys = [unit_key(self.prefix, h) for h in t.hashes]
+        begin = self.store.begin_retrieve if load else self.store.begin_store
         try:
-            if load:
-                h = self.store.begin_retrieve(keys, t.block_ids)
-            else:
-                try:
-                    h = self.store.begin_store(keys, t.block_ids)
-                except CapacityExceeded:
-                    if not self._writing:
-                        raise
-                    self._settle_writes(wait=True)  # earlier writes hold IOCBs and slots: end them first
-                    h = self.store.begin_store(keys, t.block_ids)
+            try:
+                h = begin(keys, t.block_ids)
+            except CapacityExceeded:
+                if not self._writing:
+                    raise
+                # Earlier steps' writes hold IOCBs or request slots: end them, then once more.
+                self._settle_writes(wait=True)
+                h = begin(keys, t.block_ids)
         except TuttiError as e:
             log.warning("Tutti %s of request %s not started: %s", "load" if load else "store", t.req_id, e)
             if load:

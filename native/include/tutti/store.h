@@ -79,6 +79,7 @@ class Store : public UnitStore {
  private:
   struct Request {
     bool active = false;
+    bool finishing = false;  // finish has begun: nothing more may be issued against it
     ReqOp op{};
     std::vector<uint64_t> keys;
     std::vector<uint32_t> unit_slot;
@@ -102,6 +103,8 @@ class Store : public UnitStore {
     uint32_t request = UINT32_MAX, layer = 0, first = 0, count = 0;
     uint64_t seq = 0;
   };
+  // A request that may still be used: begun, and finish not begun. Under mu_.
+  bool open_request(uint32_t id) const { return id < requests_.size() && requests_[id].active && !requests_[id].finishing; }
   void settle_raw(uint32_t id);                                                 // under mu_
   bool layer_complete(const Request& r, uint32_t layer) const;                  // under mu_
   Store() = default;
