@@ -414,8 +414,13 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             if kv_config is not None:
                 n += 1
                 spec = dict(base_spec, kv_transfer_config=kv_config)
-                if system == "tutti" and args.store_prefix_only:
-                    spec["prompt"] = prompt[:args.prefix_tokens]
+                if system == "tutti":
+                    # An engine run ends without teardown (child_run), so the storing run finishes
+                    # its writes in their step: nothing it stored may still be uncommitted.
+                    extra = dict(kv_config["kv_connector_extra_config"], defer_saves=False)
+                    spec["kv_transfer_config"] = dict(kv_config, kv_connector_extra_config=extra)
+                    if args.store_prefix_only:
+                        spec["prompt"] = prompt[:args.prefix_tokens]
                 name = f"{system}{unit or ''}-store"
                 r = engine(spec, name, restore=False)
                 row["store_run"] = _brief(r)
