@@ -255,9 +255,9 @@ class TuttiStore:
         """KV blocks each unit of ``keys`` holds: ``unit_blocks`` for a whole unit, fewer for a
         prefix's partial last unit, 0 when absent.
 
-        A request's last unit may be partial: ``begin_store``/``begin_retrieve`` take any number of
-        block ids from one past the whole units before it up to whole units, and a retrieve of a
-        unit asks for at most the blocks it holds (more is a miss, never zeros presented as KV).
+        A request's last unit may be partial: for ``n`` keys, ``begin_store``/``begin_retrieve`` take
+        ``(n - 1) * unit_blocks + 1`` up to ``n * unit_blocks`` block ids, and a retrieve asks a unit
+        for at most the blocks it holds (more is a miss, never zeros presented as KV).
         """
         return [int(b) for b in self._n.stored_blocks(key_array(keys))]
 
