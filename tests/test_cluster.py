@@ -221,8 +221,12 @@ def test_etcd_outage_of_60_s_lookups_find_remote_units_within_5_s(cluster):
         time.sleep(1.0)
     restart = time.monotonic()
     etcd.start(wipe=False)
-    assert wait_for(lambda: nodes["B"].call(op="lookup", keys=KEYS_A)["hits"] == len(KEYS_A), 5.0, step=0.05), \
-        "remote lookups did not find A's units within 5 s of the etcd restart"
+    # Each node's channel reconnects on its own: both requesters must see A's units within 5 s
+    # (a fetch right after B's first hit once raced C's reconnect in CI-like load).
+    for n in ("B", "C"):
+        assert wait_for(lambda: nodes[n].call(op="lookup", keys=KEYS_A)["hits"] == len(KEYS_A),
+                        max(0.1, 5.0 - (time.monotonic() - restart)), step=0.05), \
+            f"remote lookups on {n} did not find A's units within 5 s of the etcd restart"
     back_s = time.monotonic() - restart
     f = nodes["C"].call(op="fetch", keys=KEYS_A)
     assert f["placed"] == len(KEYS_A) and all(f["exact"])
