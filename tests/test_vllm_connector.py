@@ -50,6 +50,15 @@ def test_environment_fills_what_extra_config_leaves_out(tmp_path, monkeypatch) -
     assert cfg.unit_tokens == 128  # the connector's own config wins over the environment
 
 
+def test_partial_units_and_deferred_writes_are_on_by_default_and_can_be_turned_off() -> None:
+    _, opts = connector_config({}, "kv_both")
+    assert opts.partial_units and opts.defer_saves
+    _, opts = connector_config({"partial_units": "off", "defer_saves": False}, "kv_both")
+    assert not opts.partial_units and not opts.defer_saves
+    with pytest.raises(ConfigError, match="defer_saves"):
+        connector_config({"defer_saves": "sometimes"}, "kv_both")
+
+
 def test_roles_choose_load_and_save() -> None:
     _, producer = connector_config({}, "kv_producer")
     _, consumer = connector_config({}, "kv_consumer")

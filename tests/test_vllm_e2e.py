@@ -109,6 +109,16 @@ def test_fresh_engine_reuses_stored_prefix_async(work: dict[str, Any]) -> None:
     assert c["outputs"] == work["baseline"]["outputs"]
 
 
+def test_whole_units_only_with_partial_units_off(work: dict[str, Any]) -> None:
+    """partial_units off: the same store serves whole units only, 512 of each prompt's 640 tokens."""
+    store = _copy_store(work, "store_whole")
+    c = _engine(work["model"], work["root"] / "c_whole.json",
+                _kv_config(work["root"], paths=[str(store)], load_async=True, partial_units=False))
+    m = c["metrics"]
+    assert m.get("vllm:external_prefix_cache_hits", 0) == 3 * 512, m
+    assert c["outputs"] == work["baseline"]["outputs"]
+
+
 def test_a_prompts_partial_last_unit_is_stored_and_served(work: dict[str, Any]) -> None:
     """Prompts of 700 tokens: 5 whole units and a partial one of 1 block (the other 28 tokens are
     not a whole block). The partial unit is stored, and a fresh engine loads 672 of each prompt's
