@@ -505,18 +505,20 @@ bool Store::layer_complete(const Request& r, uint32_t layer) const {
   return end >= r.ctx.size();
 }
 
+std::vector<uint32_t> Store::issued_iocbs(const Request& r) const {
+  std::vector<uint32_t> ids;
+  for (uint32_t l = 0; l < r.layer_iocbs.size(); ++l)
+    if (r.layer_issued[l]) ids.insert(ids.end(), r.layer_iocbs[l].begin(), r.layer_iocbs[l].end());
+  // IOCBs of the gio_uring API that still read this request: it is released only after them.
+  ids.insert(ids.end(), r.raw_iocbs.begin(), r.raw_iocbs.end());
+  return ids;
+}
+
 Status Store::done(uint32_t id, bool* out) {
   std::lock_guard<std::mutex> lk(mu_);
   if (!open_request(id)) return {Code::kInvalid, "no request " + std::to_string(id) + " in flight"};
-  const Request& r = requests_[id];
-  *out = false;
-  for (uint32_t l = 0; l < r.layer_iocbs.size(); ++l)
-    if (r.layer_issued[l])
-      for (uint32_t b : r.layer_iocbs[l])
-        if (in_flight(b)) return Status::Ok();
-  for (uint32_t b : r.raw_iocbs)
-    if (in_flight(b)) return Status::Ok();
-  *out = true;
+  const std::vector<uint32_t> ids = issued_iocbs(requests_[id]);
+  *out = std::none_of(ids.begin(), ids.end(), [this](uint32_t b) { return in_flight(b); });
   return Status::Ok();
 }
 
@@ -529,10 +531,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
     // From here on nothing more is issued against it (layer calls and gio_uring IOCBs are refused),
     // so the IOCBs waited for below are all that can still read it.
     r.finishing = true;
-    for (uint32_t l = 0; l < r.layer_iocbs.size(); ++l)
-      if (r.layer_issued[l]) wait_ids.insert(wait_ids.end(), r.layer_iocbs[l].begin(), r.layer_iocbs[l].end());
-    // IOCBs of the gio_uring API that still read this request: it is released only after them.
-    wait_ids.insert(wait_ids.end(), r.raw_iocbs.begin(), r.raw_iocbs.end());
+    wait_ids = issued_iocbs(r);
   }
   for (uint32_t b : wait_ids) wait_done(b);
   std::lock_guard<std::mutex> lk(mu_);

@@ -105,6 +105,8 @@ class Store : public UnitStore {
   };
   // A request that may still be used: begun, and finish not begun. Under mu_.
   bool open_request(uint32_t id) const { return id < requests_.size() && requests_[id].active && !requests_[id].finishing; }
+  // The IOCBs a request has issued: its layers' and the gio_uring IOCBs filled against it. Under mu_.
+  std::vector<uint32_t> issued_iocbs(const Request& r) const;
   void settle_raw(uint32_t id);                                                 // under mu_
   bool layer_complete(const Request& r, uint32_t layer) const;                  // under mu_
   Store() = default;
