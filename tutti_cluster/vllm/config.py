@@ -31,8 +31,8 @@ __all__ = [
     "ConnectorOptions",
     "ConnectorSetup",
     "connector_config",
+    "prefix_hash",
     "rank_prefix",
-    "tail_hash",
     "unit_hashes",
     "unit_key",
 ]
@@ -117,9 +117,10 @@ def unit_hashes(block_hashes: list[Any], unit_hash_blocks: int, num_units: int) 
     return [bytes(block_hashes[(u + 1) * unit_hash_blocks - 1]) for u in range(n)]
 
 
-def tail_hash(block_hashes: list[Any], hash_block: int, tokens: int) -> bytes | None:
+def prefix_hash(block_hashes: list[Any], hash_block: int, tokens: int) -> bytes | None:
     """The hash naming the first ``tokens`` tokens of a prompt (a multiple of ``hash_block``): that
-    of its last hash block, as for a whole unit; None when the prompt has no such hash yet."""
+    of its last hash block, which names a unit ending there, whole or partial; None when the prompt
+    has no such hash yet."""
     i = tokens // hash_block - 1
     return bytes(block_hashes[i]) if 0 <= i < len(block_hashes) else None
 

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from tutti_cluster.vllm.config import ConnectorSetup, tail_hash, unit_hashes, unit_key
+from tutti_cluster.vllm.config import ConnectorSetup, prefix_hash, unit_hashes, unit_key
 from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
 from tutti_cluster.vllm.metrics import TuttiConnectorStats
 
@@ -172,7 +172,7 @@ class TuttiScheduler:
         step, start = self.setup.tail_step, units * self.unit_tokens
         t = min(self.unit_tokens - step, (max_tokens - start) // step * step)
         for end in (start + self.unit_tokens, *range(start + t, start, -step)):
-            h = tail_hash(request.block_hashes, self.setup.hash_block, end) if t > 0 else None
+            h = prefix_hash(request.block_hashes, self.setup.hash_block, end) if t > 0 else None
             if h is not None and all(unit_key(p, h) in self._present for p in self._prefixes):
                 return min(t, end - start), h
         return 0, None
@@ -314,14 +314,10 @@ class TuttiScheduler:
         """(hash, block ids) of unit ``unit`` of a request's prompt: whole, or the prompt's partial
         last unit; None while its hash or blocks are not known yet."""
         tail_unit, tail = self._prompt_tail(st.request)
+        tokens = tail if unit == tail_unit and tail else self.unit_tokens
+        h = prefix_hash(st.request.block_hashes, self.setup.hash_block, unit * self.unit_tokens + tokens)
         lo = unit * self.unit_blocks
-        if unit == tail_unit and tail:
-            h = tail_hash(st.request.block_hashes, self.setup.hash_block, unit * self.unit_tokens + tail)
-            hi = lo + tail // self.setup.block_size
-        else:
-            hashes = self._hashes(st.request, unit + 1)
-            h = hashes[unit] if unit < len(hashes) else None
-            hi = lo + self.unit_blocks
+        hi = lo + tokens // self.setup.block_size
         if h is None or len(st.block_ids) < hi:
             return None
         return h, st.block_ids[lo:hi]
