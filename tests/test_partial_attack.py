@@ -27,29 +27,11 @@ import pytest
 
 from conftest import BLOCK_TOKENS, BLOCKS, HEAD, HEADS, make_kv, objects, open_store, snapshot, zero
 from test_integrity import find_slots, header_format
-from tutti_cluster import TuttiConfig, TuttiStore
+from test_partial_units import blocks_equal
+from tutti_cluster import TuttiConfig, TuttiStore, _native
 from tutti_cluster.errors import LayoutError, NotFound, TuttiError
 
 HERE = Path(__file__).resolve().parent
-
-
-def _crc32c(data: bytes) -> int:
-    poly, crc = 0x82F63B78, 0xFFFFFFFF
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ poly if c & 1 else c >> 1
-        table.append(c)
-    for b in data:
-        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def _blocks_equal(a: list, a_ids, b: list, b_ids, layout: str = "kv_first") -> None:
-    for l in range(len(a)):
-        for o, (x, y) in enumerate(zip(objects(a[l], layout), objects(b[l], layout))):
-            np.testing.assert_array_equal(x[np.asarray(a_ids)], y[np.asarray(b_ids)], err_msg=f"layer {l} obj {o}")
 
 
 def _untouched(kv: list, ids, layout: str = "kv_first") -> None:
@@ -114,7 +96,7 @@ def test_random_partial_requests_on_every_path_are_exact_or_miss_and_leak_nothin
             res = s.retrieve(keys, dst)
             moved = dst if ask <= tail else dst[: (n - 1) * ub]
             assert res.failed_units == ([] if ask <= tail else [n - 1]), (res, ask, tail)
-            _blocks_equal(want, src[: len(moved)], kv, moved)
+            blocks_equal(want, src[: len(moved)], kv, moved)
             _untouched(kv, np.setdiff1d(np.arange(BLOCKS), moved))
         assert s.stats()["evictions"] > 0
         _no_leak(s)
@@ -148,7 +130,7 @@ def test_units_at_the_scatter_gather_limit(tmp_path, tmpfs, mode):
                 res = s.retrieve(keys, dst)
                 moved = dst if ask <= tail else dst[:ub]
                 assert res.failed_units == ([] if ask <= tail else [1]), (tail, ask, res)
-                _blocks_equal(want, src[: len(moved)], kv, moved)
+                blocks_equal(want, src[: len(moved)], kv, moved)
                 _untouched(kv, np.setdiff1d(np.arange(nb), moved))
         _no_leak(s)
 
@@ -181,7 +163,7 @@ def test_partial_tails_and_alignment_padding_together(tmp_path, tmpfs, mode):
             res = s.retrieve(keys, dst)
             moved = dst if ask <= tail else dst[: (n - 1) * ub]
             assert res.failed_units == ([] if ask <= tail else [n - 1]), (res, ask, tail)
-            _blocks_equal(want, src[: len(moved)], kv, moved)
+            blocks_equal(want, src[: len(moved)], kv, moved)
             _untouched(kv, np.setdiff1d(np.arange(nb), moved))
         assert s.stats()["evictions"] > 0
         _no_leak(s)
@@ -203,7 +185,7 @@ def test_every_layout_moves_partial_units_on_tmpfs(tmpfs, layout, mapped):
             res = s.retrieve([11, 12], dst)
             moved = dst if ask <= 3 else dst[:ub]
             assert res.failed_units == ([] if ask <= 3 else [1]), res
-            _blocks_equal(want, src[: len(moved)], kv, moved, layout)
+            blocks_equal(want, src[: len(moved)], kv, moved, layout)
             _untouched(kv, np.setdiff1d(np.arange(BLOCKS), moved), layout)
         _no_leak(s)
 
@@ -264,7 +246,7 @@ def test_a_partial_last_unit_in_a_layers_second_iocb(tmp_path, tmpfs):
             res = s.retrieve(keys, dst)
             assert res.failed_units == ([] if ok else [n - 1]), res
             if ok:
-                _blocks_equal(want, [100, 101], kv, [110, 111])
+                blocks_equal(want, [100, 101], kv, [110, 111])
             _untouched(kv, np.arange(110 + (2 if ok else 0), 128))
         _no_leak(s)
 
@@ -298,11 +280,11 @@ def test_the_gio_uring_api_moves_a_partial_last_unit_and_a_miss_writes_nothing(t
             res = s.finish(req)
             if ask <= 3:
                 assert res.ok and not res.incomplete_layers, res
-                _blocks_equal(want, src[: ub + ask], kv, dst)
+                blocks_equal(want, src[: ub + ask], kv, dst)
                 _untouched(kv, np.setdiff1d(np.arange(BLOCKS), dst))
             else:
                 assert res.failed_units == [1], res
-                _blocks_equal(want, src[:ub], kv, dst[:ub])
+                blocks_equal(want, src[:ub], kv, dst[:ub])
                 _untouched(kv, np.setdiff1d(np.arange(BLOCKS), dst[:ub]))
         for i in ids:
             s.put_iocb(i)
@@ -395,7 +377,7 @@ def test_every_flipped_bit_of_the_block_word_is_a_miss(tmp_path):
     with open_store([d], kv) as s:
         zero(kv)
         assert s.retrieve([81, 82], np.arange(s.unit_blocks + 2)).ok
-        _blocks_equal(want, np.arange(s.unit_blocks + 2), kv, np.arange(s.unit_blocks + 2))
+        blocks_equal(want, np.arange(s.unit_blocks + 2), kv, np.arange(s.unit_blocks + 2))
 
 
 @pytest.mark.parametrize("word", [0, 5, 1 << 32 | 2, 1 << 63, (1 << 64) - 1])
@@ -416,7 +398,7 @@ def test_an_out_of_range_block_word_under_a_valid_checksum_is_refused(tmp_path, 
         h[fixed : fixed + 8] = struct.pack("<Q", word)
         coff, _ = fields["header_checksum"]
         h[coff : coff + 8] = bytes(8)
-        h[coff : coff + 8] = struct.pack("<Q", _crc32c(bytes(h)))
+        h[coff : coff + 8] = struct.pack("<Q", _native.crc32c(bytes(h)))
         f.seek(at)
         f.write(h)
     with open_store([d], kv) as s:
@@ -507,7 +489,7 @@ def test_a_reader_refreshes_partial_units_and_their_replicas_keep_their_size(tmp
         assert x.retrieve([2], np.arange(20, 24)).failed_units == [0]  # 4 of a unit of 3: a miss
         _untouched(kv2, np.arange(BLOCKS))
         assert x.retrieve([2], np.arange(20, 23)).ok
-        _blocks_equal(want, src[ub:], kv2, np.arange(20, 23))
+        blocks_equal(want, src[ub:], kv2, np.arange(20, 23))
         # The replica's objects are the same bytes and its header the same block count (its commit
         # sequence, and so its object tags, are its own).
         again, hb, fixed = x.read_unit(2), x.geometry()["header_bytes"], header_format()[2]
@@ -657,7 +639,7 @@ def test_threads_retrieving_one_key_with_every_block_count(tmpfs, mapped):
                     res = s.retrieve([k], dst)
                     if ask <= held[k]:
                         assert res.ok, (k, ask, res)
-                        _blocks_equal(want, src[k][:ask], kv, dst)
+                        blocks_equal(want, src[k][:ask], kv, dst)
                         _untouched(kv, np.setdiff1d(mine, dst))
                     else:
                         assert res.failed_units == [0], (k, ask, res)
@@ -722,7 +704,7 @@ def test_racing_stores_of_one_key_with_different_block_counts(tmpfs, mapped):
         for k, n in zip(keys, counts):
             zero(kv)
             assert s.retrieve([k], np.arange(40, 40 + n)).ok
-            _blocks_equal(want, a if n == 2 else b, kv, np.arange(40, 40 + n))
+            blocks_equal(want, a if n == 2 else b, kv, np.arange(40, 40 + n))
             if n < ub:
                 assert s.retrieve([k], np.arange(40, 41 + n)).failed_units == [0]
         assert s.stats()["units"] == len(keys)
@@ -759,7 +741,7 @@ def test_threads_importing_one_partial_unit_keep_one_copy(tmp_path):
         assert x.stored_blocks([1, 2]) == [ub, 1] and x.stats()["units"] == 2
         zero(kv2)
         assert x.retrieve([1, 2], np.arange(30, 31 + ub)).ok
-        _blocks_equal(want, np.arange(ub + 1), kv2, np.arange(30, 31 + ub))
+        blocks_equal(want, np.arange(ub + 1), kv2, np.arange(30, 31 + ub))
         _no_leak(x)
 
 
@@ -782,7 +764,7 @@ def test_pins_hold_partial_units_through_eviction_and_misses_leave_no_pin(tmp_pa
         assert s.stored_blocks([301]) == [2] and s.stats()["evictions"] >= 2 * total
         zero(kv)
         assert s.retrieve([301], np.arange(50, 52)).ok
-        _blocks_equal(want, [0, 1], kv, [50, 51])
+        blocks_equal(want, [0, 1], kv, [50, 51])
         s.unpin([301])
         for i in range(total):
             assert s.store([900 + i], np.arange(ub)).ok
@@ -889,12 +871,8 @@ def _name_key(c, name: bytes) -> int:
     return _key(c.worker.prefix, name.ljust(32, b"."))
 
 
-def _drain(tv, c, limit_s: float = 20.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while tv._in_flight(c) and time.monotonic() < deadline:
-        tv._step(c)
-        time.sleep(0.001)
-    assert not tv._in_flight(c)
+def _drain(tv, c) -> None:
+    tv._drain(c, limit_s=20.0)
 
 
 @pytest.mark.vllm

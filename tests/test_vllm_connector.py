@@ -398,6 +398,15 @@ def _in_flight(c) -> set[str]:
     return {f.transfer.req_id for f in c.worker._writing}
 
 
+def _drain(c, limit_s: float = 30.0) -> None:
+    """Steps until no write runs on (the real device: done in milliseconds)."""
+    deadline = time.monotonic() + limit_s
+    while _in_flight(c) and time.monotonic() < deadline:
+        _step(c)
+        time.sleep(0.001)
+    assert not _in_flight(c)
+
+
 def test_deferred_writes_are_committed_by_a_later_step_without_waiting(tmp_path, monkeypatch) -> None:
     """The step that saves does not wait for its writes: while they run (held running here by an
     injected `done`, standing in for a slow device) later steps go on and commit nothing; the first
@@ -412,11 +421,7 @@ def test_deferred_writes_are_committed_by_a_later_step_without_waiting(tmp_path,
         assert _in_flight(c) == {"a"}
         assert store.lookup([_key(c.worker.prefix, b"a".ljust(32, b"."))]) == 0
         monkeypatch.setattr(store, "done", real_done)
-        deadline = time.monotonic() + 30
-        while _in_flight(c) and time.monotonic() < deadline:  # the real device: done in milliseconds
-            _step(c)
-            time.sleep(0.001)
-        assert not _in_flight(c)
+        _drain(c)
         assert store.lookup([_key(c.worker.prefix, b"a".ljust(32, b"."))]) == 1
         assert c.get_kv_connector_stats().reduce()["store_units"] == 1
         zero = {n: t.clone() for n, t in kv.items()}
