@@ -122,7 +122,8 @@ static void test_crc32c_values_and_pieces() {
 
 // The I/O kernel's lane scheme, run on the host: 32 lanes over 16-byte vectors (or 4-byte words),
 // blocks of `block` bytes walked in object order with the lane phase the kernel uses.
-static uint32_t lane_crc(const CrcLaneTables& t, const std::vector<uint8_t>& obj, uint64_t block, bool vec16) {
+template <typename Rows>
+static uint32_t lane_crc(const CrcLaneTables& lt, Rows t, const std::vector<uint8_t>& obj, uint64_t block, bool vec16) {
   const uint32_t W = vec16 ? 16 : 4;
   uint32_t acc[32] = {};
   for (uint64_t at = 0; at < obj.size(); at += block) {
@@ -132,30 +133,35 @@ static uint32_t lane_crc(const CrcLaneTables& t, const std::vector<uint8_t>& obj
       for (uint64_t i = (lane - phase) & 31; i < nv; i += 32) {
         uint32_t w[4];
         std::memcpy(w, obj.data() + at + i * W, W);
-        acc[lane] = vec16 ? crc_lane_step16(t.t, acc[lane], w[0], w[1], w[2], w[3]) : crc_lane_step4(t.t, acc[lane], w[0]);
+        acc[lane] = vec16 ? crc_lane_step16(t, acc[lane], w[0], w[1], w[2], w[3]) : crc_lane_step4(t, acc[lane], w[0]);
       }
   }
   uint32_t raw = 0;
   for (uint32_t lane = 0; lane < 32; ++lane)
-    raw ^= crc32c_multmodp(vec16 ? t.lane_shift16[lane] : t.lane_shift4[lane], acc[lane]);
+    raw ^= crc32c_multmodp(vec16 ? lt.lane_shift16[lane] : lt.lane_shift4[lane], acc[lane]);
   return raw ^ crc32c_zeros_xor(obj.size());
 }
 
 static void test_crc32c_lane_scheme() {
   static CrcLaneTables t;
   crc32c_lane_tables(&t);
+  static uint32_t nib[2 * kCrcRows][16];  // the kernel's nibble rows
+  for (uint32_t i = 0; i < 2 * kCrcRows * 16; ++i) nib[i / 16][i % 16] = crc_nibble_entry(t.t, i);
   std::mt19937 rng(2);
   for (uint64_t size : {uint64_t(4096), uint64_t(12288), uint64_t(65536)})
     for (uint64_t block : {uint64_t(2048), uint64_t(1040), uint64_t(4096), uint64_t(48)}) {
       std::vector<uint8_t> obj(size);
       for (auto& x : obj) x = static_cast<uint8_t>(rng());
       const uint32_t want = crc32c_extend(0, obj.data(), obj.size());
-      CHECK(lane_crc(t, obj, block, true) == want);
-      CHECK(lane_crc(t, obj, block, false) == want);
+      CHECK(lane_crc(t, t.t, obj, block, true) == want);
+      CHECK(lane_crc(t, t.t, obj, block, false) == want);
+      CHECK(lane_crc(t, nib, obj, block, true) == want);
+      CHECK(lane_crc(t, nib, obj, block, false) == want);
     }
   // A zero vector only shifts the register.
   CHECK(crc_lane_skip16(t.t, 0x12345678u) == crc_lane_step16(t.t, 0x12345678u, 0, 0, 0, 0));
   CHECK(crc_lane_skip4(t.t, 0x12345678u) == crc_lane_step4(t.t, 0x12345678u, 0));
+  CHECK(crc_lane_skip16(nib, 0x12345678u) == crc_lane_step16(t.t, 0x12345678u, 0, 0, 0, 0));
 }
 
 static void test_index_lru_and_pins() {

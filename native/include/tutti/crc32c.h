@@ -62,28 +62,45 @@ uint32_t crc32c_x8n(uint64_t n);
 // The xor that turns the raw register of an n-byte message into its CRC32C value (host).
 uint32_t crc32c_zeros_xor(uint64_t n);
 
+// The lane scheme's lookups, from one of two forms of the rows:
+// - byte rows, `const uint32_t (*)[256]`: T_k[b] itself, one lookup per byte;
+// - nibble rows, `const uint32_t (*)[16]`: row 2r holds T_r of the low nibble, row 2r + 1 of the
+//   high nibble (T_r[b] = N_2r[b & 15] ^ N_2r+1[b >> 4], the register being linear in the bytes).
+//   Twice the lookups, but the 32 lanes of a warp looking up one 16-entry row hit distinct
+//   shared-memory banks, where random bytes into a 256-entry row collide about 3.5-fold.
+TUTTI_HD uint32_t crc_row(const uint32_t (*t)[256], uint32_t r, uint32_t b) { return t[r][b & 0xff]; }
+TUTTI_HD uint32_t crc_row(const uint32_t (*n)[16], uint32_t r, uint32_t b) {
+  return n[2 * r][b & 15] ^ n[2 * r + 1][(b >> 4) & 15];
+}
+// Entry i of the nibble rows (row i / 16, nibble i % 16) from the byte rows.
+TUTTI_HD uint32_t crc_nibble_entry(const uint32_t (*t)[256], uint32_t i) {
+  const uint32_t row = i / 16, x = i % 16;
+  return t[row / 2][row % 2 ? x << 4 : x];
+}
+// The shift of a register over 512 (rows 16-19) or 128 (rows 20-23) bytes.
+template <typename Rows>
+TUTTI_HD uint32_t crc_lane_shift(Rows t, uint32_t r0, uint32_t acc) {
+  return crc_row(t, r0 + 3, acc) ^ crc_row(t, r0 + 2, acc >> 8) ^ crc_row(t, r0 + 1, acc >> 16) ^ crc_row(t, r0, acc >> 24);
+}
+// The raw register of word w followed by `after` zero bytes (rows after..after + 3).
+template <typename Rows>
+TUTTI_HD uint32_t crc_lane_word(Rows t, uint32_t after, uint32_t w) {
+  return crc_row(t, after + 3, w) ^ crc_row(t, after + 2, w >> 8) ^ crc_row(t, after + 1, w >> 16) ^ crc_row(t, after, w >> 24);
+}
 // One lane step over a 16-byte vector (words w0..w3, little-endian) 512 bytes after the lane's last.
-TUTTI_HD uint32_t crc_lane_step16(const uint32_t (*t)[256], uint32_t acc, uint32_t w0, uint32_t w1, uint32_t w2,
-                                  uint32_t w3) {
-  return t[19][acc & 0xff] ^ t[18][(acc >> 8) & 0xff] ^ t[17][(acc >> 16) & 0xff] ^ t[16][acc >> 24] ^
-         t[15][w0 & 0xff] ^ t[14][(w0 >> 8) & 0xff] ^ t[13][(w0 >> 16) & 0xff] ^ t[12][w0 >> 24] ^
-         t[11][w1 & 0xff] ^ t[10][(w1 >> 8) & 0xff] ^ t[9][(w1 >> 16) & 0xff] ^ t[8][w1 >> 24] ^
-         t[7][w2 & 0xff] ^ t[6][(w2 >> 8) & 0xff] ^ t[5][(w2 >> 16) & 0xff] ^ t[4][w2 >> 24] ^
-         t[3][w3 & 0xff] ^ t[2][(w3 >> 8) & 0xff] ^ t[1][(w3 >> 16) & 0xff] ^ t[0][w3 >> 24];
+template <typename Rows>
+TUTTI_HD uint32_t crc_lane_step16(Rows t, uint32_t acc, uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  return crc_lane_shift(t, 16, acc) ^ crc_lane_word(t, 12, w0) ^ crc_lane_word(t, 8, w1) ^ crc_lane_word(t, 4, w2) ^
+         crc_lane_word(t, 0, w3);
 }
 // A vector of zeros: only the shift.
-TUTTI_HD uint32_t crc_lane_skip16(const uint32_t (*t)[256], uint32_t acc) {
-  return t[19][acc & 0xff] ^ t[18][(acc >> 8) & 0xff] ^ t[17][(acc >> 16) & 0xff] ^ t[16][acc >> 24];
-}
+template <typename Rows>
+TUTTI_HD uint32_t crc_lane_skip16(Rows t, uint32_t acc) { return crc_lane_shift(t, 16, acc); }
 // One lane step over a 4-byte word 128 bytes after the lane's last.
-TUTTI_HD uint32_t crc_lane_step4(const uint32_t (*t)[256], uint32_t acc, uint32_t w) {
-  return t[23][acc & 0xff] ^ t[22][(acc >> 8) & 0xff] ^ t[21][(acc >> 16) & 0xff] ^ t[20][acc >> 24] ^
-         t[3][w & 0xff] ^ t[2][(w >> 8) & 0xff] ^ t[1][(w >> 16) & 0xff] ^ t[0][w >> 24];
-}
-TUTTI_HD uint32_t crc_lane_skip4(const uint32_t (*t)[256], uint32_t acc) {
-  return t[23][acc & 0xff] ^ t[22][(acc >> 8) & 0xff] ^ t[21][(acc >> 16) & 0xff] ^ t[20][acc >> 24];
-}
-
+template <typename Rows>
+TUTTI_HD uint32_t crc_lane_step4(Rows t, uint32_t acc, uint32_t w) { return crc_lane_shift(t, 20, acc) ^ crc_lane_word(t, 0, w); }
+template <typename Rows>
+TUTTI_HD uint32_t crc_lane_skip4(Rows t, uint32_t acc) { return crc_lane_shift(t, 20, acc); }
 // Standard CRC32C of `n` bytes continuing from `crc` (0 to start): crc32c_extend(crc32c_extend(0, A),
 // B) is the CRC32C of A followed by B. Hardware CRC32 instructions where the CPU has them.
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n);

@@ -45,6 +45,10 @@ namespace {
 #ifndef TUTTI_WINDOW_QD
 #define TUTTI_WINDOW_QD 2
 #endif
+// 1: the CRC lookups use nibble rows (crc32c.h), 0: byte rows.
+#ifndef TUTTI_CRC_NIBBLE
+#define TUTTI_CRC_NIBBLE 0
+#endif
 #ifndef TUTTI_IO_UNROLL
 #define TUTTI_IO_UNROLL 4
 #endif
@@ -133,9 +137,16 @@ __device__ __forceinline__ void vstore(T* p, T v) {
 // The checksum is CRC32C by the lane scheme of crc32c.h: lane l of the warp owns the object's
 // vectors (16-byte path) or words (4-byte path) whose index is l mod 32, whatever block they sit in,
 // and keeps a raw register over them in `acc`. `obj_off` is the object offset of `src`/`dst`.
-using CrcRows = const uint32_t (*)[256];
-// Loaded from LaunchParams::crc when a block starts; every worker warp looks its bytes up here.
-__shared__ uint32_t crc_t[kCrcRows][256];  // 24 KiB
+// Loaded from LaunchParams::crc when a block starts; every worker warp looks its bytes up here, in
+// nibble rows (crc32c.h: no bank conflicts, twice the lookups) or in byte rows with TUTTI_CRC_NIBBLE=0.
+#if TUTTI_CRC_NIBBLE
+constexpr uint32_t kCrcCols = 16;
+__shared__ uint32_t crc_t[2 * kCrcRows][kCrcCols];  // 3 KiB
+#else
+constexpr uint32_t kCrcCols = 256;
+__shared__ uint32_t crc_t[kCrcRows][kCrcCols];  // 24 KiB
+#endif
+using CrcRows = const uint32_t (*)[kCrcCols];
 __shared__ uint32_t crc_shift[64];         // lane_shift16, then lane_shift4
 
 // One warp moves `bytes` from `src` to `dst` (when kCopy) and extends the lanes' CRC registers over
@@ -289,7 +300,11 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
 // Copies the lane scheme's tables into shared memory (every thread of the block takes part; the
 // caller synchronises the block before any lookup).
 __device__ __forceinline__ void load_crc_tables(const CrcLaneTables* crc, uint32_t tid) {
+#if TUTTI_CRC_NIBBLE
+  for (uint32_t i = tid; i < 2 * kCrcRows * 16; i += blockDim.x) crc_t[i / 16][i % 16] = crc_nibble_entry(crc->t, i);
+#else
   for (uint32_t i = tid; i < kCrcRows * 256; i += blockDim.x) crc_t[i / 256][i % 256] = crc->t[i / 256][i % 256];
+#endif
   if (tid < 32) {
     crc_shift[tid] = crc->lane_shift16[tid];
     crc_shift[32 + tid] = crc->lane_shift4[tid];
