@@ -47,7 +47,7 @@ namespace {
 #endif
 // 1: the CRC lookups use nibble rows (crc32c.h), 0: byte rows.
 #ifndef TUTTI_CRC_NIBBLE
-#define TUTTI_CRC_NIBBLE 0
+#define TUTTI_CRC_NIBBLE 1
 #endif
 #ifndef TUTTI_IO_UNROLL
 #define TUTTI_IO_UNROLL 4
