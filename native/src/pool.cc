@@ -1,6 +1,7 @@
 #include "tutti/pool.h"
 
 #include <fcntl.h>
+#include <liburing.h>
 #include <linux/fiemap.h>
 #include <linux/fs.h>
 #include <linux/magic.h>
@@ -28,6 +29,11 @@ namespace tutti {
 FilePool::~FilePool() { close(); }
 
 void FilePool::close() {
+  if (ring_) {
+    io_uring_queue_exit(ring_);
+    delete ring_;
+    ring_ = nullptr;
+  }
   for (PoolPath& p : paths_) {
     if (p.map) ::munmap(p.map, p.map_bytes);
     p.map = nullptr;
@@ -324,6 +330,44 @@ Status FilePool::pwrite_all(uint32_t slot, uint64_t off, const void* buf, uint64
     done += static_cast<uint64_t>(r);
   }
   return Status::Ok();
+}
+
+void FilePool::write_slot_heads(const uint32_t* slots, const uint8_t* bufs, uint64_t bytes, uint32_t n,
+                                uint8_t* ok) const {
+  constexpr uint32_t kDepth = 64;
+  std::fill(ok, ok + n, 0);
+  std::lock_guard<std::mutex> g(ring_mu_);
+  if (!ring_ && !ring_failed_) {
+    ring_ = new io_uring;
+    if (io_uring_queue_init(kDepth, ring_, 0) != 0) {
+      delete ring_;
+      ring_ = nullptr;
+      ring_failed_ = true;  // seccomp or an old kernel: synchronous writes from now on
+    }
+  }
+  for (uint32_t i = 0; ring_ && i < n; i += kDepth) {
+    const uint32_t batch = std::min(n - i, kDepth);
+    for (uint32_t k = i; k < i + batch; ++k) {
+      io_uring_sqe* e = io_uring_get_sqe(ring_);
+      io_uring_prep_write(e, paths_[slot_path_[slots[k]]].fd, bufs + k * bytes, static_cast<unsigned>(bytes),
+                          offset_of(slots[k]));
+      io_uring_sqe_set_data(e, reinterpret_cast<void*>(static_cast<uintptr_t>(k)));
+    }
+    const int submitted = io_uring_submit_and_wait(ring_, batch);
+    int reaped = 0;
+    for (io_uring_cqe* c = nullptr; reaped < submitted && io_uring_wait_cqe(ring_, &c) == 0; ++reaped) {
+      ok[reinterpret_cast<uintptr_t>(io_uring_cqe_get_data(c))] = c->res == static_cast<int>(bytes);
+      io_uring_cqe_seen(ring_, c);
+    }
+    if (submitted != static_cast<int>(batch) || reaped != submitted) {
+      io_uring_queue_exit(ring_);  // waits for what is still in flight
+      delete ring_;
+      ring_ = nullptr;
+      ring_failed_ = true;
+    }
+  }
+  for (uint32_t k = 0; k < n; ++k)
+    if (!ok[k]) ok[k] = pwrite_all(slots[k], 0, bufs + k * bytes, bytes).ok();
 }
 
 }  // namespace tutti

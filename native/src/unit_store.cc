@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <thread>
 
 #include "tutti/crc32c.h"
 
@@ -252,17 +251,8 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
   for (uint32_t i = 0; i < n; ++i)
     encode_header(g, desc_, keys[i], commit_seq_++, blocks[i], sums + static_cast<uint64_t>(i) * g.num_objs(),
                   hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes);
-  // One small write per unit, each to its own slot: in parallel, as storage takes them best.
-  const uint32_t threads = std::min<uint32_t>(8, (n + 7) / 8);
-  auto write = [&](uint32_t t) {
-    for (uint32_t i = t; i < n; i += threads)
-      (*committed)[i] = pool_.pwrite_all(slots[i], 0, hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes,
-                                         g.header_bytes).ok();
-  };
-  std::vector<std::thread> pool;
-  for (uint32_t t = 1; t < threads; ++t) pool.emplace_back(write, t);
-  write(0);
-  for (std::thread& th : pool) th.join();
+  // One small write per unit, each to its own slot, all in flight at once.
+  pool_.write_slot_heads(slots, hdrs.data(), g.header_bytes, n, committed->data());
   for (uint32_t i = 0; i < n; ++i) {
     if (!(*committed)[i]) continue;
     std::memcpy(&slot_checksums_[static_cast<uint64_t>(slots[i]) * g.num_objs()], sums + static_cast<uint64_t>(i) * g.num_objs(),

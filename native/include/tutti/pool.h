@@ -9,6 +9,8 @@
 #include "tutti/common.h"
 #include "tutti/layout.h"
 
+struct io_uring;
+
 namespace tutti {
 
 enum class DirectMode : int { kAuto = 0, kOn = 1, kOff = 2 };
@@ -77,6 +79,11 @@ class FilePool {
   // Synchronous header I/O (recovery, invalidation before reuse); `buf` is 4 KiB aligned.
   Status pread_all(uint32_t slot, uint64_t off, void* buf, uint64_t n) const;
   Status pwrite_all(uint32_t slot, uint64_t off, const void* buf, uint64_t n) const;
+  // Writes `n` buffers of `bytes` each (buffer i at bufs + i * bytes, 4 KiB aligned) at the start of
+  // slots[i], in batches through one io_uring (a syscall per batch, on the calling thread); a write
+  // that fails or comes up short, or every write where io_uring is unavailable, is tried once more
+  // with pwrite_all. ok[i]: buffer i is written in full.
+  void write_slot_heads(const uint32_t* slots, const uint8_t* bufs, uint64_t bytes, uint32_t n, uint8_t* ok) const;
 
  private:
   std::vector<PoolPath> paths_;
@@ -86,6 +93,9 @@ class FilePool {
   mutable std::mutex mu_;
   std::vector<std::vector<uint32_t>> free_;  // per path
   uint32_t next_path_ = 0;
+  mutable std::mutex ring_mu_;      // write_slot_heads
+  mutable io_uring* ring_ = nullptr;  // made at the first write_slot_heads
+  mutable bool ring_failed_ = false;
 };
 
 }  // namespace tutti

@@ -101,7 +101,7 @@ class UnitStore {
   StoreStats units_stats() const;  // under mu_
   // Commit after write: writes the headers of units whose objects are already in their slots, then
   // makes each unit whose header was written visible under its key (`blocks`: the KV blocks each
-  // holds; `sums`: num_objs plain CRC32Cs per unit, in order). Headers go out on up to 8 threads. The
+  // holds; `sums`: num_objs plain CRC32Cs per unit, in order). Headers go out as one io_uring batch. The
   // one way any unit is committed: an engine's stores and imported replicas alike. Under mu_.
   // committed[i]: unit i is visible.
   void commit_units(const uint32_t* slots, const uint64_t* keys, const uint32_t* blocks, const uint64_t* sums,
