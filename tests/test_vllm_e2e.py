@@ -139,6 +139,25 @@ def test_a_prompts_partial_last_unit_is_stored_and_served(work: dict[str, Any]) 
     assert c["outputs"] == baseline["outputs"]
 
 
+def test_blocks_inside_another_prompts_unit_are_served(work: dict[str, Any]) -> None:
+    """Prompts of 640 tokens sharing 600: each stores its own fifth unit (tokens 512-639, 88 of them
+    shared). A second batch, with the same 600 tokens and new suffixes, shares only the leading 2
+    whole blocks of those units: it loads 512 + 64 tokens of each prompt from the store (not 512),
+    with vLLM's own prefix cache off, and its outputs equal the engine's without a connector."""
+    env = {"VLLM_MODEL_SECOND_SUFFIX_SEED": "7", "VLLM_MODEL_PREFIX_CACHING": "0"}
+    root = work["root"]
+    baseline = _engine(work["model"], root / "a_shared.json", **env)
+    store = root / "store_shared"
+    store.mkdir()
+    # Saves wait for their writes, so that the first batch's units are committed when it returns.
+    c = _engine(work["model"], root / "c_shared.json", _kv_config(root, paths=[str(store)], defer_saves=False),
+                **env)
+    first, total = c["metrics_after"]
+    hits = total.get("vllm:external_prefix_cache_hits", 0) - first.get("vllm:external_prefix_cache_hits", 0)
+    assert hits == 3 * (512 + 2 * BLOCK_TOKENS), (first, total)
+    assert c["outputs"] == baseline["outputs"]
+
+
 def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:
     store = _copy_store(work, "store_d")
     assert corrupt_pool(store, UNIT_TOKENS) > 0

@@ -42,11 +42,14 @@ def make_model(path: str) -> None:
     model.save_pretrained(path)
 
 
-def prompts(n: int = 3, prefix_tokens: int = 600, suffix_tokens: int = 40, seed: int = 1) -> list[list[int]]:
-    """``n`` prompts sharing a ``prefix_tokens`` prefix, each with its own suffix."""
+def prompts(n: int = 3, prefix_tokens: int = 600, suffix_tokens: int = 40, seed: int = 1,
+            suffix_seed: int | None = None) -> list[list[int]]:
+    """``n`` prompts sharing a ``prefix_tokens`` prefix, each with its own suffix (drawn after the
+    prefix from ``seed``, or from ``suffix_seed``)."""
     r = random.Random(seed)
     prefix = [r.randrange(1, VOCAB) for _ in range(prefix_tokens)]
-    return [prefix + [r.randrange(1, VOCAB) for _ in range(suffix_tokens)] for _ in range(n)]
+    rs = r if suffix_seed is None else random.Random(suffix_seed)
+    return [prefix + [rs.randrange(1, VOCAB) for _ in range(suffix_tokens)] for _ in range(n)]
 
 
 def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None:
@@ -80,25 +83,33 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
     llm = LLM(
         model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=2048,
         max_num_batched_tokens=MAX_BATCHED_TOKENS, dtype="float32", enforce_eager=True,
-        enable_prefix_caching=True, disable_log_stats=False, seed=0, tensor_parallel_size=tp,
+        enable_prefix_caching=os.environ.get("VLLM_MODEL_PREFIX_CACHING", "1") == "1", disable_log_stats=False, seed=0, tensor_parallel_size=tp,
         kv_transfer_config=kv_transfer_config, num_gpu_blocks_override=int(blocks) if blocks else None,
     )
     # The first request ends with its prefill (one token): the connector must hold its blocks until
     # any save still reading them is done. The others decode on the shared prefix.
-    ps = prompts(prefix_tokens=int(os.environ.get("VLLM_MODEL_PREFIX_TOKENS", "600")),
-                 suffix_tokens=int(os.environ.get("VLLM_MODEL_SUFFIX_TOKENS", "40")))
-    params = [SamplingParams(temperature=0.0, max_tokens=1 if i == 0 else 8, detokenize=False) for i in range(len(ps))]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params)
-    metrics: dict[str, float] = {}
-    for m in llm.get_metrics():
-        value = getattr(m, "value", None)
-        if isinstance(value, (int, float)):
-            metrics[m.name] = metrics.get(m.name, 0) + value
-    result = {
-        "outputs": [list(o.outputs[0].token_ids) for o in outs],
-        "metrics": metrics,
-        "seconds": time.monotonic() - t0,
-    }
+    shape = {"prefix_tokens": int(os.environ.get("VLLM_MODEL_PREFIX_TOKENS", "600")),
+             "suffix_tokens": int(os.environ.get("VLLM_MODEL_SUFFIX_TOKENS", "40"))}
+    batches = [prompts(**shape)]
+    second = os.environ.get("VLLM_MODEL_SECOND_SUFFIX_SEED")  # a second batch: the same prefix, new suffixes
+    if second:
+        batches.append(prompts(**shape, suffix_seed=int(second)))
+    outputs: list[list[int]] = []
+    metrics_after: list[dict[str, float]] = []
+    for ps in batches:
+        params = [SamplingParams(temperature=0.0, max_tokens=1 if i == 0 else 8, detokenize=False)
+                  for i in range(len(ps))]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params)
+        outputs += [list(o.outputs[0].token_ids) for o in outs]
+        metrics: dict[str, float] = {}
+        for m in llm.get_metrics():
+            value = getattr(m, "value", None)
+            if isinstance(value, (int, float)):
+                metrics[m.name] = metrics.get(m.name, 0) + value
+        metrics_after.append(metrics)
+    # "metrics": the whole run; "metrics_after": after each batch (counters add up over batches).
+    result = {"outputs": outputs, "metrics": metrics_after[-1], "metrics_after": metrics_after,
+              "seconds": time.monotonic() - t0}
     with open(out, "w") as f:
         json.dump(result, f)
 

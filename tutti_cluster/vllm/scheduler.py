@@ -10,10 +10,17 @@ units other nodes hold, looked up in the replica directory.
 
 Hits are at block granularity: each prompt's last, partial unit (its whole blocks, named by the hash
 of its last block like any unit) is saved too, and after the leading whole units a lookup takes the
-most blocks one more unit offers: the leading blocks of the next whole unit, or the longest partial
-unit stored there. So a prompt that repeats or extends a stored one recomputes less than one block,
-not up to ``unit_tokens - 1`` tokens (local units only: the replica directory is asked for whole
-units).
+most blocks one more unit offers: the leading blocks of the next whole unit, the longest partial
+unit stored there, or the leading blocks of another prompt's unit that this prompt shares. So a
+prompt that repeats, extends or shares a stored prefix recomputes less than one block, not up to
+``unit_tokens - 1`` tokens (local units only: the replica directory is asked for whole units).
+
+The last case needs to know where a unit's blocks end: vLLM chains its block hashes, so the hash at
+each block boundary inside a unit names the prefix up to there. The scheduler remembers, for every
+unit it saves or loads, the hashes at the unit's inner block boundaries (``_BlockIndex``), and a
+lookup that finds its own hash at a boundary there loads the leading blocks of that unit. This
+index lives in the scheduler's memory only: units an earlier engine stored are found there once a
+request of this engine has saved or loaded them (their keys on storage carry no block hashes).
 
 With ``defer_saves`` a save's writes run on past its step (``TuttiWorker``); a finished request with
 such writes keeps its blocks, and stays tracked here with the engine stepping, until the workers
@@ -53,6 +60,38 @@ log = logging.getLogger("tutti_cluster.vllm")  # one logger for every part of th
 __all__ = ["TuttiScheduler"]
 
 
+class _BlockIndex:
+    """Hash at a block boundary inside a unit -> the hash naming that unit (module docs), for the
+    ``max_units`` units saved or loaded last (4M tokens of prefixes at 256-token units), keyed by
+    rank 0's store key so that evictions reach it."""
+
+    def __init__(self, max_units: int = 1 << 14) -> None:
+        self.max_units = max_units
+        self._unit_of: dict[bytes, bytes] = {}  # boundary hash -> unit hash
+        self._units: dict[int, tuple[bytes, list[bytes]]] = {}  # key -> (unit hash, boundaries), oldest first
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._units
+
+    def add(self, key: int, unit_hash: bytes, boundaries: list[bytes]) -> None:
+        if key in self._units or not boundaries:
+            return
+        self._units[key] = (unit_hash, boundaries)
+        for b in boundaries:
+            self._unit_of[b] = unit_hash
+        while len(self._units) > self.max_units:
+            self.forget(next(iter(self._units)))
+
+    def forget(self, key: int) -> None:
+        unit_hash, boundaries = self._units.pop(key, (b"", []))
+        for b in boundaries:
+            if self._unit_of.get(b) == unit_hash:
+                del self._unit_of[b]
+
+    def unit_of(self, boundary: bytes) -> bytes | None:
+        return self._unit_of.get(boundary)
+
+
 @dataclass
 class _ReqState:
     request: Any
@@ -83,6 +122,7 @@ class TuttiScheduler:
                 "--kv-transfer-config (docs/VLLM.md)")
         self._stats = TuttiConnectorStats()
         self._present: set[int] = set()
+        self._blocks = _BlockIndex()
         self._reqs: dict[str, _ReqState] = {}
         self._lookups: dict[str, tuple[int, int, int, bytes | None]] = {}  # req_id -> the latest _lookup
         self._pending_loads: list[Transfer] = []
@@ -173,9 +213,23 @@ class TuttiScheduler:
         t = min(self.unit_tokens - step, (max_tokens - start) // step * step)
         for end in (start + self.unit_tokens, *range(start + t, start, -step)):
             h = prefix_hash(request.block_hashes, self.setup.hash_block, end) if t > 0 else None
-            if h is not None and all(unit_key(p, h) in self._present for p in self._prefixes):
-                return min(t, end - start), h
+            if h is None:
+                continue
+            for unit in (h, self._blocks.unit_of(h)):  # this prompt's own unit, or one sharing its blocks
+                if unit is not None and all(unit_key(p, unit) in self._present for p in self._prefixes):
+                    return min(t, end - start), unit
         return 0, None
+
+    def _note_blocks(self, request: Request, unit: int, unit_hash: bytes, tokens: int) -> None:
+        """Remembers the hashes at the block boundaries inside unit ``unit`` of ``request`` (named
+        ``unit_hash``, holding ``tokens`` tokens), for prompts that share only its leading blocks."""
+        key = unit_key(self._prefixes[0], unit_hash)
+        if not self.options.partial_units or key in self._blocks:
+            return
+        step, start = self.setup.tail_step, unit * self.unit_tokens
+        boundaries = [b for end in range(start + step, start + tokens, step)
+                      if (b := prefix_hash(request.block_hashes, self.setup.hash_block, end)) is not None]
+        self._blocks.add(key, unit_hash, boundaries)
 
     def _prompt_tail(self, request: Request) -> tuple[int, int]:
         """(unit index, tokens) of the prompt's partial last unit; tokens 0 when it has none."""
@@ -221,6 +275,8 @@ class TuttiScheduler:
         first = (end - num_external_tokens) // self.unit_tokens
         (block_ids,) = blocks.get_block_ids()[:1]
         hashes = self._hashes(request, hits)[first:hits]
+        for i, h in enumerate(hashes):  # whole units of this prompt's own
+            self._note_blocks(request, first + i, h, self.unit_tokens)
         want = len(hashes) * self.unit_blocks
         if tail and tail_h is not None:  # last: only a request's last unit may move fewer blocks
             hashes.append(tail_h)
@@ -330,6 +386,8 @@ class TuttiScheduler:
         ids: list[int] = []
         for u in units:
             span = self._span(st, u)
+            if span is not None:
+                self._note_blocks(st.request, u, span[0], len(span[1]) * self.setup.block_size)
             if span is None or span[0] in seen or all(unit_key(p, span[0]) in self._present for p in self._prefixes):
                 continue
             seen.add(span[0])
@@ -354,6 +412,8 @@ class TuttiScheduler:
         if isinstance(meta, TuttiWorkerMetadata):
             self._present.update(meta.committed)
             self._present.difference_update(meta.evicted)
+            for key in meta.evicted:
+                self._blocks.forget(key)
             for req_id, unit in meta.failed.items():
                 self._unclaim(req_id, unit)
         invalid = getattr(connector_output, "invalid_block_ids", None)
