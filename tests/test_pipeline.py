@@ -199,6 +199,9 @@ def test_bench_pipeline_cpu_mode_writes_json_and_plot(tmp_path: Path) -> None:
         assert r["ttft_s"] > 0 and r["cost_per_1m_tokens"] > 0
         if r["system"] != "recompute":
             assert r["matches_ideal"] == "bitwise" and "bubble_s" in r
+        if r["system"] == "tutti-writeback":  # against the same steps with no I/O, right after
+            assert r["itl_base_s"] > 0
+            assert r["itl_increase"] == pytest.approx(r["itl_s"] / r["itl_base_s"] - 1, abs=1e-3)
     assert "crossover_hit_rate" in report["summary"]["1024"]
     assert not [p for p in store.iterdir() if p.name.startswith("tutti-bench-")]
 

@@ -427,16 +427,22 @@ class Harness:
 
         out, t = self._timed(go)
         sched = sched_box[0]
+        base: list[float] = []
         if decode_steps:
             itl = self.decode(case, decode_steps, sched)
         report = sched.flush()
         self._sync()
+        if decode_steps:
+            # The same steps again with no I/O, right after: the baseline of the write-back's ITL,
+            # under the same conditions (an earlier baseline met other clocks, caches and kernels).
+            base = self.decode(case, decode_steps)
         if report.failed_iocbs:
             raise BenchVerificationError(f"tutti: {report.failed_iocbs} read IOCBs failed")
         extra: dict[str, Any] = {"schedule": {**report.as_dict(), "reads": self.tutti_reads}, "windows_ms": [round(w * 1e3, 3) for w in windows],
                                  "windows_from": source}
         if itl:
             extra["itl_s"] = statistics.median(itl)
+            extra["itl_base_s"] = statistics.median(base)
         return Outcome("tutti", t, out, extra)
 
     # ---- decode ------------------------------------------------------------------------------------
