@@ -355,12 +355,19 @@ void FilePool::write_slot_heads(const uint32_t* slots, const uint8_t* bufs, uint
     }
     const int submitted = io_uring_submit_and_wait(ring_, batch);
     int reaped = 0;
-    for (io_uring_cqe* c = nullptr; reaped < submitted && io_uring_wait_cqe(ring_, &c) == 0; ++reaped) {
+    while (reaped < submitted) {
+      io_uring_cqe* c = nullptr;
+      const int rc = io_uring_wait_cqe(ring_, &c);
+      if (rc == -EINTR) continue;
+      if (rc < 0) break;
       ok[reinterpret_cast<uintptr_t>(io_uring_cqe_get_data(c))] = c->res == static_cast<int>(bytes);
       io_uring_cqe_seen(ring_, c);
+      ++reaped;
     }
     if (submitted != static_cast<int>(batch) || reaped != submitted) {
-      io_uring_queue_exit(ring_);  // waits for what is still in flight
+      // The ring misbehaved: drop it and write what is left synchronously. A write still in flight
+      // can only land these bytes, or torn ones whose header CRC fails (a miss, never wrong KV).
+      io_uring_queue_exit(ring_);
       delete ring_;
       ring_ = nullptr;
       ring_failed_ = true;
