@@ -155,6 +155,8 @@ def test_blocks_inside_another_prompts_unit_are_served(work: dict[str, Any]) -> 
     first, total = c["metrics_after"]
     hits = total.get("vllm:external_prefix_cache_hits", 0) - first.get("vllm:external_prefix_cache_hits", 0)
     assert hits == 3 * (512 + 2 * BLOCK_TOKENS), (first, total)
+    shared = total.get("vllm:tutti_lookup_shared_units", 0) - first.get("vllm:tutti_lookup_shared_units", 0)
+    assert shared == 3, (first, total)
     assert c["outputs"] == baseline["outputs"]
 
 

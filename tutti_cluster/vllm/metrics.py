@@ -1,7 +1,7 @@
 """The connector's counters: :class:`TuttiConnectorStats` per interval, :class:`TuttiPromMetrics`.
 
-Each role counts what it does in its own :class:`TuttiConnectorStats` (the scheduler: units found
-and saves deferred; each worker: units loaded, stored, skipped, failed, fetched from other nodes).
+Each role counts what it does in its own :class:`TuttiConnectorStats` (the scheduler: units found,
+those found inside another prompt's unit, and saves deferred; each worker: units loaded, stored, skipped, failed, fetched from other nodes).
 vLLM collects them with ``get_kv_connector_stats``, sums the workers' and the scheduler's with
 ``aggregate``, logs them in its "KV Transfer metrics" line and hands them to
 :class:`TuttiPromMetrics`, one Prometheus counter ``vllm:tutti_<stat>`` (units) per stat.
@@ -18,6 +18,7 @@ __all__ = ["STAT_KEYS", "TuttiConnectorStats", "TuttiPromMetrics"]
 
 STAT_KEYS = (
     "lookup_hit_units",
+    "lookup_shared_units",
     "load_units",
     "load_failed_units",
     "store_units",
@@ -67,6 +68,8 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
 
     _DOC = {
         "lookup_hit_units": "Cache units the scheduler found in the Tutti store and scheduled to load.",
+        "lookup_shared_units": "Of those, units another prompt stored, of which a prompt that shares only their "
+                               "leading blocks loads those blocks.",
         "load_units": "Cache units the Tutti store loaded into KV blocks.",
         "load_failed_units": "Cache units whose load failed (missing or corrupt) and were recomputed.",
         "store_units": "Cache units committed to the Tutti store.",

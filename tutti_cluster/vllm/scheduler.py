@@ -281,6 +281,11 @@ class TuttiScheduler:
         if tail and tail_h is not None:  # last: only a request's last unit may move fewer blocks
             hashes.append(tail_h)
             want += tail // self.setup.block_size
+            start, hb = hits * self.unit_tokens, self.setup.hash_block
+            own = (prefix_hash(request.block_hashes, hb, start + self.unit_tokens),
+                   prefix_hash(request.block_hashes, hb, start + tail))
+            if tail_h not in own:  # another prompt's unit, sharing only these blocks
+                self._stats.add("lookup_shared_units", 1)
         ids = list(block_ids[first * self.unit_blocks : first * self.unit_blocks + want])
         if len(ids) != want:
             log.warning("request %s: %d blocks allocated for %d units; not loading", req_id, len(ids), len(hashes))
