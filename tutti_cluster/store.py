@@ -266,13 +266,26 @@ class TuttiStore:
         """Hands a request's unit keys and destination block ids over once; returns its handle."""
         return self._begin(_RETRIEVE, keys, block_ids)
 
-    def begin_store(self, keys: Sequence[Key], block_ids: Any) -> int:
-        """Reserves GPU files for the units not yet stored; returns the request handle."""
-        return self._begin(_STORE, keys, block_ids)
+    def begin_store(self, keys: Sequence[Key], block_ids: Any,
+                    inner_keys: Sequence[Sequence[Key]] | None = None) -> int:
+        """Reserves GPU files for the units not yet stored; returns the request handle.
 
-    def _begin(self, op: Any, keys: Sequence[Key], block_ids: Any) -> int:
+        ``inner_keys``, one list per unit: the keys a unit ending after each of its blocks but the
+        last would have (for a prefix cache: the hash of the prefix up to that block). They are
+        committed in the unit's header, and :meth:`inner_keys` names the unit by them, so that a
+        prefix sharing only the unit's leading blocks can find and load those blocks.
+        """
+        if inner_keys is None:
+            return self._begin(_STORE, keys, block_ids)
+        if len(inner_keys) != len(keys):
+            raise LayoutError(f"{len(inner_keys)} lists of inner keys for {len(keys)} units")
+        flat = [k for ks in inner_keys for k in ks]
+        counts = np.array([len(ks) for ks in inner_keys], dtype=np.uint32)
+        return self._begin(_STORE, keys, block_ids, key_array(flat), counts)
+
+    def _begin(self, op: Any, keys: Sequence[Key], block_ids: Any, inner: Any = None, counts: Any = None) -> int:
         k = key_array(keys)
-        req = int(self._e.begin(op, k, _block_array(block_ids)))
+        req = int(self._e.begin(op, k, _block_array(block_ids), inner, counts))
         with self._lock:
             self._ops[req] = op
             self._keys[req] = k
@@ -357,9 +370,10 @@ class TuttiStore:
             self.retrieve_layer(layer, req)
         return self.finish(req)
 
-    def store(self, keys: Sequence[Key], block_ids: Any) -> RequestResult:
-        """Stores every layer of a request and commits it."""
-        req = self.begin_store(keys, block_ids)
+    def store(self, keys: Sequence[Key], block_ids: Any,
+              inner_keys: Sequence[Sequence[Key]] | None = None) -> RequestResult:
+        """Stores every layer of a request and commits it (``inner_keys``: see :meth:`begin_store`)."""
+        req = self.begin_store(keys, block_ids, inner_keys)
         for layer in range(self.num_layers):
             self.store_layer(layer, req)
         return self.finish(req)
@@ -465,6 +479,11 @@ class TuttiStore:
     def keys(self) -> list[int]:
         """Keys present, most recently used first."""
         return [int(k) for k in self._n.keys()]
+
+    def inner_keys(self) -> dict[int, int]:
+        """Inner key -> the key of the stored unit it lies in (see :meth:`begin_store`)."""
+        a = self._n.inner_keys()
+        return {int(a[i]): int(a[i + 1]) for i in range(0, len(a), 2)}
 
     def _drain_evicted(self) -> None:
         evicted = self._n.drain_evicted()

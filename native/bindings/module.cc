@@ -64,6 +64,7 @@ uint32_t u32(const py::handle& v, const char* what) {
 
 using U64Array = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 using I64Array = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+using U32Array = py::array_t<uint32_t, py::array::c_style | py::array::forcecast>;
 
 // A store held for the length of one call: close() waits until no call holds it.
 template <typename T>
@@ -300,6 +301,12 @@ PYBIND11_MODULE(_native, m) {
         return removed;
       })
       .def("keys", [](PyUnits& p) { return p.hold()->keys(); })
+      .def("inner_keys", [](PyUnits& p) {
+        std::vector<uint64_t> v = p.hold()->inner_keys();
+        py::array_t<uint64_t> out(static_cast<py::ssize_t>(v.size()));
+        std::copy(v.begin(), v.end(), out.mutable_data());
+        return out;
+      })
       .def("drain_evicted", [](PyUnits& p) { return p.hold()->drain_evicted(); })
       .def("geometry", [](PyUnits& p) { return p.hold()->geometry(); })
       .def("stats", [](PyUnits& p) { return p.hold()->stats(); })
@@ -331,14 +338,26 @@ PYBIND11_MODULE(_native, m) {
         Store& s = *held;
         ok(without_gil([&] { return s.init_queue(depth); }));
       })
-      .def("begin", [](PyStore& p, ReqOp op, U64Array keys, I64Array blocks) {
+      .def("begin", [](PyStore& p, ReqOp op, U64Array keys, I64Array blocks, std::optional<U64Array> inner,
+                       std::optional<U32Array> counts) {
         auto held = p.hold();
         Store& s = *held;
+        if (inner.has_value() != counts.has_value())
+          raise({Code::kLayout, "begin: give inner keys and their counts per unit together"});
+        if (counts) {
+          uint64_t total = 0;
+          for (py::ssize_t i = 0; i < counts->size(); ++i) total += counts->data()[i];
+          if (static_cast<uint64_t>(counts->size()) != keys.size() || total != static_cast<uint64_t>(inner->size()))
+            raise({Code::kLayout, "begin: " + std::to_string(counts->size()) + " inner key counts for " +
+                                      std::to_string(keys.size()) + " units, summing to " + std::to_string(total) +
+                                      " of " + std::to_string(inner->size()) + " inner keys"});
+        }
         uint32_t id;
         ok(without_gil([&] { return s.begin(op, keys.data(), static_cast<uint32_t>(keys.size()), blocks.data(),
-                   static_cast<uint64_t>(blocks.size()), &id); }));
+                   static_cast<uint64_t>(blocks.size()), &id, inner ? inner->data() : nullptr,
+                   counts ? counts->data() : nullptr); }));
         return id;
-      })
+      }, py::arg("op"), py::arg("keys"), py::arg("blocks"), py::arg("inner") = py::none(), py::arg("inner_counts") = py::none())
       .def("layer", [](PyStore& p, py::handle layer, py::handle req, uint64_t event, int64_t stream) {
         auto held = p.hold();
         Store& s = *held;

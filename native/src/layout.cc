@@ -104,8 +104,13 @@ bool legacy_header_ok(const uint8_t* buf, uint64_t n, uint64_t stored) {
 
 }  // namespace
 
+uint32_t header_inner_room(const Geometry& g) {
+  return static_cast<uint32_t>((g.header_bytes - header_list_bytes(kHeaderVersion, g.num_objs())) / sizeof(uint64_t));
+}
+
 void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq, uint32_t blocks,
-                   const uint64_t* obj_crcs, uint8_t* buf) {
+                   const uint64_t* obj_crcs, uint8_t* buf, const uint64_t* inner, uint32_t n_inner) {
+  n_inner = inner ? std::min({n_inner, blocks ? blocks - 1 : 0, header_inner_room(g)}) : 0;
   std::memset(buf, 0, g.header_bytes);
   HeaderFixed h{};
   h.magic = kHeaderMagic;
@@ -120,19 +125,21 @@ void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uin
   h.num_layers = g.num_layers;
   std::memcpy(h.desc, desc.data(), std::min(desc.size(), kDescBytes - 1));
   std::memcpy(buf, &h, sizeof(h));
-  const uint64_t word = blocks;
+  const uint64_t word = blocks | static_cast<uint64_t>(n_inner) << 32;
   std::memcpy(buf + sizeof(h), &word, sizeof(word));
   const uint64_t at = list_at(kHeaderVersion);
   for (uint32_t o = 0; o < g.num_objs(); ++o) {
     const uint64_t v = (obj_crcs[o] & 0xffffffffull) ^ object_tag(key, seq, o);
     std::memcpy(buf + at + 8 * o, &v, 8);
   }
-  const uint64_t cs = header_crc(buf, header_list_bytes(kHeaderVersion, g.num_objs()));
+  const uint64_t end = header_list_bytes(kHeaderVersion, g.num_objs());
+  if (n_inner) std::memcpy(buf + end, inner, sizeof(uint64_t) * n_inner);
+  const uint64_t cs = header_crc(buf, end + sizeof(uint64_t) * n_inner);
   std::memcpy(buf + offsetof(HeaderFixed, header_checksum), &cs, sizeof(cs));
 }
 
 HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint32_t* blocks,
-                          uint64_t* obj_crcs, std::string* other) {
+                          uint64_t* obj_crcs, std::string* other, std::vector<uint64_t>* inner) {
   HeaderFixed h;
   std::memcpy(&h, buf, sizeof(h));
   if (std::all_of(buf, buf + sizeof(h), [](uint8_t b) { return b == 0; })) return HeaderState::kEmpty;
@@ -143,17 +150,22 @@ HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, 
   if (h.version == 1)
     return legacy_header_ok(buf, header_list_bytes(1, h.num_objs), h.header_checksum) ? HeaderState::kOldFormat
                                                                                        : HeaderState::kCorrupt;
-  if ((h.version != 2 && h.version != kHeaderVersion) ||
-      h.header_checksum != header_crc(buf, header_list_bytes(h.version, h.num_objs)))
+  if (h.version < 2 || h.version > kHeaderVersion) return HeaderState::kCorrupt;
+  // Format 4's inner key count, bounded by the header's room before the checksum that covers it.
+  uint64_t word = g.unit_blocks;  // format 2: whole units
+  if (h.version >= 3) std::memcpy(&word, buf + sizeof(h), sizeof(word));
+  const uint64_t n_inner = h.version >= 4 ? word >> 32 : 0;
+  if (h.version >= 4) word &= 0xffffffffull;
+  const uint64_t end = header_list_bytes(h.version, h.num_objs);
+  if (n_inner > (g.header_bytes - end) / sizeof(uint64_t) ||
+      h.header_checksum != header_crc(buf, end + sizeof(uint64_t) * n_inner))
     return HeaderState::kCorrupt;
   if (h.layout_id != g.layout_id || h.num_objs != g.num_objs() || h.obj_bytes != g.obj_bytes ||
       h.unit_blocks != g.unit_blocks || h.block_bytes != g.block_bytes || h.num_layers != g.num_layers) {
     if (other) *other = layout_text(std::string(h.desc, strnlen(h.desc, kDescBytes)), h.num_layers, h.unit_blocks);
     return HeaderState::kOtherLayout;
   }
-  uint64_t word = g.unit_blocks;  // format 2: whole units
-  if (h.version >= 3) std::memcpy(&word, buf + sizeof(h), sizeof(word));
-  if (word == 0 || word > g.unit_blocks) return HeaderState::kCorrupt;
+  if (word == 0 || word > g.unit_blocks || (n_inner && n_inner >= word)) return HeaderState::kCorrupt;
   const uint64_t at = list_at(h.version);
   for (uint32_t o = 0; o < g.num_objs(); ++o) {
     uint64_t v;
@@ -161,6 +173,10 @@ HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, 
     v ^= object_tag(h.key, h.commit_seq, o);
     if (v >> 32) return HeaderState::kCorrupt;
     obj_crcs[o] = v;
+  }
+  if (inner) {
+    inner->resize(n_inner);
+    if (n_inner) std::memcpy(inner->data(), buf + end, sizeof(uint64_t) * n_inner);
   }
   *key = h.key;
   *seq = h.commit_seq;

@@ -157,7 +157,7 @@ void Store::close() {
 }
 
 Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int64_t* block_ids, uint64_t n_blocks,
-                    uint32_t* request) {
+                    uint32_t* request, const uint64_t* inner, const uint32_t* n_inner) {
   if (!started_) return {Code::kInvalid, "store is closed or read-only"};
   const Geometry& g = geom_;
   // Every unit is whole but the last, which holds 1 to unit_blocks blocks (a prefix's partial tail).
@@ -187,6 +187,10 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   r.unit_failed.assign(n_units, 0);
   r.unit_blocks.assign(n_units, g.unit_blocks);
   if (n_units) r.unit_blocks.back() = static_cast<uint32_t>(n_blocks - whole);
+  if (n_inner && op == ReqOp::kStore) {
+    r.inner.resize(n_units);
+    for (uint32_t u = 0, at = 0; u < n_units; at += n_inner[u++]) r.inner[u].assign(inner + at, inner + at + n_inner[u]);
+  }
   std::vector<std::pair<uint32_t, uint32_t>> unit_ext(n_units);
   for (uint32_t u = 0; u < n_units; ++u) {
     uint32_t first = static_cast<uint32_t>(r.extents.size());
@@ -561,6 +565,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
     // the one way any unit becomes visible).
     std::vector<uint32_t> units, slots, blocks;
     std::vector<uint64_t> keys, sums;
+    std::vector<std::vector<uint64_t>> inner;
     for (uint32_t u = 0; u < n; ++u) {
       if (!r.unit_present[u]) continue;
       if (not_moved[u]) r.unit_failed[u] |= 1;
@@ -572,11 +577,13 @@ Status Store::finish(uint32_t id, RequestResult* out) {
       slots.push_back(r.unit_slot[u]);
       keys.push_back(r.keys[u]);
       blocks.push_back(r.unit_blocks[u]);
+      if (!r.inner.empty()) inner.push_back(r.inner[u]);
       sums.insert(sums.end(), r.checksums.begin() + static_cast<int64_t>(u) * g.num_objs(),
                   r.checksums.begin() + static_cast<int64_t>(u + 1) * g.num_objs());
     }
     std::vector<uint8_t> committed;
-    commit_units(slots.data(), keys.data(), blocks.data(), sums.data(), static_cast<uint32_t>(units.size()), &committed);
+    commit_units(slots.data(), keys.data(), blocks.data(), sums.data(), static_cast<uint32_t>(units.size()), &committed,
+                 inner.empty() ? nullptr : inner.data());
     for (uint32_t i = 0; i < units.size(); ++i) {
       const uint32_t u = units[i];
       if (!committed[i]) {
@@ -599,6 +606,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
         if (index_.remove(r.keys[u], &slot)) {
           free_slot(slot);
           evicted_.push_back(r.keys[u]);
+          inner_of_.erase(r.keys[u]);
         }
       } else if (not_moved[u]) {
         r.unit_failed[u] = 3;  // a miss; the unit stays (unpinned below)

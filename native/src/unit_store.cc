@@ -56,9 +56,10 @@ Status UnitStore::recover() {
   struct Found {
     uint64_t seq, key;
     uint32_t slot, blocks;
+    std::vector<uint64_t> inner;
   };
   std::vector<Found> found;
-  std::vector<uint64_t> sums(g.num_objs());
+  std::vector<uint64_t> sums(g.num_objs()), inner;
   uint64_t bad = 0;
   for (uint32_t slot = 0; slot < pool_.num_slots(); ++slot) {
     Status st = pool_.pread_all(slot, 0, buf.data(), g.header_bytes);
@@ -66,7 +67,7 @@ Status UnitStore::recover() {
     uint64_t key, seq;
     uint32_t blocks;
     std::string other;
-    switch (decode_header(g, buf.data(), &key, &seq, &blocks, sums.data(), &other)) {
+    switch (decode_header(g, buf.data(), &key, &seq, &blocks, sums.data(), &other, &inner)) {
       case HeaderState::kValid:
         break;
       case HeaderState::kEmpty:
@@ -85,7 +86,7 @@ Status UnitStore::recover() {
                                     "*.pool) or use another path or instance name"};
     }
     std::memcpy(&slot_checksums_[static_cast<uint64_t>(slot) * g.num_objs()], sums.data(), sums.size() * 8);
-    found.push_back({seq, key, slot, blocks});
+    found.push_back({seq, key, slot, blocks, inner});
   }
   bad_headers_ = bad;
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.seq < b.seq; });
@@ -94,12 +95,27 @@ Status UnitStore::recover() {
     uint32_t old;
     if (index_.remove(f.key, &old)) used[old] = 0;  // an older copy of the same unit
     index_.insert(f.key, f.slot, f.blocks);
+    if (f.inner.empty()) inner_of_.erase(f.key);
+    else inner_of_[f.key] = f.inner;
     slot_key_[f.slot] = f.key;
     used[f.slot] = 1;
     commit_seq_ = std::max(commit_seq_, f.seq + 1);
   }
   pool_.set_used(used);
   return Status::Ok();
+}
+
+std::vector<uint64_t> UnitStore::inner_keys() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<uint64_t> out;
+  for (const auto& [key, inner] : inner_of_) {
+    if (!index_.contains(key)) continue;
+    for (uint64_t k : inner) {
+      out.push_back(k);
+      out.push_back(key);
+    }
+  }
+  return out;
 }
 
 void UnitStore::stored_blocks(const uint64_t* keys, uint32_t n, uint32_t* out) const {
@@ -135,6 +151,7 @@ Status UnitStore::alloc_slot(uint32_t* slot) {
     return {Code::kCapacityExceeded, "every GPU file is pinned or in use; nothing can be evicted"};
   evictions_++;
   evicted_.push_back(key);
+  inner_of_.erase(key);
   return invalidate(*slot);
 }
 
@@ -208,6 +225,7 @@ Status UnitStore::refresh() {
     uint32_t slot;
     index_.remove(key, &slot);
   }
+  inner_of_.clear();
   return recover();
 }
 
@@ -241,7 +259,7 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
 }
 
 void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const uint32_t* blocks, const uint64_t* sums,
-                             uint32_t n, std::vector<uint8_t>* committed) {
+                             uint32_t n, std::vector<uint8_t>* committed, const std::vector<uint64_t>* inner) {
   const Geometry& g = geom_;
   committed->assign(n, 0);
   if (n == 0) return;
@@ -250,7 +268,8 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
   // New sequence numbers: recovery keeps the newest commit of a key.
   for (uint32_t i = 0; i < n; ++i)
     encode_header(g, desc_, keys[i], commit_seq_++, blocks[i], sums + static_cast<uint64_t>(i) * g.num_objs(),
-                  hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes);
+                  hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes, inner ? inner[i].data() : nullptr,
+                  inner ? static_cast<uint32_t>(inner[i].size()) : 0);
   // One small write per unit, each to its own slot, all in flight at once.
   pool_.write_slot_heads(slots, hdrs.data(), g.header_bytes, n, committed->data());
   for (uint32_t i = 0; i < n; ++i) {
@@ -259,6 +278,10 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
                 g.num_objs() * sizeof(uint64_t));
     slot_key_[slots[i]] = keys[i];
     index_.insert(keys[i], slots[i], blocks[i]);
+    // What the header holds (encode_header keeps at most blocks - 1 and what fits).
+    const uint32_t kept = inner ? std::min({static_cast<uint32_t>(inner[i].size()), blocks[i] - 1, header_inner_room(g)}) : 0;
+    if (kept) inner_of_[keys[i]].assign(inner[i].begin(), inner[i].begin() + kept);
+    else inner_of_.erase(keys[i]);
     bytes_written_ += g.slot_bytes;
   }
 }
@@ -277,6 +300,7 @@ Status UnitStore::remove(uint64_t key, bool* removed) {
   uint32_t slot;
   const uint32_t blocks = index_.blocks(key);
   if (!index_.remove(key, &slot)) return Status::Ok();
+  inner_of_.erase(key);
   // The header goes first: a unit whose header cannot be cleared stays (it would come back at the
   // next open otherwise).
   Status st = invalidate(slot);

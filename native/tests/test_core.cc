@@ -257,6 +257,25 @@ static void test_header_round_trip() {
   encode_header(other, "fp16[16,8,128]x2", 42, 9, 16, sums.data(), buf.data());
   CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data(), &named) == HeaderState::kOtherLayout);
   CHECK(named.find("fp16") == 0);
+  // Format 4's inner block keys: they come back, at most blocks - 1 of them are kept, and every
+  // single-bit flip in them (or in their count) is a damaged header.
+  const uint64_t in[15] = {11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25};
+  std::vector<uint64_t> got;
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, 16, sums.data(), buf.data(), in, 15);
+  CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data(), nullptr, &got) == HeaderState::kValid &&
+        blocks == 16 && got == std::vector<uint64_t>(in, in + 15));
+  for (size_t bit = 0; bit < 8 * (checked + 8 * 15); ++bit) {
+    buf[bit / 8] ^= 1 << (bit % 8);
+    CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data(), nullptr, &got) != HeaderState::kValid);
+    buf[bit / 8] ^= 1 << (bit % 8);
+  }
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, 3, sums.data(), buf.data(), in, 15);  // a partial unit of 3
+  CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data(), nullptr, &got) == HeaderState::kValid &&
+        blocks == 3 && got == std::vector<uint64_t>(in, in + 2));
+  encode_header(g, "bf16[16,8,128]x2", 42, 9, 16, sums.data(), buf.data());  // none: an empty list
+  CHECK(decode_header(g, buf.data(), &key, &seq, &blocks, back.data(), nullptr, &got) == HeaderState::kValid &&
+        got.empty());
+  CHECK(header_inner_room(g) == (4096 - checked) / 8);
 }
 
 static std::string temp_dir() {

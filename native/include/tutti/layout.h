@@ -56,10 +56,15 @@ Status make_geometry(uint32_t num_layers, uint32_t objs_per_layer, uint64_t bloc
 // 64-bit tag of (key, commit_seq, object index), so an object's checksum is bound to the unit, the
 // commit and its place: a header's list, decoded, yields the plain CRC32C each object must have,
 // and an entry that decodes to more than 32 bits means the header is damaged.
+// Format 4 adds the unit's inner block keys: the block word's high 32 bits count them (at most
+// blocks - 1, and no more than the header's space after the list holds), and they follow the list,
+// under the header checksum. Inner key j is the key a unit ending after block j + 1 of this one would
+// have (the engine's hash of the prefix up to there): a lookup that names it may load this unit's
+// leading j + 1 blocks. Format 3 is format 4 without inner keys.
 // Format 2 is format 3 without the block word (every unit whole): its pools are read as such.
 // Format 1 (an additive checksum that missed two-bit errors) is recognised only to refuse its pools.
 constexpr uint64_t kHeaderMagic = 0x31495454554e4b56ull;  // "VKNUTTI1"
-constexpr uint32_t kHeaderVersion = 3;
+constexpr uint32_t kHeaderVersion = 4;
 constexpr size_t kDescBytes = 96;
 // CRC32C detects every error of up to 3 bits only below 2^31 bits: objects stay under 256 MiB.
 constexpr uint64_t kMaxObjBytes = 1ull << 28;
@@ -87,10 +92,12 @@ uint64_t header_bytes_for(uint32_t num_objs);
 std::string layout_text(const std::string& desc, uint32_t num_layers, uint32_t unit_blocks);
 // The tag folded into the checksum of object `obj` (layer * objs_per_layer + K/V) of a commit.
 uint64_t object_tag(uint64_t key, uint64_t seq, uint32_t obj);
+// Inner keys a header of geometry `g` holds at most (the room after its object list).
+uint32_t header_inner_room(const Geometry& g);
 // Fills `buf` (header_bytes long) for a committed unit of `blocks` KV blocks; `obj_crcs` are the
-// objects' plain CRC32C.
+// objects' plain CRC32C; `inner`: its first min(n_inner, blocks - 1, header_inner_room) inner keys.
 void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq, uint32_t blocks,
-                   const uint64_t* obj_crcs, uint8_t* buf);
+                   const uint64_t* obj_crcs, uint8_t* buf, const uint64_t* inner = nullptr, uint32_t n_inner = 0);
 
 enum class HeaderState {
   kValid,        // a committed unit of this layout
@@ -100,9 +107,10 @@ enum class HeaderState {
   kOldFormat,    // a header that verifies as format 1
 };
 // Verifies `buf` (header_bytes of geometry `g`) before trusting any field; when valid fills key,
-// seq, the unit's blocks and the objects' plain CRC32C values (`obj_crcs`, num_objs entries).
+// seq, the unit's blocks, the objects' plain CRC32C values (`obj_crcs`, num_objs entries) and, when
+// given, the inner keys (`inner`, none before format 4).
 HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint32_t* blocks,
-                          uint64_t* obj_crcs, std::string* other = nullptr);
+                          uint64_t* obj_crcs, std::string* other = nullptr, std::vector<uint64_t>* inner = nullptr);
 
 // Extent: a run of consecutive KV blocks of one cache unit (16 bytes, as in the paper).
 struct Extent {

@@ -43,8 +43,10 @@ class Store : public UnitStore {
   // IOCB the request will use (CapacityExceeded, with nothing held, when the table cannot hold them),
   // so a layer call never runs out; the per-layer calls are O(1) on the host: each posts the layer's
   // prepared IOCBs.
+  // A store may name each unit's inner block keys (layout.h, format 4): `n_inner[u]` of them for unit
+  // u, one after another in `inner`; both null for none.
   Status begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int64_t* block_ids, uint64_t n_blocks,
-               uint32_t* request);
+               uint32_t* request, const uint64_t* inner = nullptr, const uint32_t* n_inner = nullptr);
   // Posts one layer, ordered after `event` (a device event handle) when given, else after the work
   // queued on `stream` (a device stream handle; 0 is the legacy default stream) when >= 0.
   Status layer(uint32_t layer, uint32_t request, uint64_t event, int64_t stream = -1);
@@ -86,6 +88,7 @@ class Store : public UnitStore {
     std::vector<uint8_t> unit_present;  // retrieve: pinned; store: slot reserved
     std::vector<uint8_t> unit_failed;
     std::vector<uint32_t> unit_blocks;  // KV blocks each unit moves: unit_blocks, fewer for a partial last unit
+    std::vector<std::vector<uint64_t>> inner;  // store: each unit's inner block keys (may be empty)
     std::vector<Ioctx> ctx;
     std::vector<Extent> extents;
     std::vector<uint64_t> checksums;

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "tutti/common.h"
@@ -81,6 +82,8 @@ class UnitStore {
   // Drops a unit (*removed: it was present). Refused on a read-only store.
   Status remove(uint64_t key, bool* removed);
   std::vector<uint64_t> keys() const { return index_.keys(); }
+  // (inner key, unit key) of every stored unit's inner block keys (layout.h, format 4), flattened.
+  std::vector<uint64_t> inner_keys() const;
   virtual StoreStats stats() const;
   // Evicted keys since the last call (for the node daemon and cluster directory).
   std::vector<uint64_t> drain_evicted();
@@ -104,8 +107,9 @@ class UnitStore {
   // holds; `sums`: num_objs plain CRC32Cs per unit, in order). Headers go out as one io_uring batch. The
   // one way any unit is committed: an engine's stores and imported replicas alike. Under mu_.
   // committed[i]: unit i is visible.
+  // `inner`: each unit's inner block keys (n vectors), or null.
   void commit_units(const uint32_t* slots, const uint64_t* keys, const uint32_t* blocks, const uint64_t* sums,
-                    uint32_t n, std::vector<uint8_t>* committed);
+                    uint32_t n, std::vector<uint8_t>* committed, const std::vector<uint64_t>* inner = nullptr);
 
   StoreOptions opt_;
   Geometry geom_;
@@ -114,6 +118,7 @@ class UnitStore {
   Index index_;
   std::vector<uint64_t> slot_checksums_;
   std::vector<uint64_t> slot_key_;
+  std::unordered_map<uint64_t, std::vector<uint64_t>> inner_of_;  // unit key -> its inner keys, if any
   uint64_t commit_seq_ = 1;
   mutable std::mutex mu_;
   std::vector<uint64_t> evicted_;
