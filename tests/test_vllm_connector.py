@@ -203,20 +203,20 @@ def test_store_round_trip_through_vllm_layouts(tmp_path, form) -> None:
 
 
 # ---- stats and worker metadata ------------------------------------------------------------------
-def test_block_index_forgets_the_oldest_and_evicted_units() -> None:
-    from tutti_cluster.vllm.scheduler import _BlockIndex
+def test_inner_index_forgets_the_oldest_and_evicted_units() -> None:
+    from tutti_cluster.vllm.scheduler import _InnerIndex
 
-    ix = _BlockIndex(max_units=2)
-    ix.add(1, b"u1", [b"a", b"b"])
-    ix.add(2, b"u2", [b"b", b"c"])  # a boundary both units share names the later one
-    assert (ix.unit_of(b"a"), ix.unit_of(b"b")) == (b"u1", b"u2")
-    ix.forget(1)  # evicted: its own boundaries go, the other unit's stay
-    assert (ix.unit_of(b"a"), ix.unit_of(b"b"), ix.unit_of(b"c")) == (None, b"u2", b"u2")
-    ix.add(3, b"u3", [b"d"])
-    ix.add(4, b"u4", [b"e"])  # over max_units: the oldest goes
-    assert 2 not in ix and ix.unit_of(b"c") is None and ix.unit_of(b"e") == b"u4"
-    ix.add(5, b"u5", [])  # a unit of one block has no boundary inside
-    assert 5 not in ix
+    ix = _InnerIndex(max_units=2)
+    ix.add(1, [10, 11])
+    ix.add(2, [11, 12])  # an inner key both units hold names the later one
+    assert (ix.unit_of(10), ix.unit_of(11)) == (1, 2)
+    ix.forget(1)  # evicted: its own inner keys go, the other unit's stay
+    assert (ix.unit_of(10), ix.unit_of(11), ix.unit_of(12)) == (None, 2, 2)
+    ix.add(3, [13])
+    ix.add(4, [14])  # over max_units: the oldest goes
+    assert ix.unit_of(12) is None and ix.unit_of(14) == 4 and len(ix) == 2
+    ix.add(5, [])  # a unit of one block has no inner key
+    assert len(ix) == 2
 
 
 def test_stats_aggregate_and_reset() -> None:

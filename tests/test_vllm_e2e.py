@@ -160,6 +160,23 @@ def test_blocks_inside_another_prompts_unit_are_served(work: dict[str, Any]) -> 
     assert c["outputs"] == baseline["outputs"]
 
 
+def test_a_fresh_engine_finds_blocks_inside_units_another_engine_stored(work: dict[str, Any]) -> None:
+    """The same, across engines: the store from the test above (its units' inner block keys in
+    their headers) serves a fresh engine whose only prompts share 600 tokens with the stored ones:
+    576 of each prompt come from the store, outputs equal the engine's without a connector."""
+    env = {"VLLM_MODEL_SUFFIX_SEED": "9"}
+    root = work["root"]
+    baseline = _engine(work["model"], root / "a_fresh_shared.json", **env)
+    store = root / "store_fresh_shared"
+    shutil.copytree(root / "store_shared", store)
+    c = _engine(work["model"], root / "c_fresh_shared.json", _kv_config(root, paths=[str(store)], load_async=True),
+                **env)
+    m = c["metrics"]
+    assert m.get("vllm:external_prefix_cache_hits", 0) == 3 * (512 + 2 * BLOCK_TOKENS), m
+    assert m.get("vllm:tutti_lookup_shared_units", 0) == 3, m
+    assert c["outputs"] == baseline["outputs"]
+
+
 def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:
     store = _copy_store(work, "store_d")
     assert corrupt_pool(store, UNIT_TOKENS) > 0

@@ -20,7 +20,10 @@ if importlib.util.find_spec("vllm") is None:
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+
 from tutti_cluster.vllm.config import prefix_hash, unit_key  # noqa: E402
+from tutti_cluster.vllm.metadata import TuttiHandshake, TuttiWorkerMetadata  # noqa: E402
 
 BLOCK, UNIT = 32, 128  # 4 blocks per unit
 ALPHABET = 50
@@ -71,8 +74,11 @@ def _stored_tokens(prompt: list[int], unit: int) -> int:
 @given(seed=st.integers(0, 2**32 - 1), stored=st.lists(st.tuples(st.integers(0, 700), st.integers(0, 160)),
                                                       min_size=1, max_size=4),
        query=st.tuples(st.integers(0, 700), st.integers(1, 160)))
-def test_lookup_reports_exactly_the_shared_stored_blocks(env, seed, stored, query) -> None:
-    """Prompts cut from one 700-token text at random points, each followed by tokens of its own."""
+@pytest.mark.parametrize("known", ["saved", "on disk"])
+def test_lookup_reports_exactly_the_shared_stored_blocks(env, known, seed, stored, query) -> None:
+    """Prompts cut from one 700-token text at random points, each followed by tokens of its own.
+    The units and their inner keys are known from the workers' commit reports, or from what their
+    stores found on disk (a fresh engine's handshake)."""
     rnd = random.Random(seed)
     base = [rnd.randrange(1, ALPHABET) for _ in range(700)]
 
@@ -84,7 +90,7 @@ def test_lookup_reports_exactly_the_shared_stored_blocks(env, seed, stored, quer
     prefix0 = sched._prefixes[0]
     saved = [base[:cut] + own(rest) for cut, rest in stored]
     saved = [p for p in saved if p]
-    units_of: dict[bytes, list[int]] = {}  # stored unit hash -> the prompt that stored it
+    units_of: dict[int, list[int]] = {}  # stored unit key -> the prompt that stored it
     for p in saved:
         r = request(p)
         for u in range(-(-len(p) // UNIT)):
@@ -92,11 +98,17 @@ def test_lookup_reports_exactly_the_shared_stored_blocks(env, seed, stored, quer
             if t == 0:
                 continue
             h = prefix_hash(r.block_hashes, BLOCK, u * UNIT + t)
-            sched._note_blocks(r, u, h, t)  # what a save of the unit notes
-            sched._present.add(unit_key(prefix0, h))
-            units_of[h] = p
+            key = unit_key(prefix0, h)
+            inner = [unit_key(prefix0, b) for b in sched._boundaries(r, u, t)]
+            if known == "saved":  # the workers' report of a commit
+                sched.update_connector_output(KVConnectorOutput(
+                    kv_connector_worker_meta=TuttiWorkerMetadata(committed=[key], inner={key: inner})))
+            else:  # what a worker's store found on disk at start
+                sched.set_xfer_handshake_metadata({0: TuttiHandshake(rank=0, keys=[key],
+                                                                     inner=dict.fromkeys(inner, key))})
+            units_of[key] = p
     q = base[: query[0]] + own(query[1])
-    local, total, tail, tail_h = sched._lookup(request(q))
+    local, total, tail, tail_h, tail_keys = sched._lookup(request(q))
     limit = len(q) - 1  # at least the last prompt token is computed
 
     # Whole units: every one shared with a prompt that stored it whole.
@@ -111,6 +123,6 @@ def test_lookup_reports_exactly_the_shared_stored_blocks(env, seed, stored, quer
                      for p in saved] + [0])
     assert tail == want_tail
     if tail:
-        p = units_of[tail_h]
+        p = units_of[tail_keys[0] if tail_keys else unit_key(prefix0, tail_h)]
         assert _lcp(q, p) >= start + tail  # the unit served shares every token it gives
         assert _stored_tokens(p, want_units) >= tail

@@ -90,7 +90,8 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
     # any save still reading them is done. The others decode on the shared prefix.
     shape = {"prefix_tokens": int(os.environ.get("VLLM_MODEL_PREFIX_TOKENS", "600")),
              "suffix_tokens": int(os.environ.get("VLLM_MODEL_SUFFIX_TOKENS", "40"))}
-    batches = [prompts(**shape)]
+    first_seed = os.environ.get("VLLM_MODEL_SUFFIX_SEED")  # the first batch's suffixes: the same prefix
+    batches = [prompts(**shape, suffix_seed=int(first_seed) if first_seed else None)]
     second = os.environ.get("VLLM_MODEL_SECOND_SUFFIX_SEED")  # a second batch: the same prefix, new suffixes
     if second:
         batches.append(prompts(**shape, suffix_seed=int(second)))

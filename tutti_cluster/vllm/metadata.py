@@ -4,10 +4,10 @@
   bound by the model runner before the step): the loads and saves of the step, each a
   :class:`Transfer` of units with their block ids.
 - :class:`TuttiWorkerMetadata`, workers -> scheduler once per step (``build_connector_worker_meta``,
-  summed over ranks with ``aggregate``, read in ``update_connector_output``): the keys committed and
-  evicted, and each request's first unit that failed to load.
+  summed over ranks with ``aggregate``, read in ``update_connector_output``): the keys committed (with
+  their inner keys) and evicted, and each request's first unit that failed to load.
 - :class:`TuttiHandshake`, each worker -> scheduler once at start (``get_handshake_metadata``,
-  ``set_xfer_handshake_metadata``): the keys its store found on disk.
+  ``set_xfer_handshake_metadata``): the keys its store found on disk, and their inner keys.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ class Transfer:
     first_unit: int = 0  # index of unit 0 of this transfer in the request's prompt
     remote_from: int | None = None  # loads: units from this index on come from other nodes
     finish: bool = False  # saves: the request has finished; report it once the save is done
+    # Saves: per unit, the hashes at its inner block boundaries (stored as the unit's inner keys).
+    inner: list[list[bytes]] | None = None
+    # Loads: per rank, the store key of the last unit, when it is found by an inner key (another
+    # prompt's unit, whose own hash the scheduler does not know); its entry in ``hashes`` is unused.
+    tail_keys: list[int] | None = None
 
 
 @dataclass
@@ -57,18 +62,22 @@ class TuttiWorkerMetadata(KVConnectorWorkerMetadata):
     committed: list[int] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
     failed: dict[str, int] = field(default_factory=dict)
+    inner: dict[int, list[int]] = field(default_factory=dict)  # committed unit key -> its inner keys
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, TuttiWorkerMetadata)
         failed = dict(self.failed)
         for req_id, unit in other.failed.items():
             failed[req_id] = min(unit, failed.get(req_id, unit))
-        return TuttiWorkerMetadata(self.committed + other.committed, self.evicted + other.evicted, failed)
+        return TuttiWorkerMetadata(self.committed + other.committed, self.evicted + other.evicted, failed,
+                                   {**self.inner, **other.inner})
 
 
 @dataclass
 class TuttiHandshake(KVConnectorHandshakeMetadata):
-    """Worker -> scheduler, once at start: the keys its store found on disk."""
+    """Worker -> scheduler, once at start: the keys its store found on disk, and its units' inner
+    keys (inner key -> unit key)."""
 
     rank: int
     keys: list[int]
+    inner: dict[int, int] = field(default_factory=dict)

@@ -16,11 +16,12 @@ prompt that repeats, extends or shares a stored prefix recomputes less than one 
 ``unit_tokens - 1`` tokens (local units only: the replica directory is asked for whole units).
 
 The last case needs to know where a unit's blocks end: vLLM chains its block hashes, so the hash at
-each block boundary inside a unit names the prefix up to there. The scheduler remembers, for every
-unit it saves or loads, the hashes at the unit's inner block boundaries (``_BlockIndex``), and a
-lookup that finds its own hash at a boundary there loads the leading blocks of that unit. This
-index lives in the scheduler's memory only: units an earlier engine stored are found there once a
-request of this engine has saved or loaded them (their keys on storage carry no block hashes).
+each block boundary inside a unit names the prefix up to there. Each save hands the workers those
+hashes, which their stores commit in the unit's header as its *inner keys* (one per rank, like unit
+keys). The scheduler learns them like unit keys: from each worker's store at start (handshake),
+then from the workers' commit reports (``_InnerIndex``). A lookup that finds its own key at a
+boundary inside a stored unit loads that unit's leading blocks, naming it by each rank's key
+(``Transfer.tail_keys``).
 
 With ``defer_saves`` a save's writes run on past its step (``TuttiWorker``); a finished request with
 such writes keeps its blocks, and stays tracked here with the engine stepping, until the workers
@@ -60,36 +61,38 @@ log = logging.getLogger("tutti_cluster.vllm")  # one logger for every part of th
 __all__ = ["TuttiScheduler"]
 
 
-class _BlockIndex:
-    """Hash at a block boundary inside a unit -> the hash naming that unit (module docs), for the
-    ``max_units`` units saved or loaded last (4M tokens of prefixes at 256-token units), keyed by
-    rank 0's store key so that evictions reach it."""
+class _InnerIndex:
+    """Inner key -> the key of the unit it lies in (module docs), every rank's, for the
+    ``max_units`` unit keys added last (the oldest forgotten first), so that evictions reach it."""
 
-    def __init__(self, max_units: int = 1 << 14) -> None:
+    def __init__(self, max_units: int) -> None:
         self.max_units = max_units
-        self._unit_of: dict[bytes, bytes] = {}  # boundary hash -> unit hash
-        self._units: dict[int, tuple[bytes, list[bytes]]] = {}  # key -> (unit hash, boundaries), oldest first
+        self._unit_of: dict[int, int] = {}  # inner key -> unit key
+        self._units: dict[int, list[int]] = {}  # unit key -> its inner keys, oldest unit first
 
-    def __contains__(self, key: int) -> bool:
-        return key in self._units
+    def __len__(self) -> int:
+        return len(self._units)
 
-    def add(self, key: int, unit_hash: bytes, boundaries: list[bytes]) -> None:
-        if key in self._units or not boundaries:
+    def add(self, unit: int, inner: list[int]) -> None:
+        if not inner or unit in self._units:
             return
-        self._units[key] = (unit_hash, boundaries)
-        for b in boundaries:
-            self._unit_of[b] = unit_hash
+        self._units[unit] = inner
+        for k in inner:
+            self._unit_of[k] = unit
         while len(self._units) > self.max_units:
             self.forget(next(iter(self._units)))
 
-    def forget(self, key: int) -> None:
-        unit_hash, boundaries = self._units.pop(key, (b"", []))
-        for b in boundaries:
-            if self._unit_of.get(b) == unit_hash:
-                del self._unit_of[b]
+    def forget(self, unit: int) -> None:
+        for k in self._units.pop(unit, ()):
+            if self._unit_of.get(k) == unit:
+                del self._unit_of[k]
 
-    def unit_of(self, boundary: bytes) -> bytes | None:
-        return self._unit_of.get(boundary)
+    def unit_of(self, inner: int) -> int | None:
+        return self._unit_of.get(inner)
+
+
+# (local units, all units, tail tokens, tail unit's hash, tail unit's key per rank): TuttiScheduler._lookup
+_Lookup = tuple[int, int, int, "bytes | None", "list[int] | None"]
 
 
 @dataclass
@@ -122,9 +125,11 @@ class TuttiScheduler:
                 "--kv-transfer-config (docs/VLLM.md)")
         self._stats = TuttiConnectorStats()
         self._present: set[int] = set()
-        self._blocks = _BlockIndex()
+        # The inner keys of 32,768 units per rank at most (8.4M prompt tokens at 256-token units;
+        # about 1.4 KB per unit of 16 blocks, 47 MB per rank when full).
+        self._inner = _InnerIndex(max_units=(1 << 15) * setup.world)
         self._reqs: dict[str, _ReqState] = {}
-        self._lookups: dict[str, tuple[int, int, int, bytes | None]] = {}  # req_id -> the latest _lookup
+        self._lookups: dict[str, _Lookup] = {}  # req_id -> the latest _lookup
         self._pending_loads: list[Transfer] = []
         self._pending_async: list[Transfer] = []
         self._lookups_at: dict[str, tuple[float, int, int, int]] = {}  # req_id -> (time, units asked, local, all)
@@ -156,7 +161,13 @@ class TuttiScheduler:
         for m in metadata.values():
             if isinstance(m, TuttiHandshake):
                 self._present.update(m.keys)
-        log.info("Tutti connector: %d units present in the workers' stores", len(self._present))
+                units: dict[int, list[int]] = {}
+                for inner, unit in m.inner.items():
+                    units.setdefault(unit, []).append(inner)
+                for unit, inner in units.items():
+                    self._inner.add(unit, inner)
+        log.info("Tutti connector: %d units present in the workers' stores (%d inner keys)", len(self._present),
+                 len(self._inner))
 
     def _hits(self, hashes: list[bytes]) -> int:
         """Leading units present on every rank."""
@@ -181,10 +192,11 @@ class TuttiScheduler:
             n = min(n, len(owners))
         return n
 
-    def _lookup(self, request: Request) -> tuple[int, int, int, bytes | None]:
-        """(local, total, tail, tail hash): the leading whole units of the request's prompt available
-        to load from this node and from the cluster, then the tokens available after them from one
-        more unit and the hash naming that unit (when all of them are local; else 0 and None).
+    def _lookup(self, request: Request) -> _Lookup:
+        """(local, total, tail, tail hash, tail keys): the leading whole units of the request's prompt
+        available to load from this node and from the cluster, then the tokens available after them
+        from one more unit (when all of them are local; else 0), and what names that unit: its hash,
+        or, for a unit found by its inner keys on disk, each rank's key of it (see ``_tail_hit``).
 
         A directory lookup costs an etcd round trip, and vLLM asks again for a request it could not
         schedule yet, so a cluster answer is reused for a second.
@@ -200,36 +212,35 @@ class TuttiScheduler:
             else:
                 total = local + self._remote_hits(hashes, local)
                 self._lookups_at[request.request_id] = (now, len(hashes), local, total)
-        tail, tail_h = self._tail_hit(request, local, max_tokens) if total == local else (0, None)
-        return local, total, tail, tail_h
+        tail, tail_h, tail_keys = self._tail_hit(request, local, max_tokens) if total == local else (0, None, None)
+        return local, total, tail, tail_h, tail_keys
 
-    def _tail_hit(self, request: Request, units: int, max_tokens: int) -> tuple[int, bytes | None]:
-        """(tokens, hash) of the longest run of blocks after the first ``units`` that every rank
-        holds in one unit: the leading blocks of the next whole unit (when the prompt covers it but
-        its last token must be computed), else the longest partial unit stored there."""
+    def _tail_hit(self, request: Request, units: int, max_tokens: int) -> tuple[int, bytes | None, list[int] | None]:
+        """(tokens, hash, keys) of the longest run of blocks after the first ``units`` that every
+        rank holds in one unit, tried at each block boundary, longest first: the prompt's own unit
+        ending there (the next whole unit, of which the last token must be computed, or a partial
+        unit), else a unit that lies across the boundary, found by every rank's inner key there
+        (then ``keys`` names it per rank; the hash is the boundary's)."""
         if not self.options.partial_units:
-            return 0, None
+            return 0, None, None
         step, start = self.setup.tail_step, units * self.unit_tokens
         t = min(self.unit_tokens - step, (max_tokens - start) // step * step)
         for end in (start + self.unit_tokens, *range(start + t, start, -step)):
             h = prefix_hash(request.block_hashes, self.setup.hash_block, end) if t > 0 else None
             if h is None:
                 continue
-            for unit in (h, self._blocks.unit_of(h)):  # this prompt's own unit, or one sharing its blocks
-                if unit is not None and all(unit_key(p, unit) in self._present for p in self._prefixes):
-                    return min(t, end - start), unit
-        return 0, None
+            if all(unit_key(p, h) in self._present for p in self._prefixes):  # this prompt's own unit
+                return min(t, end - start), h, None
+            keys = [self._inner.unit_of(unit_key(p, h)) for p in self._prefixes]  # one sharing its blocks
+            if all(k is not None and k in self._present for k in keys):
+                return min(t, end - start), h, keys  # type: ignore[return-value]
+        return 0, None, None
 
-    def _note_blocks(self, request: Request, unit: int, unit_hash: bytes, tokens: int) -> None:
-        """Remembers the hashes at the block boundaries inside unit ``unit`` of ``request`` (named
-        ``unit_hash``, holding ``tokens`` tokens), for prompts that share only its leading blocks."""
-        key = unit_key(self._prefixes[0], unit_hash)
-        if not self.options.partial_units or key in self._blocks:
-            return
+    def _boundaries(self, request: Request, unit: int, tokens: int) -> list[bytes]:
+        """The hashes at the block boundaries inside unit ``unit`` of ``request`` (``tokens`` long)."""
         step, start = self.setup.tail_step, unit * self.unit_tokens
-        boundaries = [b for end in range(start + step, start + tokens, step)
-                      if (b := prefix_hash(request.block_hashes, self.setup.hash_block, end)) is not None]
-        self._blocks.add(key, unit_hash, boundaries)
+        return [b for end in range(start + step, start + tokens, step)
+                if (b := prefix_hash(request.block_hashes, self.setup.hash_block, end)) is not None]
 
     def _prompt_tail(self, request: Request) -> tuple[int, int]:
         """(unit index, tokens) of the prompt's partial last unit; tokens 0 when it has none."""
@@ -253,7 +264,7 @@ class TuttiScheduler:
             return 0, False
         looked = self._lookup(request)
         self._lookups[request.request_id] = looked
-        _, hits, tail, _ = looked
+        _, hits, tail, _, _ = looked
         ext = hits * self.unit_tokens + tail - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -262,7 +273,7 @@ class TuttiScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         looked = self._lookups.pop(req_id, None)
-        local, hits, tail, tail_h = looked if looked is not None else self._lookup(request)
+        local, hits, tail, tail_h, tail_keys = looked if looked is not None else self._lookup(request)
         state = self._reqs.get(req_id)
         if state is None or num_external_tokens > 0:
             state = _ReqState(request=request, save_next=hits)
@@ -275,16 +286,11 @@ class TuttiScheduler:
         first = (end - num_external_tokens) // self.unit_tokens
         (block_ids,) = blocks.get_block_ids()[:1]
         hashes = self._hashes(request, hits)[first:hits]
-        for i, h in enumerate(hashes):  # whole units of this prompt's own
-            self._note_blocks(request, first + i, h, self.unit_tokens)
         want = len(hashes) * self.unit_blocks
         if tail and tail_h is not None:  # last: only a request's last unit may move fewer blocks
             hashes.append(tail_h)
             want += tail // self.setup.block_size
-            start, hb = hits * self.unit_tokens, self.setup.hash_block
-            own = (prefix_hash(request.block_hashes, hb, start + self.unit_tokens),
-                   prefix_hash(request.block_hashes, hb, start + tail))
-            if tail_h not in own:  # another prompt's unit, sharing only these blocks
+            if tail_keys:  # another prompt's unit, sharing only these blocks
                 self._stats.add("lookup_shared_units", 1)
         ids = list(block_ids[first * self.unit_blocks : first * self.unit_blocks + want])
         if len(ids) != want:
@@ -292,7 +298,7 @@ class TuttiScheduler:
             return
         self._stats.add("lookup_hit_units", len(hashes))
         remote_from = max(local - first, 0) if hits > local else None
-        t = Transfer(req_id, hashes, ids, first, remote_from)
+        t = Transfer(req_id, hashes, ids, first, remote_from, tail_keys=tail_keys)
         (self._pending_async if self.options.load_async else self._pending_loads).append(t)
 
     # ---- each step ------------------------------------------------------------------------------
@@ -389,17 +395,18 @@ class TuttiScheduler:
         A partial unit can only be the prompt's last, so it is the transfer's last too."""
         hashes: list[bytes] = []
         ids: list[int] = []
+        inner: list[list[bytes]] = []
         for u in units:
             span = self._span(st, u)
-            if span is not None:
-                self._note_blocks(st.request, u, span[0], len(span[1]) * self.setup.block_size)
             if span is None or span[0] in seen or all(unit_key(p, span[0]) in self._present for p in self._prefixes):
                 continue
             seen.add(span[0])
             hashes.append(span[0])
             ids.extend(span[1])
+            if self.options.partial_units:
+                inner.append(self._boundaries(st.request, u, len(span[1]) * self.setup.block_size))
         if hashes or st.finished:
-            meta.saves.append(Transfer(req_id, hashes, ids, finish=st.finished))
+            meta.saves.append(Transfer(req_id, hashes, ids, finish=st.finished, inner=inner or None))
         st.writing = st.writing or (bool(hashes) and self.options.defer_saves)
         if st.finished:
             # Kept (and the engine stepping) until the workers report it, once its writes are done:
@@ -417,8 +424,10 @@ class TuttiScheduler:
         if isinstance(meta, TuttiWorkerMetadata):
             self._present.update(meta.committed)
             self._present.difference_update(meta.evicted)
+            for unit, inner in meta.inner.items():
+                self._inner.add(unit, inner)
             for key in meta.evicted:
-                self._blocks.forget(key)
+                self._inner.forget(key)
             for req_id, unit in meta.failed.items():
                 self._unclaim(req_id, unit)
         invalid = getattr(connector_output, "invalid_block_ids", None)

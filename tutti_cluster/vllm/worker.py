@@ -53,6 +53,7 @@ class _InFlight:
     handle: int
     keys: list[int]
     error: bool = False  # a layer call or wait failed: nothing of it counts as loaded (or saved)
+    inner: list[list[int]] | None = None  # saves: each unit's inner keys
 
 
 class TuttiWorker:
@@ -82,6 +83,7 @@ class TuttiWorker:
         self._finished_sending: set[str] = set()
         self._finishing: list[str] = []
         self._committed: list[int] = []
+        self._inner: dict[int, list[int]] = {}  # committed unit key -> its inner keys, for the scheduler
         self._evicted: list[int] = []
         self._failed: dict[str, int] = {}
         self._link: Any = None  # the node daemon's socket, when a daemon runs
@@ -165,21 +167,29 @@ class TuttiWorker:
     def get_handshake_metadata(self) -> TuttiHandshake | None:
         if self.store is None:
             return None
-        return TuttiHandshake(rank=self.rank, keys=self.store.keys())
+        return TuttiHandshake(rank=self.rank, keys=self.store.keys(), inner=self.store.inner_keys())
 
     # ---- loads ----------------------------------------------------------------------------------
     def _begin(self, t: Transfer, load: bool) -> _InFlight | None:
         keys = [unit_key(self.prefix, h) for h in t.hashes]
-        begin = self.store.begin_retrieve if load else self.store.begin_store
+        if load and t.tail_keys:
+            keys[-1] = t.tail_keys[self.rank]  # another prompt's unit, found by an inner key
+        inner = None if load or t.inner is None else [[unit_key(self.prefix, b) for b in bs] for bs in t.inner]
+
+        def begin() -> int:
+            if load:
+                return self.store.begin_retrieve(keys, t.block_ids)
+            return self.store.begin_store(keys, t.block_ids, inner)
+
         try:
             try:
-                h = begin(keys, t.block_ids)
+                h = begin()
             except CapacityExceeded:
                 if not self._writing:
                     raise
                 # Earlier steps' writes hold IOCBs or request slots: end them, then once more.
                 self._settle_writes(wait=True)
-                h = begin(keys, t.block_ids)
+                h = begin()
         except TuttiError as e:
             log.warning("Tutti %s of request %s not started: %s", "load" if load else "store", t.req_id, e)
             if load:
@@ -189,7 +199,7 @@ class TuttiWorker:
             else:
                 self._stats.add("store_failed_units", len(keys))
             return None
-        return _InFlight(t, h, keys)
+        return _InFlight(t, h, keys, inner=inner)
 
     def start_load_kv(self, meta: TuttiConnectorMetadata | None) -> None:
         """Hands each request's units to the store and starts every layer's retrieve."""
@@ -341,6 +351,8 @@ class TuttiWorker:
             self._stats.add("store_failed_units", len(f.keys))
             return
         self._stats.add("store_units", len(res.committed_units))
+        if f.inner:
+            self._inner.update({f.keys[u]: f.inner[u] for u in res.committed_units if f.inner[u]})
         self._stats.add("store_skipped_units", res.skipped_units)
         self._stats.add("store_failed_units", len(res.failed_units))
 
@@ -392,7 +404,8 @@ class TuttiWorker:
     def build_connector_worker_meta(self) -> TuttiWorkerMetadata | None:
         if not self._committed and not self._evicted and not self._failed:
             return None
-        meta = TuttiWorkerMetadata(self._committed[:], self._evicted[:], self._failed)
+        meta = TuttiWorkerMetadata(self._committed[:], self._evicted[:], self._failed, self._inner)
+        self._inner = {}
         self._committed.clear()
         self._evicted.clear()
         self._failed = {}
