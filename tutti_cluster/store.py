@@ -85,6 +85,23 @@ def struct_dict(obj: Any) -> dict[str, Any]:
     return {n: getattr(obj, n) for n in dir(cls) if isinstance(getattr(cls, n, None), property)}
 
 
+def _inner_lists(inner_keys: Any) -> list[list[Any]]:
+    """``inner_keys`` as one list per unit; LayoutError for anything else (a bytes key in place of
+    a unit's list, say, which would otherwise be read as one key per byte)."""
+    text = (bytes, bytearray, memoryview, str)
+    try:
+        if isinstance(inner_keys, text):
+            raise TypeError
+        lists = []
+        for ks in inner_keys:
+            if isinstance(ks, text):
+                raise TypeError
+            lists.append(list(ks))
+    except TypeError:
+        raise LayoutError("inner_keys must hold one list of integer keys per unit") from None
+    return lists
+
+
 def _block_array(block_ids: Any) -> np.ndarray:
     a = np.asarray(block_ids)
     if a.ndim != 1:
@@ -277,10 +294,11 @@ class TuttiStore:
         """
         if inner_keys is None:
             return self._begin(_STORE, keys, block_ids)
-        if len(inner_keys) != len(keys):
-            raise LayoutError(f"{len(inner_keys)} lists of inner keys for {len(keys)} units")
-        flat = [k for ks in inner_keys for k in ks]
-        counts = np.array([len(ks) for ks in inner_keys], dtype=np.uint32)
+        lists = _inner_lists(inner_keys)
+        if len(lists) != len(keys):
+            raise LayoutError(f"{len(lists)} lists of inner keys for {len(keys)} units")
+        flat = [k for ks in lists for k in ks]
+        counts = np.array([len(ks) for ks in lists], dtype=np.uint32)
         return self._begin(_STORE, keys, block_ids, key_array(flat), counts)
 
     def _begin(self, op: Any, keys: Sequence[Key], block_ids: Any, inner: Any = None, counts: Any = None) -> int:

@@ -156,13 +156,13 @@ Status UnitStore::alloc_slot(uint32_t* slot) {
 }
 
 Status UnitStore::decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks,
-                              std::vector<uint64_t>* sums) const {
+                              std::vector<uint64_t>* sums, std::vector<uint64_t>* inner) const {
   const Geometry& g = geom_;
   if (n != g.slot_bytes)
     return {Code::kLayout, "unit is " + std::to_string(n) + " bytes, this layout's GPU file is " + std::to_string(g.slot_bytes)};
   sums->assign(g.num_objs(), 0);
   uint64_t seq;
-  switch (decode_header(g, data, key, &seq, blocks, sums->data())) {
+  switch (decode_header(g, data, key, &seq, blocks, sums->data(), nullptr, inner)) {
     case HeaderState::kValid: break;
     case HeaderState::kOtherLayout: return {Code::kNotFound, "unit is of another layout"};
     default: return {Code::kNotFound, "unit header does not verify"};
@@ -171,9 +171,9 @@ Status UnitStore::decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, ui
 }
 
 Status UnitStore::verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks,
-                              std::vector<uint64_t>* sums) const {
+                              std::vector<uint64_t>* sums, std::vector<uint64_t>* inner) const {
   const Geometry& g = geom_;
-  Status st = decode_unit(data, n, key, blocks, sums);
+  Status st = decode_unit(data, n, key, blocks, sums, inner);
   if (!st.ok()) return st;
   for (uint32_t o = 0; o < g.num_objs(); ++o)
     if (crc32c_extend(0, data + g.header_bytes + static_cast<uint64_t>(o) * g.obj_bytes, g.obj_bytes) != (*sums)[o])
@@ -221,6 +221,8 @@ Status UnitStore::read_unit(uint64_t key, std::vector<uint8_t>* out) {
 
 Status UnitStore::refresh() {
   if (!opt_.read_only) return {Code::kInvalid, "refresh() is for read-only stores; a writer's index is authoritative"};
+  // Under mu_: readers of the per-slot state and the inner keys (inner_keys) take it too.
+  std::lock_guard<std::mutex> lk(mu_);
   for (uint64_t key : index_.keys()) {
     uint32_t slot;
     index_.remove(key, &slot);
@@ -231,9 +233,9 @@ Status UnitStore::refresh() {
 
 Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
   if (opt_.read_only) return {Code::kInvalid, "store opened read-only: import units into the engine's store"};
-  std::vector<uint64_t> sums;
+  std::vector<uint64_t> sums, inner;
   uint32_t blocks;
-  Status st = verify_unit(data, n, key, &blocks, &sums);
+  Status st = verify_unit(data, n, key, &blocks, &sums, &inner);
   if (!st.ok()) return st;
   std::lock_guard<std::mutex> lk(mu_);
   if (index_.contains(*key)) return Status::Ok();
@@ -251,7 +253,7 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
   st = pool_.pwrite_all(slot, hb, buf.data() + hb, n - hb);
   if (st.ok()) {
     std::vector<uint8_t> done;
-    commit_units(&slot, key, &blocks, sums.data(), 1, &done);
+    commit_units(&slot, key, &blocks, sums.data(), 1, &done, &inner);  // a replica keeps its inner keys
     if (!done[0]) st = {Code::kStorage, "writing the unit's header failed"};
   }
   if (!st.ok()) free_slot(slot);

@@ -99,8 +99,11 @@ class UnitStore {
   Status invalidate(uint32_t slot) const;
   // A GPU file's size and header (key, layout, blocks, per-object checksums into *sums); verify_unit
   // also checks every object against its checksum.
-  Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks, std::vector<uint64_t>* sums) const;
-  Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks, std::vector<uint64_t>* sums) const;
+  // `inner`, when given: the unit's inner keys.
+  Status decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks, std::vector<uint64_t>* sums,
+                     std::vector<uint64_t>* inner = nullptr) const;
+  Status verify_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks, std::vector<uint64_t>* sums,
+                     std::vector<uint64_t>* inner = nullptr) const;
   StoreStats units_stats() const;  // under mu_
   // Commit after write: writes the headers of units whose objects are already in their slots, then
   // makes each unit whose header was written visible under its key (`blocks`: the KV blocks each
