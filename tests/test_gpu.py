@@ -259,6 +259,26 @@ def test_partial_last_units(shm_dirs: list[Path], dirs: list[Path], mapped: bool
 
 
 @gpu
+def test_inner_keys_name_the_leading_blocks_of_a_gpu_stored_unit(dirs: list[Path]) -> None:
+    """Inner keys committed by a CUDA engine's store come back after a reopen, and the unit one of
+    them names serves its leading blocks byte-exact through the I/O kernel."""
+    kv = make_gpu_kv("kv_first", layers=3, blocks=96, seed=13)
+    with open_gpu_store(dirs[:1], kv, "kv_first") as s:
+        ub = s.unit_blocks
+        inner = [[7000 + j for j in range(1, ub)], [8000 + j for j in range(1, ub)]]
+        assert s.store([7, 8], np.arange(2 * ub), inner).ok
+    want = clone(kv)
+    with open_gpu_store(dirs[:1], kv, "kv_first") as s:
+        names = s.inner_keys()
+        assert names == {k: 7 for k in inner[0]} | {k: 8 for k in inner[1]}
+        poison(kv)
+        res = s.retrieve([names[8002]], np.arange(50, 52))  # 2 leading blocks of unit 8
+        torch.cuda.synchronize()
+        assert res.ok, res
+        assert_moved(want, np.arange(ub, ub + 2), kv, np.arange(50, 52), "kv_first")
+
+
+@gpu
 def test_unaligned_objects_and_padding(dirs: list[Path]) -> None:
     """60-byte blocks (not 16-byte multiples) and objects padded to 4 KiB: the 4-byte kernel path."""
     kv = make_gpu_kv("kv_first", layers=3, blocks=64, block_shape=(3, 1, 5), dtype=torch.float32, seed=2)
