@@ -108,8 +108,8 @@ uint32_t header_inner_room(const Geometry& g) {
   return static_cast<uint32_t>((g.header_bytes - header_list_bytes(kHeaderVersion, g.num_objs())) / sizeof(uint64_t));
 }
 
-void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq, uint32_t blocks,
-                   const uint64_t* obj_crcs, uint8_t* buf, const uint64_t* inner, uint32_t n_inner) {
+uint32_t encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq, uint32_t blocks,
+                       const uint64_t* obj_crcs, uint8_t* buf, const uint64_t* inner, uint32_t n_inner) {
   n_inner = inner ? std::min({n_inner, blocks ? blocks - 1 : 0, header_inner_room(g)}) : 0;
   std::memset(buf, 0, g.header_bytes);
   HeaderFixed h{};
@@ -136,6 +136,7 @@ void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uin
   if (n_inner) std::memcpy(buf + end, inner, sizeof(uint64_t) * n_inner);
   const uint64_t cs = header_crc(buf, end + sizeof(uint64_t) * n_inner);
   std::memcpy(buf + offsetof(HeaderFixed, header_checksum), &cs, sizeof(cs));
+  return n_inner;
 }
 
 HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint32_t* blocks,

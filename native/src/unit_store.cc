@@ -267,11 +267,13 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
   if (n == 0) return;
   AlignedBuf hdrs(static_cast<uint64_t>(n) * g.header_bytes);
   if (!hdrs.p) return;  // nothing committed: every unit is reported not stored
-  // New sequence numbers: recovery keeps the newest commit of a key.
+  // New sequence numbers: recovery keeps the newest commit of a key. kept[i]: the inner keys the
+  // header holds.
+  std::vector<uint32_t> kept(n);
   for (uint32_t i = 0; i < n; ++i)
-    encode_header(g, desc_, keys[i], commit_seq_++, blocks[i], sums + static_cast<uint64_t>(i) * g.num_objs(),
-                  hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes, inner ? inner[i].data() : nullptr,
-                  inner ? static_cast<uint32_t>(inner[i].size()) : 0);
+    kept[i] = encode_header(g, desc_, keys[i], commit_seq_++, blocks[i], sums + static_cast<uint64_t>(i) * g.num_objs(),
+                            hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes, inner ? inner[i].data() : nullptr,
+                            inner ? static_cast<uint32_t>(inner[i].size()) : 0);
   // One small write per unit, each to its own slot, all in flight at once.
   pool_.write_slot_heads(slots, hdrs.data(), g.header_bytes, n, committed->data());
   for (uint32_t i = 0; i < n; ++i) {
@@ -280,9 +282,7 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
                 g.num_objs() * sizeof(uint64_t));
     slot_key_[slots[i]] = keys[i];
     index_.insert(keys[i], slots[i], blocks[i]);
-    // What the header holds (encode_header keeps at most blocks - 1 and what fits).
-    const uint32_t kept = inner ? std::min({static_cast<uint32_t>(inner[i].size()), blocks[i] - 1, header_inner_room(g)}) : 0;
-    if (kept) inner_of_[keys[i]].assign(inner[i].begin(), inner[i].begin() + kept);
+    if (kept[i]) inner_of_[keys[i]].assign(inner[i].begin(), inner[i].begin() + kept[i]);
     else inner_of_.erase(keys[i]);
     bytes_written_ += g.slot_bytes;
   }

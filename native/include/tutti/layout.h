@@ -95,8 +95,9 @@ uint64_t object_tag(uint64_t key, uint64_t seq, uint32_t obj);
 // Inner keys a header of geometry `g` holds at most (the room after its object list).
 uint32_t header_inner_room(const Geometry& g);
 // Fills `buf` (header_bytes long) for a committed unit of `blocks` KV blocks; `obj_crcs` are the
-// objects' plain CRC32C; `inner`: its first min(n_inner, blocks - 1, header_inner_room) inner keys.
-void encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq, uint32_t blocks,
+// objects' plain CRC32C; `inner`: its first min(n_inner, blocks - 1, header_inner_room) inner keys,
+// which is the count returned.
+uint32_t encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq, uint32_t blocks,
                    const uint64_t* obj_crcs, uint8_t* buf, const uint64_t* inner = nullptr, uint32_t n_inner = 0);
 
 enum class HeaderState {
