@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,23 @@ def tmpfs(tmp_path: Path) -> Iterator[callable]:
     yield mount
     for d in mounts:
         subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def run_threads(*targets: Callable[[], object]) -> None:
+    """Runs each target on a thread of its own, waits for all, and raises the first exception any
+    of them raised (an assertion failing in a thread fails the test)."""
+    errors: list[BaseException] = []
+
+    def run(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

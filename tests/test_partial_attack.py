@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BLOCK_TOKENS, BLOCKS, HEAD, HEADS, make_kv, objects, open_store, snapshot, zero
+from conftest import BLOCK_TOKENS, BLOCKS, HEAD, HEADS, make_kv, objects, open_store, run_threads, snapshot, zero
 from test_integrity import find_slots, header_format
 from test_partial_units import blocks_equal
 from tutti_cluster import TuttiConfig, TuttiStore, _native
@@ -623,48 +623,36 @@ def test_threads_retrieving_one_key_with_every_block_count(tmpfs, mapped):
             assert s.store([k], src[k]).ok
         want = snapshot(kv)
         zero(kv)
-        errors: list[BaseException] = []
         region = 16  # thread t owns blocks [16 t, 16 t + 16); the storer owns [80, 96)
 
         def retrieve(t: int) -> None:
             rng = np.random.default_rng(t)
             mine = np.arange(region * t, region * (t + 1))
-            try:
-                for _ in range(150):
-                    k = int(rng.choice(list(held)))
-                    ask = int(rng.integers(1, ub + 1))
-                    dst = rng.permutation(mine)[:ask]
-                    for layer in kv:
-                        layer[:, mine] = 0
-                    res = s.retrieve([k], dst)
-                    if ask <= held[k]:
-                        assert res.ok, (k, ask, res)
-                        blocks_equal(want, src[k][:ask], kv, dst)
-                        _untouched(kv, np.setdiff1d(mine, dst))
-                    else:
-                        assert res.failed_units == [0], (k, ask, res)
-                        _untouched(kv, mine)
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+            for _ in range(150):
+                k = int(rng.choice(list(held)))
+                ask = int(rng.integers(1, ub + 1))
+                dst = rng.permutation(mine)[:ask]
+                for layer in kv:
+                    layer[:, mine] = 0
+                res = s.retrieve([k], dst)
+                if ask <= held[k]:
+                    assert res.ok, (k, ask, res)
+                    blocks_equal(want, src[k][:ask], kv, dst)
+                    _untouched(kv, np.setdiff1d(mine, dst))
+                else:
+                    assert res.failed_units == [0], (k, ask, res)
+                    _untouched(kv, mine)
 
         def store() -> None:
             rng = np.random.default_rng(99)
-            try:
-                for i in range(60):
-                    ids = np.arange(80, 80 + 1 + int(rng.integers(0, 2 * ub)))
-                    for layer in kv:
-                        layer[:, ids] = rng.integers(0, 65535, layer[:, ids].shape, dtype=np.uint16)
-                    n = (len(ids) + ub - 1) // ub
-                    assert s.store([5000 + 2 * i + j for j in range(n)], ids).ok
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
+            for i in range(60):
+                ids = np.arange(80, 80 + 1 + int(rng.integers(0, 2 * ub)))
+                for layer in kv:
+                    layer[:, ids] = rng.integers(0, 65535, layer[:, ids].shape, dtype=np.uint16)
+                n = (len(ids) + ub - 1) // ub
+                assert s.store([5000 + 2 * i + j for j in range(n)], ids).ok
 
-        threads = [threading.Thread(target=retrieve, args=(t,)) for t in range(1, 5)] + [threading.Thread(target=store)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors[0]
+        run_threads(*(lambda t=t: retrieve(t) for t in range(1, 5)), store)
         assert s.stats()["evictions"] == 0 and s.stored_blocks(list(held)) == list(held.values())
         _no_leak(s)
 
@@ -679,7 +667,6 @@ def test_racing_stores_of_one_key_with_different_block_counts(tmpfs, mapped):
     with open_store([d], kv, map_memory_paths=mapped, capacity_gb=0.02) as s:
         ub = s.unit_blocks
         want = snapshot(kv)
-        errors: list[BaseException] = []
         go = threading.Barrier(2)
         keys = list(range(7000, 7060))
 
@@ -688,17 +675,12 @@ def test_racing_stores_of_one_key_with_different_block_counts(tmpfs, mapped):
                 for k in keys:
                     go.wait()
                     assert s.store([k], blocks).ok
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-                go.abort()
+            except BaseException:
+                go.abort()  # the other thread stops waiting
+                raise
 
         a, b = np.arange(0, 2), np.arange(10, 10 + ub)
-        threads = [threading.Thread(target=store, args=(x,)) for x in (a, b)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors[0]
+        run_threads(lambda: store(a), lambda: store(b))
         counts = s.stored_blocks(keys)
         assert set(counts) <= {2, ub}, counts
         for k, n in zip(keys, counts):
@@ -722,21 +704,11 @@ def test_threads_importing_one_partial_unit_keep_one_copy(tmp_path):
     want = snapshot(kv)
     kv2 = make_kv(seed=40)
     with open_store([e], kv2) as x:
-        errors: list[BaseException] = []
-
         def imp(t: int) -> None:
-            try:
-                for i in range(40):
-                    assert x.import_unit(data[(t + i) % 2]) in (1, 2)
-            except BaseException as err:  # noqa: BLE001
-                errors.append(err)
+            for i in range(40):
+                assert x.import_unit(data[(t + i) % 2]) in (1, 2)
 
-        threads = [threading.Thread(target=imp, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors[0]
+        run_threads(*(lambda t=t: imp(t) for t in range(4)))
         ub = x.unit_blocks
         assert x.stored_blocks([1, 2]) == [ub, 1] and x.stats()["units"] == 2
         zero(kv2)

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import BLOCK_TOKENS, UNIT_TOKENS, make_kv, open_store, snapshot, zero
+from conftest import BLOCK_TOKENS, UNIT_TOKENS, make_kv, open_store, run_threads, snapshot, zero
 from tutti_cluster import TuttiConfig, TuttiStore, _native
 from tutti_cluster.errors import LayoutError, NotFound, TuttiError
 from tutti_cluster.store import native_options
@@ -576,28 +576,17 @@ def test_evicting_import_keeps_every_survivor_exact(tmp_path):
 # ---- concurrency and close -----------------------------------------------------------------------------
 
 def test_concurrent_scatter_and_import_are_exact(stored):
-    import threading
-
     s, kv, d, unit = stored
     ub = s.unit_blocks
     u8 = s.read_unit(8)
     want = snapshot(kv)
-    errs: list[BaseException] = []
 
     def work(i):
-        try:
-            for _ in range(30):
-                s.scatter_unit(unit if i % 2 else u8, np.arange(ub) + 20 + ub * i)
-                s.import_unit(unit)
-        except BaseException as e:  # noqa: BLE001
-            errs.append(e)
+        for _ in range(30):
+            s.scatter_unit(unit if i % 2 else u8, np.arange(ub) + 20 + ub * i)
+            s.import_unit(unit)
 
-    ts = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    assert not errs
+    run_threads(*(lambda i=i: work(i) for i in range(4)))
     for i in range(4):
         src = 0 if i % 2 else ub
         for l in range(len(kv)):

@@ -284,8 +284,8 @@ static std::string temp_dir() {
   return tmpl;
 }
 
-static void test_pool_round_robin() {
-  std::string a = temp_dir(), b = temp_dir();
+// One layer of one 4 KiB object per block, one-block units: the pool tests' geometry.
+static Geometry small_geometry() {
   LayerKV l;
   l.nptr = 1;
   l.ptr[0] = 1;
@@ -293,6 +293,12 @@ static void test_pool_round_robin() {
   l.num_blocks = 4;
   Geometry g;
   CHECK(make_geometry({l}, 1, "x", &g).ok());
+  return g;
+}
+
+static void test_pool_round_robin() {
+  std::string a = temp_dir(), b = temp_dir();
+  const Geometry g = small_geometry();
   FilePool p;
   CHECK(p.open({a, b}, {3 * g.slot_bytes, 3 * g.slot_bytes}, "t", g, DirectMode::kAuto, false).ok());
   CHECK(p.num_slots() == 6);
@@ -311,13 +317,7 @@ static void test_pool_round_robin() {
 // Slot heads go out in batches of 64 through io_uring; each lands at its slot's start.
 static void test_pool_slot_heads() {
   std::string a = temp_dir();
-  LayerKV l;
-  l.nptr = 1;
-  l.ptr[0] = 1;
-  l.block_bytes = l.block_stride = 4096;
-  l.num_blocks = 4;
-  Geometry g;
-  CHECK(make_geometry({l}, 1, "x", &g).ok());
+  const Geometry g = small_geometry();
   const uint32_t n = 150;
   FilePool p;
   CHECK(p.open({a}, {n * g.slot_bytes}, "t", g, DirectMode::kAuto, false).ok());
