@@ -34,6 +34,7 @@ class OpTiming:
     """
 
     engine_cpu_s: float
+    call_cpu_us: tuple[float, ...] = ()  # per issuing call, where the system reports them
 
 
 class BenchSystem(Protocol):

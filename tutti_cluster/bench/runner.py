@@ -63,6 +63,7 @@ class Sample:
     cpu_us_per_layer: float
     host_core_s_per_gb: float
     limit_gbps: float = 0.0  # the storage limit measured right before this pass
+    call_cpu_us: tuple[float, ...] = ()  # the engine thread's CPU in each issuing call
 
 
 @dataclass
@@ -241,6 +242,7 @@ def _measure(fn: Callable[[Round], OpTiming], rnd: Round, nbytes: int, layers: i
         gbps=gb / wall,
         cpu_us_per_layer=timing.engine_cpu_s / layers * 1e6,
         host_core_s_per_gb=max(0.0, process - engine_total) / gb,
+        call_cpu_us=timing.call_cpu_us,
     )
 
 
@@ -365,6 +367,12 @@ def run(plan: Plan) -> dict[str, Any]:
                 "verified": True,
             }
         )
+        calls = sorted(c for s in ss for c in s.call_cpu_us)
+        if calls:  # where the time of the layer calls goes: spread evenly or in a few slow calls
+            results[-1]["cpu_us_per_call"] = {
+                q: round(calls[min(len(calls) - 1, int(f * len(calls)))], 1)
+                for q, f in (("p50", 0.5), ("p90", 0.9), ("max", 1.0))
+            }
     return {"machine": info, "limits": {k: round(v, 3) for k, v in lim.as_json().items()}, "results": results}
 
 

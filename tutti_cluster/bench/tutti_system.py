@@ -114,28 +114,28 @@ class TuttiSystem:
         if self._store is None or self._n_blocks != rnd.n_blocks:
             self._open(rnd.n_blocks)
 
-    def _run_layers(self, h: int, issue: Callable[[int, int], None]) -> tuple[Any, float]:
-        """Issues every layer of request ``h`` (timing the engine thread's CPU inside those calls
-        only), waits for each layer, and finishes the request."""
+    def _run_layers(self, h: int, issue: Callable[[int, int], None]) -> tuple[Any, tuple[float, ...]]:
+        """Issues every layer of request ``h`` (timing the engine thread's CPU inside each of those
+        calls, in us), waits for each layer, and finishes the request."""
         store = self._store
-        engine_cpu = 0
+        calls = []
         for layer in range(self.kv.shape.layers):
             t0 = time.thread_time_ns()
             issue(layer, h)
-            engine_cpu += time.thread_time_ns() - t0
+            calls.append(time.thread_time_ns() - t0)
         for layer in range(self.kv.shape.layers):
             store.wait_layer(layer, h)
         res = store.finish(h)
         self._sync()
-        return res, engine_cpu / 1e9
+        return res, tuple(c / 1e3 for c in calls)
 
     def store(self, rnd: Round) -> OpTiming:
         store = self._store
         keys = self._keys_for(rnd)
-        res, cpu_s = self._run_layers(store.begin_store(keys, rnd.store_ids.tolist()), store.store_layer)
+        res, calls = self._run_layers(store.begin_store(keys, rnd.store_ids.tolist()), store.store_layer)
         if res.failed_units:
             raise BenchVerificationError(f"tutti: store of {len(res.failed_units)} of {len(keys)} units failed")
-        return OpTiming(engine_cpu_s=cpu_s)
+        return OpTiming(engine_cpu_s=sum(calls) / 1e6, call_cpu_us=calls)
 
     def before_read(self, rnd: Round) -> None:
         # Reads are O_DIRECT where the file system allows it; evicting the pool files also covers
@@ -148,10 +148,10 @@ class TuttiSystem:
         hit = store.lookup(keys)
         if hit != len(keys):
             raise BenchVerificationError(f"tutti: lookup found {hit} of {len(keys)} stored units")
-        res, cpu_s = self._run_layers(store.begin_retrieve(keys, rnd.retrieve_ids.tolist()), store.retrieve_layer)
+        res, calls = self._run_layers(store.begin_retrieve(keys, rnd.retrieve_ids.tolist()), store.retrieve_layer)
         if res.failed_units:
             raise BenchVerificationError(f"tutti: {len(res.failed_units)} of {len(keys)} units failed to load")
-        return OpTiming(engine_cpu_s=cpu_s)
+        return OpTiming(engine_cpu_s=sum(calls) / 1e6, call_cpu_us=calls)
 
     def end_round(self, rnd: Round) -> None:
         self._keys.pop(rnd.tag, None)
