@@ -369,10 +369,11 @@ def run(plan: Plan) -> dict[str, Any]:
         )
         calls = sorted(c for s in ss for c in s.call_cpu_us)
         if calls:  # where the time of the layer calls goes: spread evenly or in a few slow calls
-            results[-1]["cpu_us_per_call"] = {
-                q: round(calls[min(len(calls) - 1, int(f * len(calls)))], 1)
-                for q, f in (("p50", 0.5), ("p90", 0.9), ("max", 1.0))
-            }
+            per_call = {q: round(calls[min(len(calls) - 1, int(f * len(calls)))], 1)
+                        for q, f in (("p50", 0.5), ("p90", 0.9), ("max", 1.0))}
+            slowest = max(ss, key=lambda s: max(s.call_cpu_us, default=0.0)).call_cpu_us
+            per_call["max_at_layer"] = slowest.index(max(slowest))
+            results[-1]["cpu_us_per_call"] = per_call
     return {"machine": info, "limits": {k: round(v, 3) for k, v in lim.as_json().items()}, "results": results}
 
 

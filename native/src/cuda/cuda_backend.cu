@@ -961,6 +961,15 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     pop();
     return {Code::kConfig, cuda_msg("staging too large for the I/O kernel's shared memory", e)};
   }
+  // Load both kernels now: with CUDA's lazy module loading the first launch would load them,
+  // inside the engine's first layer call (0.3-1.5 ms of its CPU on the H200 host, docs/PERF.md).
+  for (const void* fn : {reinterpret_cast<const void*>(io_kernel), reinterpret_cast<const void*>(scatter_kernel)}) {
+    cudaFuncAttributes fa{};
+    if ((e = cudaFuncGetAttributes(&fa, fn)) != cudaSuccess) {
+      pop();
+      return {Code::kDevice, cuda_msg("loading the I/O kernels", e)};
+    }
+  }
   req_.assign(ctx->max_requests, RequestMem{});
   for (auto& m : req_) cudaEventCreateWithFlags(&m.uploaded, cudaEventDisableTiming);
   pop();
