@@ -17,12 +17,14 @@ Protocol (one stream per connection, requests and answers are single JSON lines)
     <- {"end": true}                               after the last unit or a miss
     -> {"op": "ping"}  <- {"pong": true}
 
-Slots not returned when the connection closes (the requester died) are reclaimed at once.
+Slots not returned when the connection closes (the requester died) are reclaimed at once. Every
+line is validated (pydantic models below, both directions): a malformed request gets
+``{"error": "..."}`` and the connection reads on; a malformed answer ends the requester's stream
+with ``error`` set.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -33,7 +35,9 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Annotated, Callable, Iterator, Literal, Sequence, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from tutti_cluster.cluster.transfer import Pull, TransferNode
 from tutti_cluster.errors import TuttiError
@@ -51,6 +55,87 @@ UnitCheck = Callable[[int], None]
 # The completer may be waiting out a pull's deadline (Mooncake's transfer timeout plus 1 s per GiB).
 _TRANSFER_JOIN_S = 10.0
 MAX_LINE = 16 << 20  # a stage request of 4096 keys is ~100 KiB; anything far larger is an error
+MAX_KEYS = 1 << 20
+
+_U64 = (1 << 64) - 1
+_Key = Annotated[int, Field(ge=0, le=_U64)]
+_Addr = Annotated[int, Field(ge=0, le=_U64)]
+
+
+class _Line(BaseModel):
+    # strict: a key is a JSON integer, not "7", 7.0 or true; extra fields are mistakes.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    def line(self) -> bytes:
+        return self.model_dump_json().encode() + b"\n"
+
+
+class StageOp(_Line):
+    op: Literal["stage"] = "stage"
+    keys: Annotated[list[_Key], Field(max_length=MAX_KEYS)]
+    window: Annotated[int, Field(ge=1)] = 2
+
+
+class DoneOp(_Line):
+    op: Literal["done"] = "done"
+    addr: _Addr
+
+
+class CorruptOp(_Line):
+    op: Literal["corrupt"] = "corrupt"
+    key: _Key
+
+
+class PingOp(_Line):
+    op: Literal["ping"] = "ping"
+
+
+class Announce(_Line):
+    key: _Key
+    addr: _Addr
+    len: Annotated[int, Field(gt=0, le=1 << 40)]
+
+
+class Miss(_Line):
+    key: _Key
+    miss: str
+
+
+class End(_Line):
+    end: Literal[True] = True
+
+
+class Failure(_Line):
+    error: str
+
+
+class Pong(_Line):
+    pong: Literal[True] = True
+
+
+_REQUEST: TypeAdapter[StageOp | DoneOp | CorruptOp | PingOp] = TypeAdapter(
+    Annotated[Union[StageOp, DoneOp, CorruptOp, PingOp], Field(discriminator="op")])
+_ANSWER: TypeAdapter[Announce | Miss | End | Failure] = TypeAdapter(Union[Announce, Miss, End, Failure])
+
+
+def _why(exc: ValidationError) -> str:
+    """The first complaint of a validation error, in one short line."""
+    e = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(p) for p in e["loc"])
+    return f"{where + ': ' if where else ''}{e['msg']}"[:200]
+
+
+def _read_line(rfile) -> bytes | None:  # type: ignore[no-untyped-def]
+    """One line of at most MAX_LINE bytes; a longer one is read to its end (bounded memory) and
+    returned as b"" (too long). None at the end of the stream."""
+    line = rfile.readline(MAX_LINE)
+    if not line:
+        return None
+    if len(line) >= MAX_LINE and not line.endswith(b"\n"):
+        while (more := rfile.readline(1 << 20)) and not more.endswith(b"\n"):
+            pass
+        return b""
+    return line
 
 
 @dataclass
@@ -121,9 +206,9 @@ class StageServer:
         stream: threading.Thread | None = None
         closed = threading.Event()
 
-        def send(obj: dict) -> None:
+        def send(msg: _Line) -> None:
             with wlock:
-                wfile.write(json.dumps(obj).encode() + b"\n")
+                wfile.write(msg.line())
                 wfile.flush()
 
         def run_stream(keys: list[int], window: int) -> None:
@@ -159,13 +244,13 @@ class StageServer:
                     res = fut.result()
                     if isinstance(res, str):
                         self.stats.misses += 1
-                        send({"key": k, "miss": res})
+                        send(Miss(key=k, miss=res))
                         break
                     addr, n = res
                     outstanding.add(addr)
-                    send({"key": k, "addr": addr, "len": n})
+                    send(Announce(key=k, addr=addr, len=n))
                 if not closed.is_set():
-                    send({"end": True})
+                    send(End())
             except OSError:
                 pass  # requester went away; slots are reclaimed below
             finally:
@@ -178,35 +263,37 @@ class StageServer:
 
         conn.settimeout(self.idle_timeout_s)
         try:
-            while True:
-                line = rfile.readline(MAX_LINE)
+            while (line := _read_line(rfile)) is not None:
                 if not line:
-                    break
-                msg = json.loads(line)
-                op = msg.get("op")
-                if op == "done":
-                    addr = int(msg["addr"])
-                    if addr in outstanding:
-                        outstanding.discard(addr)
-                        self.transfer.release(addr)
+                    send(Failure(error=f"request line longer than {MAX_LINE} bytes"))
+                    continue
+                try:
+                    msg = _REQUEST.validate_json(line)
+                except ValidationError as exc:
+                    send(Failure(error=f"bad request: {_why(exc)}"))
+                    continue
+                if isinstance(msg, DoneOp):
+                    if msg.addr in outstanding:
+                        outstanding.discard(msg.addr)
+                        self.transfer.release(msg.addr)
                         credit.release()
-                elif op == "stage":
+                elif isinstance(msg, StageOp):
                     if stream is not None and stream.is_alive():
-                        send({"error": "a stream is already running on this connection"})
+                        send(Failure(error="a stream is already running on this connection"))
                         continue
-                    keys = [int(k) & 0xFFFFFFFFFFFFFFFF for k in msg.get("keys", [])]
-                    window = max(1, min(int(msg.get("window", 2)), self.max_window))
-                    stream = threading.Thread(target=run_stream, args=(keys, window), daemon=True)
+                    window = min(msg.window, self.max_window)
+                    stream = threading.Thread(target=run_stream, args=(msg.keys, window), daemon=True)
                     stream.start()
-                elif op == "corrupt":
+                elif isinstance(msg, CorruptOp):
                     self.stats.corrupt_reports += 1
                     if self.check is not None:
-                        self.check(int(msg["key"]) & 0xFFFFFFFFFFFFFFFF)
-                elif op == "ping":
-                    send({"pong": True})
+                        try:
+                            self.check(msg.key)
+                        except Exception:  # noqa: BLE001 - the owner's check must not end the connection
+                            log.warning("checking unit %x after a corrupt report failed", msg.key, exc_info=True)
                 else:
-                    send({"error": f"unknown op {op!r}"})
-        except (OSError, ValueError, KeyError) as exc:
+                    send(Pong())
+        except OSError as exc:
             log.debug("stage connection ended: %s", exc)
         finally:
             closed.set()
@@ -315,15 +402,15 @@ class StageStream:
         self._sock: socket.socket | None = None
         self._send_lock = threading.Lock()  # the completer's `done` and the consumer's `corrupt`
 
-    def _send(self, sock: socket.socket, obj: dict) -> None:
+    def _send(self, sock: socket.socket, msg: _Line) -> None:
         with self._send_lock:
-            sock.sendall(json.dumps(obj).encode() + b"\n")
+            sock.sendall(msg.line())
 
     def report_corrupt(self, key: int) -> None:
         """Tell the owner that ``key`` failed our checksums (call while iterating); best effort."""
         if self._sock is not None:
             try:
-                self._send(self._sock, {"op": "corrupt", "key": int(key)})
+                self._send(self._sock, CorruptOp(key=int(key) & _U64))
             except OSError:
                 pass
 
@@ -366,27 +453,31 @@ class StageStream:
             try:
                 sock.settimeout(self.timeout_s)
                 rfile = sock.makefile("rb")
-                self._send(sock, {"op": "stage", "keys": self.keys, "window": self.window})
+                self._send(sock, StageOp(keys=self.keys, window=max(1, self.window)))
                 expected = iter(self.keys)
                 while not stop.is_set():
-                    line = rfile.readline(MAX_LINE)
-                    if not line:
+                    line = _read_line(rfile)
+                    if line is None:
                         self.error = "owner closed the stream"
                         return
-                    msg = json.loads(line)
-                    if msg.get("end"):
+                    try:
+                        msg = _ANSWER.validate_json(line)
+                    except ValidationError as exc:
+                        self.error = f"bad answer from the owner: {_why(exc) if line else 'line too long'}"
                         return
-                    if "error" in msg:
-                        self.error = str(msg["error"])
+                    if isinstance(msg, End):
                         return
-                    key = int(msg["key"])
+                    if isinstance(msg, Failure):
+                        self.error = msg.error
+                        return
+                    key = msg.key
                     if key != next(expected, None):
                         self.error = "owner answered out of order"
                         return
-                    if "miss" in msg:
-                        self.miss = str(msg["miss"])
+                    if isinstance(msg, Miss):
+                        self.miss = msg.miss
                         return
-                    n = int(msg["len"])
+                    n = msg.len
                     if self.transfer.slot_bytes == 0 and not held:
                         self.transfer.configure(n)
                     if n > self.transfer.slot_bytes:
@@ -402,13 +493,13 @@ class StageStream:
                             free.put(local)
                             return
                     try:
-                        pull = self.transfer.start_read(self.segment, local, int(msg["addr"]), n)
+                        pull = self.transfer.start_read(self.segment, local, msg.addr, n)
                     except TuttiError:
                         in_flight.release()
                         free.put(local)
                         raise
-                    submitted.put((key, local, int(msg["addr"]), pull))
-            except (OSError, ValueError, KeyError, TuttiError) as exc:
+                    submitted.put((key, local, msg.addr, pull))
+            except (OSError, TuttiError) as exc:
                 if not stop.is_set():
                     self.error = f"{type(exc).__name__}: {exc}"
             finally:
@@ -427,7 +518,7 @@ class StageStream:
                     if failed or stop.is_set():
                         continue
                     self.pull_s += pull.seconds
-                    self._send(sock, {"op": "done", "addr": remote})
+                    self._send(sock, DoneOp(addr=remote))
                 except (OSError, TuttiError) as exc:
                     if not failed and not stop.is_set():
                         self.error = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,233 @@
+"""The stage endpoint (the owner's TCP port that remote requesters talk to) under malformed input.
+
+A real StageServer on a real Mooncake Transfer Engine (TCP), spoken to over a raw socket as an
+attacker would: every malformed line gets one error answer of one shape and the connection stays
+usable; nothing is leaked (every slot lent comes back), the server keeps serving other requesters,
+and a requester facing an owner that answers garbage ends its stream with an error, never an
+exception or a unit it did not ask for. Hypothesis generates the lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster_fixtures import require_mooncake
+
+pytestmark = pytest.mark.cluster
+
+UNIT = 64 << 10
+KEYS = list(range(1, 5))
+
+
+@pytest.fixture(scope="module")
+def served():
+    require_mooncake()
+    from tutti_cluster.cluster.stage import StageServer
+    from tutti_cluster.cluster.transfer import TransferNode
+
+    owner = TransferNode(arena_bytes=4 * UNIT, slot_bytes=UNIT)
+    requester = TransferNode(arena_bytes=3 * UNIT, slot_bytes=UNIT)
+    units = {k: os.urandom(UNIT) for k in KEYS}
+    checked: list[int] = []
+    srv = StageServer(owner, units.get, check=checked.append, max_window=2, idle_timeout_s=5).start()
+    yield owner, requester, units, srv, checked
+    srv.stop()
+    owner.close()
+    requester.close()
+
+
+class Conn:
+    def __init__(self, address: str) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=5)
+        self.f = self.sock.makefile("rwb")
+
+    def send(self, line: bytes) -> None:
+        self.f.write(line if line.endswith(b"\n") else line + b"\n")
+        self.f.flush()
+
+    def ask(self, line: bytes) -> dict:
+        self.send(line)
+        reply = self.f.readline()
+        assert reply, f"the server closed the connection after {line[:80]!r}"
+        return json.loads(reply)
+
+    def close(self) -> None:
+        self.f.close()
+        self.sock.close()
+
+
+def assert_error_shape(reply: dict) -> None:
+    assert set(reply) == {"error"} and isinstance(reply["error"], str) and reply["error"], reply
+
+
+def assert_still_serving(srv, owner, units) -> None:
+    """A whole stream works on a fresh connection, and every owner slot comes back afterwards."""
+    from tutti_cluster.cluster.stage import ping
+
+    assert ping(srv.address)
+    c = Conn(srv.address)
+    try:
+        c.send(json.dumps({"op": "stage", "keys": KEYS[:2], "window": 2}).encode())
+        got = [json.loads(c.f.readline()) for _ in range(2)]
+        assert [m["key"] for m in got] == KEYS[:2] and all(m["len"] == UNIT for m in got)
+        for m in got:
+            c.send(json.dumps({"op": "done", "addr": m["addr"]}).encode())
+        assert json.loads(c.f.readline()) == {"end": True}
+    finally:
+        c.close()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # all four owner slots free again
+        held = [a for a in (owner.acquire(0) for _ in range(4)) if a is not None]
+        for a in held:
+            owner.release(a)
+        if len(held) == 4:
+            return
+        time.sleep(0.05)
+    raise AssertionError("an owner slot was not returned")
+
+
+BAD_LINES = [
+    b"not json",
+    b"[1, 2]",
+    b"7",
+    b'"stage"',
+    b"null",
+    b"{}",
+    b'{"op": 7}',
+    b'{"op": "nope"}',
+    b'{"op": "stage"}',  # no keys
+    b'{"op": "stage", "keys": "1234"}',
+    b'{"op": "stage", "keys": [1e400]}',
+    b'{"op": "stage", "keys": [1.5]}',
+    b'{"op": "stage", "keys": [true]}',
+    b'{"op": "stage", "keys": [-1]}',
+    b'{"op": "stage", "keys": [18446744073709551616]}',
+    b'{"op": "stage", "keys": [1], "window": 1e400}',
+    b'{"op": "stage", "keys": [1], "window": 0}',
+    b'{"op": "stage", "keys": [1], "window": "2"}',
+    b'{"op": "stage", "keys": [1], "extra": 1}',
+    b'{"op": "done"}',
+    b'{"op": "done", "addr": "x"}',
+    b'{"op": "done", "addr": -5}',
+    b'{"op": "corrupt", "key": [1]}',
+    b'{"op": "corrupt", "key": 1e400}',
+    b'{"op": "ping", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b"[" * 100000,
+    b"\xff\xfe garbage",
+]
+
+
+def test_every_malformed_line_gets_one_error_and_the_connection_stays(served):
+    owner, _requester, units, srv, checked = served
+    c = Conn(srv.address)
+    try:
+        for line in BAD_LINES:
+            assert_error_shape(c.ask(line))
+        # The same connection still runs a stream.
+        assert c.ask(b'{"op": "ping"}') == {"pong": True}
+    finally:
+        c.close()
+    assert checked == []  # no malformed corrupt report reached the owner's check
+    assert_still_serving(srv, owner, units)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(
+    st.binary(max_size=200).filter(lambda b: b"\n" not in b and b.strip()),
+    st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                 lambda c: st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(["op", "keys", "window", "addr", "key", "x"]), c, max_size=4),
+                 max_leaves=12).map(lambda v: json.dumps(v).encode()),
+))
+def test_random_lines_never_break_the_endpoint(served, line):
+    owner, _requester, units, srv, _checked = served
+    c = Conn(srv.address)
+    try:
+        c.send(line)
+        c.send(b'{"op": "ping"}')
+        # Whatever the line was, the ping is answered on the same connection: a line that was a
+        # valid request (a ping, a done for no slot, a stage) answers as the protocol says first.
+        for _ in range(8):
+            reply = json.loads(c.f.readline())
+            if reply == {"pong": True}:
+                break
+            if "addr" in reply:  # a valid stage request: return the slot
+                c.send(json.dumps({"op": "done", "addr": reply["addr"]}).encode())
+        else:
+            raise AssertionError("no pong")
+    finally:
+        c.close()
+
+
+def test_the_endpoint_survives_random_lines(served):
+    owner, _requester, units, srv, _checked = served
+    assert_still_serving(srv, owner, units)
+
+
+def test_a_line_over_the_limit_is_refused_and_the_connection_stays(served, monkeypatch):
+    from tutti_cluster.cluster import stage
+
+    owner, _requester, units, srv, _checked = served
+    monkeypatch.setattr(stage, "MAX_LINE", 4096)
+    c = Conn(srv.address)
+    try:
+        assert_error_shape(c.ask(b'{"op": "stage", "keys": [' + b"1, " * 5000 + b"1]}"))
+        assert c.ask(b'{"op": "ping"}') == {"pong": True}
+    finally:
+        c.close()
+
+
+class FakeOwner:
+    """A stage endpoint that answers a scripted line to the requester's stage request: the faults
+    an owner could send over the network, which a real server never does (hence the fake)."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            f = conn.makefile("rwb")
+            f.readline()
+            f.write(self.answer + b"\n")
+            f.flush()
+            time.sleep(0.3)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(2)
+
+
+@pytest.mark.parametrize("answer", [
+    b"[1]", b"7", b"null", b'{"key": "x"}', b'{"key": 1, "addr": 4096, "len": -1}',
+    b'{"key": 1, "addr": 4096, "len": 1e400}', b'{"key": 2, "addr": 4096, "len": 10}',
+    b'{"key": 1, "addr": -1, "len": 10}', b'{"key": 1, "miss": 5}', b'{"error": ["x"]}', b"[" * 100000,
+])
+def test_a_requester_ends_its_stream_on_a_garbage_answer(served, answer):
+    from tutti_cluster.cluster.stage import StageStream
+
+    owner, requester, _units, _srv, _checked = served
+    fake = FakeOwner(answer)
+    try:
+        stream = StageStream(requester, fake.address, owner.segment, [1, 2], timeout_s=2)
+        assert list(stream) == []
+        assert stream.error, answer
+    finally:
+        fake.close()
+    # The requester's slots all came back.
+    held = [a for a in (requester.acquire(0) for _ in range(3)) if a is not None]
+    for a in held:
+        requester.release(a)
+    assert len(held) == 3
