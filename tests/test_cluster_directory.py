@@ -164,3 +164,38 @@ def test_client_errors_are_etcd_errors(tmp_path: Path):
     with pytest.raises(EtcdError):
         c.lease_grant(5)
     c.close()
+
+
+def test_bad_records_in_etcd_are_skipped_not_fatal(etcd_server):
+    """Garbage under the directory's prefixes (another node's bug, a hand-made key) costs only
+    itself: the other nodes' records and entries are still read, and nothing raises."""
+    from tutti_cluster.cluster.directory import NODE_PREFIX, UNIT_PREFIX
+    from tutti_cluster.cluster.stage import StageStream, ping
+
+    a, b = node(etcd_server, "A"), node(etcd_server, "B")
+    c = EtcdClient(etcd_server.endpoint)
+    try:
+        bad = {
+            "junk": b"not json", "list": b"[1]", "num": b'{"node_id": 5}', "slash": b'{"node_id": "x/y"}',
+            "other": b'{"node_id": "A", "segment": "evil:1", "stage": "evil:2"}',  # claims to be A
+            "deep": b'{"node_id": "deep", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+        }
+        for name, value in bad.items():
+            c.put((NODE_PREFIX + name).encode(), value)
+        c.put((NODE_PREFIX + "E").encode(), NodeRecord("E", "seg-E", "not-an-address", {"pid": 1}).to_json().encode())
+        c.put(unit_key(7, "").encode() + b"\xff\xfe", b"")  # a unit entry whose node is not UTF-8
+        a.register([7])
+        nodes = b.refresh_nodes()
+        assert sorted(nodes) == ["A", "B", "E"]
+        assert nodes["A"].segment == "seg-A" and nodes["E"].extra == {"pid": 1}
+        assert b.stats.bad_records == len(bad)
+        assert b.lookup([7]) == [["A"]] and b.stats.bad_records == len(bad) + 1
+        assert c.count_prefix(UNIT_PREFIX.encode()) == 2
+        # A record's stage address that is not host:port is a failed stream, never an exception.
+        s = StageStream(None, nodes["E"].stage, nodes["E"].segment, [7], timeout_s=1)  # type: ignore[arg-type]
+        assert list(s) == [] and "not a host:port address" in (s.error or "")
+        assert not ping("not-an-address") and not ping("h:99999")
+    finally:
+        c.close()
+        a.stop()
+        b.stop()

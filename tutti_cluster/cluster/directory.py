@@ -30,7 +30,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Annotated, Any, Iterable, Sequence
+
+from pydantic import BaseModel, ConfigDict, StringConstraints
 
 from tutti_cluster.cluster.etcd import EtcdClient, EtcdError, KeyValue, op_delete, op_put, op_range, prefix_end
 from tutti_cluster.errors import ConfigError
@@ -113,6 +115,7 @@ class DirectoryStats:
     resyncs: int = 0
     lease_renewals: int = 0
     leases_granted: int = 0
+    bad_records: int = 0  # node records or unit entries in etcd that do not parse: skipped
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -130,9 +133,18 @@ class NodeRecord:
 
     @staticmethod
     def from_json(raw: bytes | str) -> "NodeRecord":
-        d = json.loads(raw)
-        return NodeRecord(d["node_id"], d.get("segment", ""), d.get("stage", ""),
-                          {k: v for k, v in d.items() if k not in ("node_id", "segment", "stage")})
+        """Parses a record as :meth:`to_json` writes it; ValueError (pydantic's ValidationError)
+        for anything else."""
+        d = _NodeRecordModel.model_validate_json(raw)
+        return NodeRecord(d.node_id, d.segment, d.stage, dict(d.model_extra or {}))
+
+
+class _NodeRecordModel(BaseModel):
+    # What other nodes wrote into etcd: checked before use, extra fields (pid, advertised ports) kept.
+    model_config = ConfigDict(extra="allow", strict=True)
+    node_id: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=r"^[^/]+$")]
+    segment: Annotated[str, StringConstraints(max_length=300)] = ""
+    stage: Annotated[str, StringConstraints(max_length=300)] = ""
 
 
 class EtcdDirectory:
@@ -173,6 +185,7 @@ class EtcdDirectory:
         self._down_until = 0.0  # lookups are skipped until then after a failure (back-off)
         self._backoff = 0.0
         self._nodes: dict[str, NodeRecord] = {}
+        self._bad_keys: set[bytes] = set()  # node records skipped once (warned about once)
         self._nodes_at = 0.0
         self._wake = threading.Event()  # the keepalive thread's sleep, cut short when etcd is back
         self._down_since: float | None = None  # etcd unreachable since (monotonic), for the log lines
@@ -432,7 +445,10 @@ class EtcdDirectory:
         for kvs in responses:
             owners = []
             for kv in kvs or ():
-                node = kv.key.decode().rsplit("/", 1)[1]
+                node = kv.key.decode(errors="replace").rsplit("/", 1)[-1]
+                if not node or "\ufffd" in node:  # not a key this directory writes
+                    self.stats.bad_records += 1
+                    continue
                 if exclude_self and node == self.node_id:
                     continue
                 owners.append(node)
@@ -456,7 +472,20 @@ class EtcdDirectory:
         try:
             nodes = {}
             for kv in self.client.get_prefix(NODE_PREFIX.encode()):
-                rec = NodeRecord.from_json(kv.value)
+                # One bad record (another node's bug, a hand-made key) is skipped, not the directory.
+                try:
+                    rec = NodeRecord.from_json(kv.value)
+                except ValueError as exc:
+                    rec = None
+                    why = str(exc).splitlines()[0]
+                else:
+                    why = "its node_id is not its key's"
+                if rec is None or kv.key != (NODE_PREFIX + rec.node_id).encode():
+                    self.stats.bad_records += 1
+                    seen = kv.key in self._bad_keys
+                    self._bad_keys.add(kv.key)
+                    (log.debug if seen else log.warning)("skipping the node record under %r: %s", kv.key[:100], why)
+                    continue
                 nodes[rec.node_id] = rec
             self._nodes = nodes
             self._nodes_at = time.monotonic()

@@ -125,6 +125,14 @@ def _why(exc: ValidationError) -> str:
     return f"{where + ': ' if where else ''}{e['msg']}"[:200]
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    """``host:port`` (as a node record names a stage endpoint); ValueError for anything else."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"not a host:port address: {address[:100]!r}")
+    return host, int(port)
+
+
 def _read_line(rfile) -> bytes | None:  # type: ignore[no-untyped-def]
     """One line of at most MAX_LINE bytes; a longer one is read to its end (bounded memory) and
     returned as b"" (too long). None at the end of the stream."""
@@ -419,11 +427,10 @@ class StageStream:
         # into a free local slot; the completer waits for the pulls in order, returns each owner
         # slot (`done`) and hands the unit over. The Transfer Engine and the store's scatter both
         # release the GIL, so pulls, waits and the caller's scatter overlap.
-        host, _, port = self.stage_addr.rpartition(":")
         try:
-            sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
-        except OSError as exc:
-            self.error = f"connect {self.stage_addr}: {exc}"
+            sock = socket.create_connection(_host_port(self.stage_addr), timeout=self.timeout_s)
+        except (OSError, ValueError) as exc:
+            self.error = f"connect {self.stage_addr!r}: {exc}"
             return
         self._sock = sock
         submitted: queue.Queue[tuple[int, int, int, Pull] | None] = queue.Queue()
@@ -560,12 +567,11 @@ class StageStream:
 
 def ping(stage_addr: str, timeout_s: float = 2.0) -> bool:
     """True when a stage endpoint answers."""
-    host, _, port = stage_addr.rpartition(":")
     t0 = time.monotonic()
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s) as s:
+        with socket.create_connection(_host_port(stage_addr), timeout=timeout_s) as s:
             s.settimeout(max(0.1, timeout_s - (time.monotonic() - t0)))
             s.sendall(b'{"op": "ping"}\n')
             return b"pong" in s.makefile("rb").readline(1024)
-    except OSError:
+    except (OSError, ValueError):
         return False
