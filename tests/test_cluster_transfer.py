@@ -20,6 +20,15 @@ pytestmark = pytest.mark.cluster
 UNIT = 1 << 20
 
 
+def assert_all_slots_free(node, n: int) -> None:
+    """Every one of the node's ``n`` arena slots came back: all can be taken (and are returned)."""
+    slots = [node.acquire(0) for _ in range(n)]
+    for a in slots:
+        if a is not None:
+            node.release(a)
+    assert None not in slots
+
+
 @pytest.fixture(scope="module")
 def engines():
     require_mooncake()
@@ -55,8 +64,35 @@ def test_stream_is_byte_exact_and_in_order(served):
             assert [k for k, _ in got] == keys and stream.error is None
             assert all(v == units[k] for k, v in got)
     assert srv.stats.units_staged == srv.stats.units_copied == 8 * len(keys)  # a bytes source: one copy each
-    # Every slot came back to both arenas.
-    assert owner.acquire(0) is not None and requester.acquire(0) is not None
+    assert_all_slots_free(owner, 4)
+    assert_all_slots_free(requester, 3)
+
+
+def test_held_slots_stay_the_callers_until_done(served):
+    """hold=True (an asynchronous consumer): each view stays valid until its done(), even while
+    later units arrive, and every slot comes back."""
+    from tutti_cluster.cluster.stage import StageStream
+
+    owner, requester, units, srv = served
+    keys = list(range(1, 9))
+    stream = StageStream(requester, srv.address, owner.segment, keys, window=2, depth=3, hold=True)
+    held: list = []
+    got = []
+    for key, view, done in stream:
+        held.append((key, view, done))
+        if len(held) == 2:  # depth - 1 held, as the client keeps them
+            k, v, d = held.pop(0)
+            got.append(k)
+            assert bytes(v) == units[k]  # not overwritten by the pulls after it
+            d()
+            d()  # a second call does nothing
+    for k, v, d in held:
+        got.append(k)
+        assert bytes(v) == units[k]
+        d()
+    assert got == keys and stream.error is None
+    assert_all_slots_free(owner, 4)
+    assert_all_slots_free(requester, 3)
 
 
 def test_stream_stops_at_the_first_miss(served):
@@ -108,6 +144,7 @@ def test_dropped_requester_returns_its_slots(served):
         f.flush()
         announced = [json.loads(f.readline()) for _ in range(3)]
         assert all("addr" in m for m in announced)
+        f.close()  # else the file keeps the socket open past the with, until the server's idle timeout
     # The server notices the close and reclaims the three slots it had lent.
     import time
 

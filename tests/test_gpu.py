@@ -402,6 +402,48 @@ def test_scatter_unit_from_host_memory_into_gpu_blocks(dirs: list[Path], layout:
 
 
 @gpu
+@pytest.mark.parametrize("caller_stream", ["default", "side"])
+def test_async_scatter_is_ordered_on_the_callers_stream(dirs: list[Path], caller_stream: str) -> None:
+    """The remote path's scatter as a retrieve's layer is: scatter_unit_async runs after the work
+    queued on the caller's stream, returns while that work still runs, and the stream's later work
+    sees the blocks written; scatter_wait gives each verdict (in place from registered memory, from
+    a copy, and a corrupt unit's NotFound)."""
+    from tutti_cluster.errors import NotFound
+
+    kv = make_gpu_kv("kv_first", layers=2, blocks=64, seed=21)
+    want = clone(kv)
+    with open_gpu_store(dirs[:1], kv, "kv_first") as s:
+        ub = s.unit_blocks
+        assert s.store([1, 2], list(range(2 * ub))).ok
+        units = [s.read_unit(k) for k in (1, 2)]
+    n = len(units[0])
+    arena = bytearray(units[0])
+    bad = bytearray(units[1])
+    bad[-100] ^= 0x01  # one bit of its last object
+    got = make_gpu_kv("kv_first", layers=2, blocks=64, seed=22)
+    side = torch.cuda.Stream() if caller_stream == "side" else torch.cuda.default_stream()
+    with open_gpu_store(dirs[1:], got, "kv_first") as b, torch.cuda.stream(side):
+        addr = b.register_host(arena)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # keeps the current stream busy for ~0.1 s
+        for l in got:
+            l[:, 32:].fill_(-2.0)  # queued behind the sleep: the scatters must land after it
+        tickets = [b.scatter_unit_async(memoryview(arena)[:n], list(range(32, 32 + ub))),
+                   b.scatter_unit_async(bytes(units[1]), list(range(32 + ub, 32 + 2 * ub)))]
+        assert not side.query(), "scatter_unit_async waited for the caller's stream"
+        seen = [l[:, 32:32 + 2 * ub].clone() for l in got]  # queued on the stream after the scatters
+        bad_ticket = b.scatter_unit_async(bad, list(range(ub)))
+        for t in tickets:
+            b.scatter_wait(t)
+        with pytest.raises(NotFound, match="checksum"):
+            b.scatter_wait(bad_ticket)
+        torch.cuda.synchronize()
+        b.unregister_host(addr)
+    for x, w in zip(seen, want):
+        assert torch.equal(_bits(x), _bits(w[:, :2 * ub])), "the scatter ran before the stream's queued work, or after its later work"
+
+
+@gpu
 def test_corrupt_object_is_a_miss(dirs: list[Path]) -> None:
     kv = make_gpu_kv("block_first", layers=2, blocks=64, seed=6)
     with open_gpu_store(dirs[:1], kv, "block_first") as s:

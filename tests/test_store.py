@@ -222,6 +222,53 @@ def test_read_import_scatter_unit(tmp_path, store_dirs):
                 np.testing.assert_array_equal(want[l][:, :ub], kv2[l][:, 20 : 20 + ub])
 
 
+def test_scatter_unit_async_tickets(tmp_path, store_dirs):
+    """Asynchronous scatters (the remote path's, ordered on the engine's stream on CUDA): each ticket
+    gives its own verdict once, at most four are in flight, the store keeps each unit's buffer until
+    its wait, and closing with scatters in flight loses nothing else."""
+    from tutti_cluster.errors import CapacityExceeded, LayoutError, NotFound, TuttiError
+
+    kv = make_kv(seed=14)
+    with open_store(store_dirs, kv) as a:
+        ub = a.unit_blocks
+        assert a.store([1, 2], np.arange(2 * ub)).ok
+        units = [bytearray(a.read_unit(k)) for k in (1, 2)]
+        want = snapshot(kv)
+    bad = bytearray(units[1])
+    bad[-100] ^= 0x01  # one bit of the second unit's last object
+    kv2 = make_kv(seed=15)
+    other = tmp_path / "other"
+    other.mkdir()
+    with open_store([other], kv2) as b:
+        sources = [units[0], bad, units[1], units[0]]
+        tickets = [b.scatter_unit_async(src, np.arange(ub) + 10 * (i + 1)) for i, src in enumerate(sources)]
+        assert len(set(tickets)) == 4
+        with pytest.raises(CapacityExceeded, match="4 scatters in flight"):
+            b.scatter_unit_async(units[0], np.arange(ub) + 60)
+        with pytest.raises(BufferError):
+            bad.extend(b"x")  # held by the store until its wait
+        with pytest.raises(LayoutError):  # bad arguments raise at once and take no slot
+            b.scatter_unit_async(units[0], np.arange(ub - 1))
+        b.scatter_wait(tickets[0])
+        with pytest.raises(NotFound, match="checksum"):
+            b.scatter_wait(tickets[1])
+        bad.extend(b"x")  # released by its wait, failed or not
+        for t in tickets[2:]:
+            b.scatter_wait(t)
+        for t in (tickets[0], tickets[1], 0, 1 << 60):
+            with pytest.raises(TuttiError, match="no scatter"):
+                b.scatter_wait(t)  # each ticket once; unknown ones refused
+        for i, (src_key, dst) in enumerate([(0, 10), (1, 30), (0, 40)]):
+            for l in range(len(kv)):
+                np.testing.assert_array_equal(want[l][:, src_key * ub:(src_key + 1) * ub], kv2[l][:, dst:dst + ub])
+        # Slots are free again; close with two in flight.
+        b.scatter_unit_async(units[0], np.arange(ub) + 50)
+        b.scatter_unit_async(units[1], np.arange(ub) + 60)
+    for l in range(len(kv)):
+        np.testing.assert_array_equal(want[l][:, ub:2 * ub], kv2[l][:, 60:60 + ub])
+    units[0].extend(b"x")  # close released the buffers
+
+
 def test_scatter_unit_from_registered_host_memory(tmp_path, store_dirs):
     """Units scattered from a registered buffer (as the remote path's arena is): byte-exact, a
     corrupt one is a miss; the store keeps the buffer exported until unregister_host or close."""

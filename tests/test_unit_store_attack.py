@@ -174,6 +174,7 @@ def test_read_only_store_engine_calls_raise_tutti_error(stored):
         lambda: r.begin_store([1], np.arange(ub)), lambda: r.begin_retrieve([7], np.arange(ub)),
         lambda: r.store([1], np.arange(ub)), lambda: r.retrieve([7], np.arange(ub)),
         lambda: r.scatter_unit(data, np.arange(ub)), lambda: r.register_host(bytearray(64)),
+        lambda: r.scatter_unit_async(data, np.arange(ub)), lambda: r.scatter_wait(1),
         lambda: r.get_iocb(1), lambda: r.fill_iocb(0, op="read", layer=0, req=0, first=0, count=1),
         lambda: r.issue_io([0]), lambda: r.wait_cqe(0), lambda: r.put_iocb(0), lambda: r.compute_stream(),
         lambda: r.finish(0), lambda: r.wait_layer(0, 0), lambda: r.store_layer(0, 0), lambda: r.retrieve_layer(0, 0),

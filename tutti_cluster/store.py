@@ -131,6 +131,7 @@ class TuttiStore:
         self.on_evict: Callable[[int], None] | None = None
         self._kv_refs: list[Any] = []
         self._host_regions: dict[int, memoryview] = {}  # register_host: address -> the exported view
+        self._scatters: dict[int, memoryview] = {}  # scatter_unit_async: ticket -> the unit's bytes
 
     # ---- setup -------------------------------------------------------------------------------
     def register_kv_caches(
@@ -457,6 +458,37 @@ class TuttiStore:
         """
         self._e.scatter_unit(data, _block_array(block_ids))
 
+    def scatter_unit_async(self, data: bytes | bytearray | memoryview, block_ids: Any) -> int:
+        """:meth:`scatter_unit`, ordered on the caller's current stream and returning at once: a
+        ticket for :meth:`scatter_wait`, which gives the verdict.
+
+        On CUDA the scatter starts after the work queued on the current stream so far and the work
+        queued there afterwards waits for it, as for a retrieve's layer; the host does not wait. The
+        store keeps ``data`` (the buffer, unchanged) until :meth:`scatter_wait`. At most four are in
+        flight (CapacityExceeded beyond). Bad arguments and a header that fails raise here, as for
+        :meth:`scatter_unit`; the objects' checksums are judged by :meth:`scatter_wait`.
+        """
+        view = memoryview(data)
+        try:
+            ticket = int(self._e.scatter_unit_async(view, _block_array(block_ids), self._order_stream(0)))
+        except BaseException:
+            view.release()
+            raise
+        self._scatters[ticket] = view
+        return ticket
+
+    def scatter_wait(self, ticket: int) -> None:
+        """Waits for the scatter of ``ticket`` (each is waited for once). Returns when its blocks hold
+        the unit, for the host and for any stream; raises NotFound (a miss: the blocks hold no valid
+        KV) when an object failed its checksum, DeviceError when the device failed, and TuttiError for
+        a ticket not in flight."""
+        try:
+            self._e.scatter_wait(int(ticket))
+        finally:
+            view = self._scatters.pop(int(ticket), None)
+            if view is not None:
+                view.release()
+
     def register_host(self, buffer: Any) -> int:
         """Lets :meth:`scatter_unit` read units in ``buffer`` (host memory, e.g. the Transfer
         Engine's staging arena) in place: a GPU backend maps it. Returns its address, for
@@ -519,9 +551,10 @@ class TuttiStore:
             self._native.close()
             self._native = None
             self._kv_refs = []
-            for view in self._host_regions.values():
+            for view in (*self._host_regions.values(), *self._scatters.values()):
                 view.release()
             self._host_regions = {}
+            self._scatters = {}
 
     def __enter__(self) -> "TuttiStore":
         return self

@@ -418,6 +418,22 @@ PYBIND11_MODULE(_native, m) {
         const Bytes d = contiguous(i, "data");
         ok(without_gil([&] { return s.scatter_unit(d.p, d.n, blocks.data(), static_cast<uint64_t>(blocks.size())); }));
       })
+      .def("scatter_unit_async", [](PyStore& p, py::buffer data, I64Array blocks, int64_t stream) {
+        auto held = p.hold();
+        Store& s = *held;
+        py::buffer_info i = data.request();
+        const Bytes d = contiguous(i, "data");
+        uint64_t ticket = 0;
+        ok(without_gil([&] {
+          return s.scatter_unit_async(d.p, d.n, blocks.data(), static_cast<uint64_t>(blocks.size()), stream, &ticket);
+        }));
+        return ticket;
+      })
+      .def("scatter_wait", [](PyStore& p, uint64_t ticket) {
+        auto held = p.hold();
+        Store& s = *held;
+        ok(without_gil([&] { return s.scatter_wait(ticket); }));
+      })
       .def("register_host", [](PyStore& p, py::buffer data) {
         auto held = p.hold();
         Store& s = *held;

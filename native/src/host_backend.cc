@@ -60,11 +60,16 @@ class HostBackend final : public Backend {
     return Status::Ok();
   }
 
-  Status scatter_from_host(const uint8_t* unit, const uint64_t* dst, const uint64_t* sums, int64_t* bad) override {
-    // One pass per object: copy each block while summing it, as the I/O kernel does.
+  Status scatter_from_host(uint32_t slot, const uint8_t* unit, const uint64_t* dst, const uint64_t* sums,
+                           int64_t stream) override {
+    // Done here and now: host work is ordered already (the engine thread made the data before
+    // calling), so `stream` has nothing to order. One pass per object: copy each block while
+    // summing it, as the I/O kernel does.
+    (void)stream;
     const Geometry& g = k_->geom;
     const uint64_t payload = g.payload_bytes();
-    *bad = -1;
+    int64_t& bad = scatter_bad_[slot];
+    bad = -1;
     for (uint32_t o = 0; o < g.num_objs(); ++o) {
       const uint8_t* src = unit + g.header_bytes + static_cast<uint64_t>(o) * g.obj_bytes;
       uint32_t sum = 0;
@@ -72,10 +77,15 @@ class HostBackend final : public Backend {
         sum = crc32c_copy(sum, reinterpret_cast<uint8_t*>(dst[static_cast<uint64_t>(o) * g.unit_blocks + b]),
                           src + b * g.block_bytes, g.block_bytes);
       if (crc32c_extend(sum, src + payload, g.obj_bytes - payload) != sums[o]) {
-        *bad = o;
+        bad = o;
         break;
       }
     }
+    return Status::Ok();
+  }
+
+  Status scatter_wait(uint32_t slot, int64_t* bad) override {
+    *bad = scatter_bad_[slot];
     return Status::Ok();
   }
 
@@ -158,6 +168,7 @@ class HostBackend final : public Backend {
   std::vector<Sqe> pending_;  // SQEs of one post() call, pushed after the stores' gathers
   std::vector<Cqe> batch_;    // completions verified together
   bool any_mapped_ = false;
+  int64_t scatter_bad_[kScatterSlots] = {};  // each slot's verdict, until its scatter_wait
   // One parallel loop at a time (parallel_for), shared by this thread and the helpers.
   std::vector<std::thread> helpers_;
   std::mutex job_mu_;

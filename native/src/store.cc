@@ -144,6 +144,8 @@ void Store::close() {
         RequestResult r;
         finish(i, &r);
       }
+    for (uint64_t t : scatter_ticket_)  // scatters not waited for: their blocks are the caller's loss
+      if (t) scatter_wait(t);
     backend_->stop();
     agent_.stop();
     backend_->free_host(staging_, staging_bytes_);
@@ -622,6 +624,31 @@ Status Store::finish(uint32_t id, RequestResult* out) {
 }
 
 Status Store::scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks) {
+  uint64_t ticket = 0;
+  Status st = scatter_unit_async(data, n, block_ids, n_blocks, -1, &ticket);
+  return st.ok() ? scatter_wait(ticket) : st;
+}
+
+Status Store::take_scatter_slot(uint32_t* slot, uint64_t* ticket) {
+  std::lock_guard<std::mutex> lk(scatter_mu_);
+  for (uint32_t i = 0; i < kScatterSlots; ++i)
+    if (!scatter_ticket_[i]) {
+      scatter_ticket_[i] = *ticket = next_ticket_++;
+      scatter_waited_[i] = false;
+      *slot = i;
+      return Status::Ok();
+    }
+  return {Code::kCapacityExceeded, std::to_string(kScatterSlots) + " scatters in flight: wait for one (scatter_wait) first"};
+}
+
+void Store::free_scatter_slot(uint32_t slot) {
+  std::lock_guard<std::mutex> lk(scatter_mu_);
+  scatter_ticket_[slot] = 0;
+  scatter_waited_[slot] = false;
+}
+
+Status Store::scatter_unit_async(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks,
+                                 int64_t stream, uint64_t* ticket) {
   if (!started_) return {Code::kInvalid, "store is closed or read-only"};
   const Geometry& g = geom_;
   if (n_blocks != g.unit_blocks) return {Code::kLayout, "scatter_unit needs exactly one unit of block ids"};
@@ -644,8 +671,25 @@ Status Store::scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block
         for (uint32_t j = 0; j < e.num_blocks; ++j)
           d[e.unit_offset_blocks + j] = reinterpret_cast<uint64_t>(extents_.addr(l, o, e.first_block + j));
     }
+  uint32_t slot = 0;
+  if (!(st = take_scatter_slot(&slot, ticket)).ok()) return st;
+  st = backend_->scatter_from_host(slot, data, dst.data(), sums.data(), stream);
+  if (!st.ok()) free_scatter_slot(slot);  // nothing of it is left in flight to wait for
+  return st;
+}
+
+Status Store::scatter_wait(uint64_t ticket) {
+  uint32_t slot = kScatterSlots;
+  {
+    std::lock_guard<std::mutex> lk(scatter_mu_);
+    for (uint32_t i = 0; i < kScatterSlots; ++i)
+      if (ticket && scatter_ticket_[i] == ticket && !scatter_waited_[i]) slot = i;
+    if (slot == kScatterSlots) return {Code::kInvalid, "no scatter " + std::to_string(ticket) + " in flight"};
+    scatter_waited_[slot] = true;
+  }
   int64_t bad = -1;
-  st = backend_->scatter_from_host(data, dst.data(), sums.data(), &bad);
+  Status st = backend_->scatter_wait(slot, &bad);
+  free_scatter_slot(slot);
   if (!st.ok()) return st;
   if (bad >= 0) {
     std::lock_guard<std::mutex> lk(mu_);

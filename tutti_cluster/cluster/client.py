@@ -26,13 +26,15 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Sequence
 
 from tutti_cluster.cluster.directory import EtcdDirectory, advertised_host, local_address_towards
 from tutti_cluster.errors import ConfigError, NotFound, TuttiError
 
 log = logging.getLogger(__name__)
+
+SCATTERS_IN_FLIGHT = 4  # at most the store's scatter slots (Store::scatter_unit_async)
 
 
 class ClusterClient:
@@ -148,34 +150,67 @@ class ClusterClient:
                 log.warning("remote fetch unavailable: %s", exc)
                 self.stats["remote_failures"] += 1
                 break
-            stream = StageStream(transfer, rec.stage, rec.segment, ks[placed:run], self.window, self.timeout_s)
+            stream = StageStream(transfer, rec.stage, rec.segment, ks[placed:run], self.window, self.timeout_s,
+                                 hold=True)
             got = 0
             local_error: TuttiError | None = None
-            units = iter(stream)
-            try:
-                for key, view in units:
-                    i = placed + got
-                    t0 = time.perf_counter()
-                    try:
-                        self.store.scatter_unit(view, block_ids[i * ub:(i + 1) * ub])
-                        if keep_replica:
-                            self.store.import_unit(view)
-                            self.stats["replicas_kept"] += 1
-                    except NotFound as exc:
-                        # A unit that fails verification is a miss, never wrong data.
+            # Scatters run asynchronously, ordered on the engine's stream (a GPU store), while the
+            # next units are pulled: (key, ticket, done) of each not yet judged, in key order.
+            pending: deque[tuple[int, int, Any]] = deque()
+            keep = max(1, min(stream.depth - 1, SCATTERS_IN_FLIGHT))
+            failed = False
+
+            def judge() -> None:
+                # The oldest scatter's verdict; after a failure the rest are only waited for.
+                nonlocal got, failed, local_error
+                key, ticket, done = pending.popleft()
+                t0 = time.perf_counter()
+                try:
+                    self.store.scatter_wait(ticket)
+                    if not failed:
+                        got += 1
+                except NotFound as exc:
+                    if not failed:  # a unit that fails verification is a miss, never wrong data
                         log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
                         stream.report_corrupt(key)
                         stream.error = str(exc)
-                        break
-                    except TuttiError as exc:
-                        # Our own failure (the device, bad block ids): the owner's unit may be
-                        # healthy, so it is neither reported nor the owner forgotten.
+                    failed = True
+                except TuttiError as exc:
+                    if not failed:  # our own failure (the device): the owner's unit may be healthy
                         log.warning("placing remote unit %x failed here: %s", key, exc)
                         local_error = exc
-                        break
-                    got += 1
+                    failed = True
+                finally:
+                    done()
                     self.stats["scatter_s"] += time.perf_counter() - t0
+
+            units = iter(stream)
+            try:
+                for key, view, done in units:
+                    i = placed + got + len(pending)
+                    try:
+                        ticket = self.store.scatter_unit_async(view, block_ids[i * ub:(i + 1) * ub])
+                        pending.append((key, ticket, done))
+                        if keep_replica:
+                            self.store.import_unit(view)
+                            self.stats["replicas_kept"] += 1
+                    except NotFound as exc:  # the header failed, or (replica) an object
+                        done()
+                        log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
+                        stream.report_corrupt(key)
+                        stream.error = str(exc)
+                        failed = True
+                    except TuttiError as exc:
+                        done()
+                        log.warning("placing remote unit %x failed here: %s", key, exc)
+                        local_error, failed = exc, True
+                    while pending and (failed or len(pending) >= keep):
+                        judge()
+                    if failed:
+                        break
             finally:
+                while pending:  # every scatter is waited for before its slot goes back
+                    judge()
                 units.close()  # type: ignore[attr-defined]  # ends the puller, returns its slots
             self.stats["remote_units"] += got
             self.stats["remote_bytes"] += stream.bytes

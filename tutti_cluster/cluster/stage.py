@@ -35,7 +35,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Callable, Iterator, Literal, Sequence, Union
+from typing import Annotated, Any, Callable, Iterator, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -123,6 +123,19 @@ def _why(exc: ValidationError) -> str:
     e = exc.errors(include_url=False, include_input=False)[0]
     where = ".".join(str(p) for p in e["loc"])
     return f"{where + ': ' if where else ''}{e['msg']}"[:200]
+
+
+def _once(fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn``, run at its first call only."""
+    done = False
+
+    def call() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            fn()
+
+    return call
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -384,7 +397,10 @@ class StageStream:
     """Requester side of one stage stream. Iterate to get ``(key, view)`` pairs in key order.
 
     Each view is a slot of the requester's own arena holding the unit's bytes; it is valid until the
-    next iteration step (the slot is then reused). The iteration ends early at the owner's first
+    next iteration step (the slot is then reused). With ``hold`` the items are ``(key, view, done)``
+    instead: the slot stays the caller's until it calls ``done()`` (for an asynchronous consumer,
+    such as a scatter ordered on a GPU stream); the caller keeps at most ``depth - 1`` slots, so that
+    one is left to pull into, and calls every ``done`` before it closes the iterator. The iteration ends early at the owner's first
     miss or at any fault (connection refused or dropped, transfer failure, timeout): the caller
     treats the rest as misses. Faults are counted in ``error`` and never raised.
 
@@ -395,8 +411,9 @@ class StageStream:
     """
 
     def __init__(self, transfer: TransferNode, stage_addr: str, segment: str, keys: Sequence[int],
-                 window: int = 2, timeout_s: float = 5.0, depth: int | None = None) -> None:
+                 window: int = 2, timeout_s: float = 5.0, depth: int | None = None, hold: bool = False) -> None:
         self.transfer = transfer
+        self.hold = hold
         self.depth = max(2, depth or default_depth())
         self.stage_addr = stage_addr
         self.segment = segment
@@ -422,7 +439,7 @@ class StageStream:
             except OSError:
                 pass
 
-    def __iter__(self) -> Iterator[tuple[int, memoryview]]:
+    def __iter__(self) -> Iterator[Any]:
         # Two threads: the puller reads the owner's announcements and submits a pull of each unit
         # into a free local slot; the completer waits for the pulls in order, returns each owner
         # slot (`done`) and hands the unit over. The Transfer Engine and the store's scatter both
@@ -546,8 +563,11 @@ class StageStream:
                 if item is None:
                     break
                 key, local, n = item
-                yield key, self.transfer.view(local, n)
-                free.put(local)
+                if self.hold:
+                    yield key, self.transfer.view(local, n), _once(lambda local=local: free.put(local))
+                else:
+                    yield key, self.transfer.view(local, n)
+                    free.put(local)
         finally:
             stop.set()
             self._sock = None

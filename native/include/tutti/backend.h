@@ -14,6 +14,9 @@
 
 namespace tutti {
 
+// Remote units in flight at once per store (Store::scatter_unit_async).
+constexpr uint32_t kScatterSlots = 4;
+
 // Per-request state that the I/O kernel reads and writes.
 struct RequestView {
   const Ioctx* ctx = nullptr;
@@ -60,12 +63,19 @@ class Backend {
   virtual void free_host(void* ptr, uint64_t bytes) = 0;
   virtual Status start(KernelContext* ctx, uint32_t workers) = 0;
   // Places one unit held in host memory (a GPU file, header first: a unit another node sent) into
-  // the KV blocks and verifies each object's CRC32C in the same pass. `dst`: the block addresses,
-  // num_objs x unit_blocks, object-major; `sums`: the objects' CRC32C from the unit's verified
-  // header. *bad = the first object that fails, or -1. Returns once the blocks are written, so that
-  // whatever the engine queues afterwards sees them. A failure of the device is the Status, never a
-  // bad object.
-  virtual Status scatter_from_host(const uint8_t* unit, const uint64_t* dst, const uint64_t* sums, int64_t* bad) = 0;
+  // the KV blocks and verifies each object's CRC32C in the same pass, as scatter `slot` (one of
+  // kScatterSlots; the caller owns it until scatter_wait). `dst`: the block addresses, num_objs x
+  // unit_blocks, object-major; `sums`: the objects' CRC32C from the unit's verified header (both
+  // copied before it returns). `stream` >= 0 (a cudaStream_t handle on CUDA, 0 its default stream):
+  // ordered on that stream, like a retrieve's layer: the scatter starts after the work queued there
+  // so far, and the work queued there afterwards waits for it; the call may return before the
+  // scatter ran, and `unit` must stay valid until scatter_wait. `stream` < 0: ordered on no stream.
+  // A failure of the device is the Status, never a bad object.
+  virtual Status scatter_from_host(uint32_t slot, const uint8_t* unit, const uint64_t* dst, const uint64_t* sums,
+                                   int64_t stream) = 0;
+  // Waits for scatter `slot`: *bad = the first object that failed its checksum, or -1. When it
+  // returns the blocks are written, for the host and for whatever any stream queues afterwards.
+  virtual Status scatter_wait(uint32_t slot, int64_t* bad) = 0;
   // Host memory that scatter_from_host may then read in place (a GPU maps it: the remote path's
   // staging arena). Without it a GPU backend first copies each unit into pinned memory of its own.
   virtual Status register_host(void* p, uint64_t n) {

@@ -69,8 +69,18 @@ class Store : public UnitStore {
   uint64_t compute_stream() const { return backend_ ? backend_->compute_stream() : 0; }
 
   // Places a GPU file held in host memory (a unit another node sent) into one unit's KV blocks,
-  // verifying it on the same pass (Backend::scatter_from_host).
+  // verifying it on the same pass (Backend::scatter_from_host); returns once the blocks hold it.
+  // NotFound when the unit fails its checksums (the blocks then hold no valid KV).
   Status scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks);
+  // The same, ordered on `stream` (a cudaStream_t handle, 0 the default stream; see
+  // Backend::scatter_from_host), returning before the scatter may have run: *ticket names it for
+  // scatter_wait, which gives the verdict. At most kScatterSlots at once (CapacityExceeded beyond);
+  // `data` must stay valid until scatter_wait returns.
+  Status scatter_unit_async(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks,
+                            int64_t stream, uint64_t* ticket);
+  // Waits for the scatter of `ticket`: Ok when the blocks hold the unit, NotFound when it failed its
+  // checksums, DeviceError when the device failed. Each ticket is waited for once.
+  Status scatter_wait(uint64_t ticket);
   // Host memory that scatter_unit may read in place from then on (see Backend::register_host).
   Status register_host(void* p, uint64_t n);
   void unregister_host(void* p);
@@ -119,6 +129,9 @@ class Store : public UnitStore {
   bool in_flight(uint32_t id) const;
   void wait_done(uint32_t id);
   void release_request(uint32_t id, Request& r);
+  // Takes a free scatter slot for a new ticket (under scatter_mu_).
+  Status take_scatter_slot(uint32_t* slot, uint64_t* ticket);
+  void free_scatter_slot(uint32_t slot);
 
   ExtentMap extents_;
   std::unique_ptr<Backend> backend_;
@@ -140,6 +153,11 @@ class Store : public UnitStore {
   std::vector<Request> requests_;
   std::vector<RequestView> views_;
   uint64_t request_map_peak_ = 0;
+  // Scatters in flight (scatter_unit_async): each slot's ticket, 0 when free; waited_: being waited for.
+  std::mutex scatter_mu_;
+  uint64_t scatter_ticket_[kScatterSlots] = {};
+  bool scatter_waited_[kScatterSlots] = {};
+  uint64_t next_ticket_ = 1;
   bool started_ = false;
 };
 

@@ -696,7 +696,9 @@ class CudaBackend final : public Backend {
   Status end_request(uint32_t id, RequestView* view) override;
   bool stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) override;
   Status record_on(uint64_t stream, uint64_t* event) override;
-  Status scatter_from_host(const uint8_t* unit, const uint64_t* dst, const uint64_t* sums, int64_t* bad) override;
+  Status scatter_from_host(uint32_t slot, const uint8_t* unit, const uint64_t* dst, const uint64_t* sums,
+                           int64_t stream) override;
+  Status scatter_wait(uint32_t slot, int64_t* bad) override;
   Status register_host(void* p, uint64_t n) override;
   void unregister_host(void* p) override;
 
@@ -736,13 +738,18 @@ class CudaBackend final : public Backend {
   CUcontext io_ctx_ = nullptr;
   cudaStream_t io_streams_[kLanes] = {}, compute_stream_ = nullptr;
   cudaStream_t scatter_stream_ = nullptr;  // the remote path's scatter kernel, on the I/O partition
-  // The remote path (scatter_from_host), one unit at a time: device [dst][expect], mapped host
-  // [dst][expect][bad], and a mapped copy of a unit that is not in registered memory.
-  std::mutex scatter_mu_;
-  uint8_t* scatter_dev_ = nullptr;
-  uint8_t* scatter_host_ = nullptr;
-  uint64_t scatter_host_bytes_ = 0;
-  uint8_t* scatter_bounce_ = nullptr;
+  // The remote path (scatter_from_host), per scatter slot: device [dst][expect], mapped host
+  // [dst][expect][bad], a mapped copy of a unit that is not in registered memory, and its events.
+  struct ScatterSlot {
+    uint8_t* dev = nullptr;
+    uint8_t* host = nullptr;
+    uint64_t host_bytes = 0;
+    uint8_t* bounce = nullptr;
+    cudaEvent_t order = nullptr;  // primary context: recorded on the caller's stream
+    cudaEvent_t done = nullptr;   // after the scatter kernel, on scatter_stream_
+  };
+  std::mutex scatter_mu_;  // the slots' allocation and host_regions_
+  ScatterSlot scatter_[kScatterSlots];
   std::vector<void*> host_regions_;  // register_host
   KernelContext* k_ = nullptr;
   uint32_t workers_ = 0, grid_ = 0, per_worker_ = 0;
@@ -1128,21 +1135,29 @@ bool CudaBackend::stream_wait(const uint32_t* ids, uint32_t n, uint64_t stream) 
   return true;
 }
 
-Status CudaBackend::scatter_from_host(const uint8_t* unit, const uint64_t* dst, const uint64_t* sums, int64_t* bad) {
+Status CudaBackend::scatter_from_host(uint32_t slot, const uint8_t* unit, const uint64_t* dst, const uint64_t* sums,
+                                      int64_t stream) {
   if (!started_) return {Code::kDevice, "CUDA backend not started"};
   const Geometry& g = k_->geom;
   const uint64_t nd = static_cast<uint64_t>(g.num_objs()) * g.unit_blocks;
   const uint64_t dev_bytes = (nd + g.num_objs()) * 8;
   std::lock_guard<std::mutex> lk(scatter_mu_);
+  ScatterSlot& sl = scatter_[slot];
   cudaSetDevice(device_);
   cudaError_t e = cudaSuccess;
-  if (!scatter_host_) {
+  if (!sl.host) {
     void* h = nullptr;
-    scatter_host_bytes_ = align_up(dev_bytes + g.num_objs());
-    Status st = alloc_host(scatter_host_bytes_, &h);
+    Status st = alloc_host(align_up(dev_bytes + g.num_objs()), &h);
     if (!st.ok()) return st;
-    scatter_host_ = static_cast<uint8_t*>(h);
-    if ((e = cudaMalloc(&scatter_dev_, dev_bytes)) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc (scatter)", e)};
+    sl.host = static_cast<uint8_t*>(h);
+    sl.host_bytes = align_up(dev_bytes + g.num_objs());
+    if ((e = cudaMalloc(&sl.dev, dev_bytes)) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc (scatter)", e)};
+    if ((e = cudaEventCreateWithFlags(&sl.order, cudaEventDisableTiming)) != cudaSuccess)
+      return {Code::kDevice, cuda_msg("cudaEventCreate (scatter)", e)};
+    push();
+    e = cudaEventCreateWithFlags(&sl.done, cudaEventDisableTiming);
+    pop();
+    if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaEventCreate (scatter)", e)};
   }
   // The kernel reads the unit in place when it is in registered host memory, else from a copy.
   cudaPointerAttributes a{};
@@ -1150,24 +1165,23 @@ Status CudaBackend::scatter_from_host(const uint8_t* unit, const uint64_t* dst, 
   cudaGetLastError();
   const uint8_t* src = unit;
   if (!mapped) {
-    if (!scatter_bounce_) {
+    if (!sl.bounce) {
       void* b = nullptr;
       Status st = alloc_host(g.slot_bytes, &b);
       if (!st.ok()) return st;
-      scatter_bounce_ = static_cast<uint8_t*>(b);
+      sl.bounce = static_cast<uint8_t*>(b);
     }
-    std::memcpy(scatter_bounce_, unit, g.slot_bytes);
-    src = scatter_bounce_;
+    std::memcpy(sl.bounce, unit, g.slot_bytes);
+    src = sl.bounce;
   }
-  std::memcpy(scatter_host_, dst, nd * 8);
-  std::memcpy(scatter_host_ + nd * 8, sums, g.num_objs() * 8);
-  uint8_t* bad_host = scatter_host_ + dev_bytes;
-  std::memset(bad_host, 0, g.num_objs());
+  std::memcpy(sl.host, dst, nd * 8);
+  std::memcpy(sl.host + nd * 8, sums, g.num_objs() * 8);
+  std::memset(sl.host + dev_bytes, 0, g.num_objs());
   ScatterParams p{};
   p.unit = reinterpret_cast<const uint8_t*>(dev_addr(src));
-  p.dst = reinterpret_cast<const uint64_t*>(scatter_dev_);
-  p.expect = reinterpret_cast<const uint64_t*>(scatter_dev_ + nd * 8);
-  p.bad = reinterpret_cast<uint8_t*>(dev_addr(bad_host));
+  p.dst = reinterpret_cast<const uint64_t*>(sl.dev);
+  p.expect = reinterpret_cast<const uint64_t*>(sl.dev + nd * 8);
+  p.bad = reinterpret_cast<uint8_t*>(dev_addr(sl.host + dev_bytes));
   p.num_objs = g.num_objs();
   p.unit_blocks = g.unit_blocks;
   p.vec16 = vec16_ && reinterpret_cast<uintptr_t>(src) % 16 == 0 && g.header_bytes % 16 == 0 && g.obj_bytes % 16 == 0;
@@ -1176,18 +1190,40 @@ Status CudaBackend::scatter_from_host(const uint8_t* unit, const uint64_t* dst, 
   p.obj_bytes = g.obj_bytes;
   p.header_bytes = g.header_bytes;
   p.crc = dev_crc_;
+  // Ordered like a retrieve's layer: after the work queued on the caller's stream so far (the
+  // blocks' last users), and that stream's later work after the scatter (cross-context events, as
+  // the I/O kernel's layers use them).
+  cudaStream_t caller = reinterpret_cast<cudaStream_t>(stream);
+  if (stream >= 0 && (e = cudaEventRecord(sl.order, caller)) != cudaSuccess)
+    return {Code::kDevice, cuda_msg("cudaEventRecord on the caller's stream", e)};
   push();
-  e = cudaMemcpyAsync(scatter_dev_, scatter_host_, dev_bytes, cudaMemcpyHostToDevice, scatter_stream_);
+  if (stream >= 0) e = cudaStreamWaitEvent(scatter_stream_, sl.order, 0);
+  if (e == cudaSuccess) e = cudaMemcpyAsync(sl.dev, sl.host, dev_bytes, cudaMemcpyHostToDevice, scatter_stream_);
   if (e == cudaSuccess) {
     scatter_kernel<<<(p.num_objs + kScatterWarps - 1) / kScatterWarps, 32 * kScatterWarps, 0, scatter_stream_>>>(p);
     e = cudaGetLastError();
   }
-  if (e == cudaSuccess) e = cudaStreamSynchronize(scatter_stream_);
+  if (e == cudaSuccess) e = cudaEventRecord(sl.done, scatter_stream_);
   pop();
-  if (e != cudaSuccess) return {Code::kDevice, cuda_msg("scatter kernel", e)};
+  if (e == cudaSuccess && stream >= 0) e = cudaStreamWaitEvent(caller, sl.done, 0);
+  if (e != cudaSuccess) {
+    // What was queued may still run and read this slot's memory: let it finish before the slot is reused.
+    cudaStreamSynchronize(scatter_stream_);
+    return {Code::kDevice, cuda_msg("scatter kernel", e)};
+  }
+  return Status::Ok();
+}
+
+Status CudaBackend::scatter_wait(uint32_t slot, int64_t* bad) {
+  ScatterSlot& sl = scatter_[slot];
   *bad = -1;
+  if (!sl.done) return {Code::kDevice, "scatter slot never used"};
+  const cudaError_t e = cudaEventSynchronize(sl.done);
+  if (e != cudaSuccess) return {Code::kDevice, cuda_msg("scatter kernel", e)};
+  const Geometry& g = k_->geom;
+  const uint8_t* flags = sl.host + (static_cast<uint64_t>(g.num_objs()) * g.unit_blocks + g.num_objs()) * 8;
   for (uint32_t o = 0; o < g.num_objs(); ++o)
-    if (bad_host[o]) {  // the stream is synchronised: the kernel's stores are visible
+    if (flags[o]) {  // the kernel's stores are visible: its completion event has been waited for
       *bad = o;
       break;
     }
@@ -1238,10 +1274,15 @@ void CudaBackend::stop() {
   req_.clear();
   {
     std::lock_guard<std::mutex> lk(scatter_mu_);
-    free_host(scatter_host_, scatter_host_bytes_);
-    free_host(scatter_bounce_, k_->geom.slot_bytes);
-    if (scatter_dev_) cudaFree(scatter_dev_);
-    scatter_host_ = scatter_bounce_ = scatter_dev_ = nullptr;
+    if (scatter_stream_) cudaStreamSynchronize(scatter_stream_);
+    for (ScatterSlot& sl : scatter_) {
+      free_host(sl.host, sl.host_bytes);
+      free_host(sl.bounce, k_->geom.slot_bytes);
+      if (sl.dev) cudaFree(sl.dev);
+      if (sl.order) cudaEventDestroy(sl.order);
+      if (sl.done) cudaEventDestroy(sl.done);
+      sl = ScatterSlot{};
+    }
     for (void* r : host_regions_) cudaHostUnregister(r);
     host_regions_.clear();
   }
