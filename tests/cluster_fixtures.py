@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -432,6 +433,15 @@ class NodeProcess:
             except Exception:
                 self.kill()
         self.log.close()
+
+
+def close_all(procs) -> None:  # type: ignore[no-untyped-def]
+    """Closes node (or other) processes side by side: each one's exit takes about a second."""
+    threads = [threading.Thread(target=p.close) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def _daemon_main(cfg_json: str) -> None:

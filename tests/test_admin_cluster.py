@@ -18,7 +18,7 @@ pytest.importorskip("fastapi", reason="the admin extra is not installed (pip ins
 from fastapi.testclient import TestClient  # noqa: E402
 
 from admin_fixtures import AUTH, TOKEN, hexkey, wait_for  # noqa: E402
-from cluster_fixtures import EtcdServer, NodeProcess, free_port, require_etcd, require_mooncake  # noqa: E402
+from cluster_fixtures import EtcdServer, NodeProcess, close_all, free_port, require_etcd, require_mooncake  # noqa: E402
 from test_admin import is_error  # noqa: E402
 from test_admin_cli import TuttiUp  # noqa: E402
 from tutti_cluster import TuttiConfig  # noqa: E402
@@ -54,8 +54,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[EtcdServer, ClusterNode, ClusterNo
         nodes.append(ClusterNode(tmp_path, "node-b", etcd.endpoint))
         yield etcd, nodes[0], nodes[1]
     finally:
-        for n in nodes:
-            n.close()
+        close_all(nodes)
         etcd.stop()
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import EtcdServer, NodeProcess, require_etcd, require_mooncake, wait_for
+from cluster_fixtures import EtcdServer, NodeProcess, close_all, require_etcd, require_mooncake, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -36,8 +36,7 @@ def cluster(tmp_path: Path):
             nodes[name] = NodeProcess(name, etcd.endpoint, tmp_path, lease_ttl_s=LEASE_TTL)
         yield etcd, nodes
     finally:
-        for n in nodes.values():
-            n.close()
+        close_all(nodes.values())
         etcd.stop()
 
 
@@ -260,8 +259,7 @@ def test_master_down_local_and_remote_hits_keep_working(tmp_path: Path):
         f = nodes["A"].call(op="fetch", keys=KEYS_A)
         assert f["local"] == len(KEYS_A) and all(f["exact"]) and len(f["exact"]) == len(KEYS_A)
     finally:
-        for n in nodes.values():
-            n.close()
+        close_all(nodes.values())
         master.stop()
         etcd.stop()
 

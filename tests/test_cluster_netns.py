@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import EtcdServer, NodeProcess, require_etcd, require_mooncake, wait_for
+from cluster_fixtures import EtcdServer, NodeProcess, close_all, require_etcd, require_mooncake, wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -85,8 +85,7 @@ def hosts(tmp_path: Path):
         nodes = {n: NodeProcess(n, etcd.endpoint, tmp_path, lease_ttl_s=LEASE_TTL, prefix=h.prefix(n))
                  for n in ("A", "B", "C")}
         yield h, etcd, nodes
-        for node in nodes.values():
-            node.close()
+        close_all(nodes.values())
     finally:
         etcd.stop()
         h.close()

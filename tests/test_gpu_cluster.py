@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import EtcdServer, NodeProcess, require_etcd, require_mooncake, wait_for
+from cluster_fixtures import EtcdServer, NodeProcess, close_all, require_etcd, require_mooncake, wait_for
 from test_gpu import needs_gpu
 from test_cluster import damage_header
 
@@ -33,8 +33,7 @@ def nodes(tmp_path: Path):
         out["B"] = NodeProcess("B", etcd.endpoint, tmp_path, lease_ttl_s=5, backend="cuda")
         yield out
     finally:
-        for n in out.values():
-            n.close()
+        close_all(out.values())
         etcd.stop()
 
 

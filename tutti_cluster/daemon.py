@@ -54,6 +54,9 @@ from tutti_cluster.errors import (CapacityExceeded, ConfigError, LayoutError, No
                                   error_class)
 
 log = logging.getLogger(__name__)
+# How often the accept loop looks for a shutdown request: stop() waits at most this long
+# (socketserver's default, 0.5 s, made every daemon stop take about a second).
+SHUTDOWN_POLL_S = 0.05
 
 SOCKET_NAME = "tutti.sock"
 STATE_NAME = "instances.json"
@@ -735,7 +738,7 @@ class NodeDaemon:
         except OSError as exc:
             raise StorageError(f"cannot listen on {path}: {exc.strerror or exc} (the data directory must be "
                                "writable)") from None
-        self._thread = threading.Thread(target=self._server.serve_forever, name="tutti-daemon", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="tutti-daemon", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

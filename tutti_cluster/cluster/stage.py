@@ -43,6 +43,9 @@ from tutti_cluster.cluster.transfer import Pull, TransferNode
 from tutti_cluster.errors import TuttiError
 
 log = logging.getLogger(__name__)
+# How often the accept loop looks for a shutdown request: stop() waits at most this long
+# (socketserver's default, 0.5 s, made every daemon stop take about a second).
+SHUTDOWN_POLL_S = 0.05
 
 # read_unit(key) -> the unit's bytes (read_unit format), or None when the node does not hold it.
 UnitReader = Callable[[int], "bytes | None"]
@@ -208,7 +211,7 @@ class StageServer:
 
         self._server = Server((host, port), Handler)
         self.address = f"{host}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="tutti-stage", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="tutti-stage", daemon=True)
 
     def start(self) -> "StageServer":
         self._thread.start()
