@@ -152,34 +152,36 @@ class ClusterClient:
                 break
             stream = StageStream(transfer, rec.stage, rec.segment, ks[placed:run], self.window, self.timeout_s,
                                  hold=True)
-            got = 0
             local_error: TuttiError | None = None
             # Scatters run asynchronously, ordered on the engine's stream (a GPU store), while the
-            # next units are pulled: (key, ticket, done) of each not yet judged, in key order.
-            pending: deque[tuple[int, int, Any]] = deque()
+            # next units are pulled: (index, key, ticket, done) of each not yet judged, in order.
+            pending: deque[tuple[int, int, int, Any]] = deque()
             keep = max(1, min(stream.depth - 1, SCATTERS_IN_FLIGHT))
-            failed = False
+            received = 0
+            failed_at: int | None = None  # the first unit (in this stream) that failed
+
+            def fail(idx: int, key: int, exc: TuttiError) -> None:
+                nonlocal failed_at, local_error
+                if failed_at is not None and idx >= failed_at:
+                    return  # after the first failure: not placed in any case
+                failed_at = idx
+                if isinstance(exc, NotFound):  # failed verification: a miss, never wrong data
+                    log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
+                    stream.report_corrupt(key)
+                    stream.error = str(exc)
+                    local_error = None
+                else:  # our own failure (the device, the local store): the owner's unit may be healthy
+                    log.warning("placing remote unit %x failed here: %s", key, exc)
+                    local_error = exc
 
             def judge() -> None:
-                # The oldest scatter's verdict; after a failure the rest are only waited for.
-                nonlocal got, failed, local_error
-                key, ticket, done = pending.popleft()
+                # The oldest scatter's verdict; only then does its slot go back.
+                idx, key, ticket, done = pending.popleft()
                 t0 = time.perf_counter()
                 try:
                     self.store.scatter_wait(ticket)
-                    if not failed:
-                        got += 1
-                except NotFound as exc:
-                    if not failed:  # a unit that fails verification is a miss, never wrong data
-                        log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
-                        stream.report_corrupt(key)
-                        stream.error = str(exc)
-                    failed = True
                 except TuttiError as exc:
-                    if not failed:  # our own failure (the device): the owner's unit may be healthy
-                        log.warning("placing remote unit %x failed here: %s", key, exc)
-                        local_error = exc
-                    failed = True
+                    fail(idx, key, exc)
                 finally:
                     done()
                     self.stats["scatter_s"] += time.perf_counter() - t0
@@ -187,31 +189,30 @@ class ClusterClient:
             units = iter(stream)
             try:
                 for key, view, done in units:
-                    i = placed + got + len(pending)
+                    idx, received = received, received + 1
+                    i = placed + idx
                     try:
                         ticket = self.store.scatter_unit_async(view, block_ids[i * ub:(i + 1) * ub])
-                        pending.append((key, ticket, done))
-                        if keep_replica:
+                    except TuttiError as exc:  # refused before it started (e.g. a header that fails)
+                        done()
+                        fail(idx, key, exc)
+                        break
+                    pending.append((idx, key, ticket, done))  # its slot is held until judged
+                    if keep_replica:
+                        try:
                             self.store.import_unit(view)
                             self.stats["replicas_kept"] += 1
-                    except NotFound as exc:  # the header failed, or (replica) an object
-                        done()
-                        log.warning("remote unit %x from %s rejected: %s", key, owner, exc)
-                        stream.report_corrupt(key)
-                        stream.error = str(exc)
-                        failed = True
-                    except TuttiError as exc:
-                        done()
-                        log.warning("placing remote unit %x failed here: %s", key, exc)
-                        local_error, failed = exc, True
-                    while pending and (failed or len(pending) >= keep):
+                        except TuttiError as exc:
+                            fail(idx, key, exc)
+                    while pending and (failed_at is not None or len(pending) >= keep):
                         judge()
-                    if failed:
+                    if failed_at is not None:
                         break
             finally:
                 while pending:  # every scatter is waited for before its slot goes back
                     judge()
                 units.close()  # type: ignore[attr-defined]  # ends the puller, returns its slots
+            got = received if failed_at is None else failed_at
             self.stats["remote_units"] += got
             self.stats["remote_bytes"] += stream.bytes
             self.stats["pull_s"] += stream.pull_s
