@@ -20,12 +20,20 @@ pytestmark = pytest.mark.cluster
 UNIT = 1 << 20
 
 
-def assert_all_slots_free(node, n: int) -> None:
-    """Every one of the node's ``n`` arena slots came back: all can be taken (and are returned)."""
-    slots = [node.acquire(0) for _ in range(n)]
-    for a in slots:
-        if a is not None:
-            node.release(a)
+def assert_all_slots_free(node, n: int, within_s: float = 5.0) -> None:
+    """Every one of the node's ``n`` arena slots comes back (the owner frees a slot when the
+    requester's `done` reaches it, after the stream has ended on the requester's side)."""
+    import time
+
+    deadline = time.monotonic() + within_s
+    while True:
+        slots = [node.acquire(0) for _ in range(n)]
+        for a in slots:
+            if a is not None:
+                node.release(a)
+        if None not in slots or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     assert None not in slots
 
 

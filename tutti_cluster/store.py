@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ import numpy as np
 
 from tutti_cluster import _native
 from tutti_cluster.config import TuttiConfig, load_config
-from tutti_cluster.errors import ConfigError, DeviceError, LayoutError, TuttiError
+from tutti_cluster.errors import ConfigError, DeviceError, LayoutError, NotFound, TuttiError
 from tutti_cluster.keys import Key, key_array, to_key
 from tutti_cluster.kv_layout import Layout, LayerKV, describe, describe_block, layer_kv_from_tensor
 
@@ -458,19 +459,22 @@ class TuttiStore:
         """
         self._e.scatter_unit(data, _block_array(block_ids))
 
-    def scatter_unit_async(self, data: bytes | bytearray | memoryview, block_ids: Any) -> int:
+    def scatter_unit_async(self, data: bytes | bytearray | memoryview, block_ids: Any, key: Key | None = None) -> int:
         """:meth:`scatter_unit`, ordered on the caller's current stream and returning at once: a
         ticket for :meth:`scatter_wait`, which gives the verdict.
 
         On CUDA the scatter starts after the work queued on the current stream so far and the work
         queued there afterwards waits for it, as for a retrieve's layer; the host does not wait. The
         store keeps ``data`` (the buffer, unchanged) until :meth:`scatter_wait`. At most four are in
-        flight (CapacityExceeded beyond). Bad arguments and a header that fails raise here, as for
-        :meth:`scatter_unit`; the objects' checksums are judged by :meth:`scatter_wait`.
+        flight, :meth:`scatter_unit`'s included (CapacityExceeded beyond). Bad arguments and a
+        header that fails raise here, as for :meth:`scatter_unit`, and so does (NotFound) a unit
+        whose header names another key than ``key``, when given; the objects' checksums are judged
+        by :meth:`scatter_wait`.
         """
         view = memoryview(data)
         try:
-            ticket = int(self._e.scatter_unit_async(view, _block_array(block_ids), self._order_stream(0)))
+            want = None if key is None else to_key(key)
+            ticket = int(self._e.scatter_unit_async(view, _block_array(block_ids), self._order_stream(0), want))
         except BaseException:
             view.release()
             raise
@@ -478,16 +482,25 @@ class TuttiStore:
         return ticket
 
     def scatter_wait(self, ticket: int) -> None:
-        """Waits for the scatter of ``ticket`` (each is waited for once). Returns when its blocks hold
-        the unit, for the host and for any stream; raises NotFound (a miss: the blocks hold no valid
-        KV) when an object failed its checksum, DeviceError when the device failed, and TuttiError for
-        a ticket not in flight."""
+        """Waits for the scatter of ``ticket`` (an int; each is waited for once). Returns when its
+        blocks hold the unit, for the host and for any stream; raises NotFound (a miss: the blocks
+        hold no valid KV) when an object failed its checksum, DeviceError when the device failed, and
+        TuttiError for a ticket not in flight (being waited for elsewhere included)."""
+        if isinstance(ticket, bool) or not hasattr(ticket, "__index__"):
+            raise TypeError(f"a scatter ticket is an int, not {type(ticket).__name__}")
+        t = operator.index(ticket)
         try:
-            self._e.scatter_wait(int(ticket))
-        finally:
-            view = self._scatters.pop(int(ticket), None)
-            if view is not None:
-                view.release()
+            self._e.scatter_wait(t)
+        except (NotFound, DeviceError):
+            self._release_scatter(t)  # the wait took the ticket: its verdict is this error
+            raise
+        # A plain TuttiError (no such ticket in flight) leaves the buffer to whoever holds the ticket.
+        self._release_scatter(t)
+
+    def _release_scatter(self, ticket: int) -> None:
+        view = self._scatters.pop(ticket, None)
+        if view is not None:
+            view.release()
 
     def register_host(self, buffer: Any) -> int:
         """Lets :meth:`scatter_unit` read units in ``buffer`` (host memory, e.g. the Transfer

@@ -418,17 +418,20 @@ PYBIND11_MODULE(_native, m) {
         const Bytes d = contiguous(i, "data");
         ok(without_gil([&] { return s.scatter_unit(d.p, d.n, blocks.data(), static_cast<uint64_t>(blocks.size())); }));
       })
-      .def("scatter_unit_async", [](PyStore& p, py::buffer data, I64Array blocks, int64_t stream) {
+      .def("scatter_unit_async", [](PyStore& p, py::buffer data, I64Array blocks, int64_t stream, py::object key) {
         auto held = p.hold();
         Store& s = *held;
         py::buffer_info i = data.request();
         const Bytes d = contiguous(i, "data");
+        const bool check = !key.is_none();
+        const uint64_t want = check ? key.cast<uint64_t>() : 0;
         uint64_t ticket = 0;
         ok(without_gil([&] {
-          return s.scatter_unit_async(d.p, d.n, blocks.data(), static_cast<uint64_t>(blocks.size()), stream, &ticket);
+          return s.scatter_unit_async(d.p, d.n, blocks.data(), static_cast<uint64_t>(blocks.size()), stream, &ticket,
+                                      check ? &want : nullptr);
         }));
         return ticket;
-      })
+      }, py::arg("data"), py::arg("blocks"), py::arg("stream"), py::arg("key") = py::none())
       .def("scatter_wait", [](PyStore& p, uint64_t ticket) {
         auto held = p.hold();
         Store& s = *held;

@@ -648,7 +648,7 @@ void Store::free_scatter_slot(uint32_t slot) {
 }
 
 Status Store::scatter_unit_async(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks,
-                                 int64_t stream, uint64_t* ticket) {
+                                 int64_t stream, uint64_t* ticket, const uint64_t* want_key) {
   if (!started_) return {Code::kInvalid, "store is closed or read-only"};
   const Geometry& g = geom_;
   if (n_blocks != g.unit_blocks) return {Code::kLayout, "scatter_unit needs exactly one unit of block ids"};
@@ -657,6 +657,8 @@ Status Store::scatter_unit_async(const uint8_t* data, uint64_t n, const int64_t*
   std::vector<uint64_t> sums;
   Status st = decode_unit(data, n, &key, &blocks, &sums);
   if (!st.ok()) return st;
+  if (want_key && key != *want_key)
+    return {Code::kNotFound, "the unit holds key " + std::to_string(key) + ", not " + std::to_string(*want_key)};
   if (blocks != g.unit_blocks)
     return {Code::kLayout, "scatter_unit moves whole units; this one holds " + std::to_string(blocks) + " of " +
                                std::to_string(g.unit_blocks) + " blocks (a prefix's partial tail)"};

@@ -192,8 +192,9 @@ class ClusterClient:
                     idx, received = received, received + 1
                     i = placed + idx
                     try:
-                        ticket = self.store.scatter_unit_async(view, block_ids[i * ub:(i + 1) * ub])
-                    except TuttiError as exc:  # refused before it started (e.g. a header that fails)
+                        # key: an owner that hands over another unit's bytes is a miss, as a corrupt unit is
+                        ticket = self.store.scatter_unit_async(view, block_ids[i * ub:(i + 1) * ub], key=key)
+                    except TuttiError as exc:  # refused before it started (a header that fails, another key)
                         done()
                         fail(idx, key, exc)
                         break

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 
 PREFIX = "tutti/"
 NODE_PREFIX = PREFIX + "n/"
+# A node id: the last part of its keys in etcd, read back by other nodes (U+FFFD is what an
+# undecodable key reads as, so no id may hold it).
+NODE_ID_MAX = 253
+NODE_ID_PATTERN = f"[^/\ufffd]{{1,{NODE_ID_MAX}}}"
 UNIT_PREFIX = PREFIX + "u/"
 
 
@@ -142,7 +147,7 @@ class NodeRecord:
 class _NodeRecordModel(BaseModel):
     # What other nodes wrote into etcd: checked before use, extra fields (pid, advertised ports) kept.
     model_config = ConfigDict(extra="allow", strict=True)
-    node_id: Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=r"^[^/]+$")]
+    node_id: Annotated[str, StringConstraints(pattern=f"^{NODE_ID_PATTERN}$")]
     segment: Annotated[str, StringConstraints(max_length=300)] = ""
     stage: Annotated[str, StringConstraints(max_length=300)] = ""
 
@@ -160,8 +165,9 @@ class EtcdDirectory:
 
     def __init__(self, endpoints: str, node_id: str, lease_ttl_s: int = 10, timeout_s: float = 2.0,
                  max_txn_ops: int = 1024) -> None:
-        if not node_id or "/" in node_id:
-            raise ConfigError(f"node_id must be non-empty and contain no '/': {node_id!r}")
+        if not isinstance(node_id, str) or not re.fullmatch(NODE_ID_PATTERN, node_id):
+            raise ConfigError(f"node_id must be 1 to {NODE_ID_MAX} characters, none of them '/' or U+FFFD: "
+                              f"{str(node_id)[:300]!r}")
         if lease_ttl_s < 2:
             raise ConfigError(f"lease_ttl_s must be at least 2 seconds, got {lease_ttl_s}")
         if max_txn_ops < 1:

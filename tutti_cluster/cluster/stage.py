@@ -229,6 +229,7 @@ class StageServer:
         wlock = threading.Lock()
         stream: threading.Thread | None = None
         closed = threading.Event()
+        lent = threading.Lock()  # `outstanding` and `closed`: a slot is announced only while open
 
         def send(msg: _Line) -> None:
             with wlock:
@@ -271,7 +272,11 @@ class StageServer:
                         send(Miss(key=k, miss=res))
                         break
                     addr, n = res
-                    outstanding.add(addr)
+                    with lent:
+                        if closed.is_set():  # the requester left while this unit was read
+                            self.transfer.release(addr)
+                            break
+                        outstanding.add(addr)
                     send(Announce(key=k, addr=addr, len=n))
                 if not closed.is_set():
                     send(End())
@@ -297,13 +302,15 @@ class StageServer:
                     send(Failure(error=f"bad request: {_why(exc)}"))
                     continue
                 if isinstance(msg, DoneOp):
-                    if msg.addr in outstanding:
+                    with lent:
+                        known = msg.addr in outstanding
                         outstanding.discard(msg.addr)
+                    if known:
                         self.transfer.release(msg.addr)
                         credit.release()
                 elif isinstance(msg, StageOp):
-                    if stream is not None and stream.is_alive():
-                        send(Failure(error="a stream is already running on this connection"))
+                    if stream is not None:  # its credits are this connection's: one stream each
+                        send(Failure(error="one stream per connection: this one has had its stream"))
                         continue
                     window = min(msg.window, self.max_window)
                     stream = threading.Thread(target=run_stream, args=(msg.keys, window), daemon=True)
@@ -320,12 +327,15 @@ class StageServer:
         except OSError as exc:
             log.debug("stage connection ended: %s", exc)
         finally:
-            closed.set()
+            with lent:
+                closed.set()
             credit.release()  # wake a stream blocked on credit so it sees `closed`
             if stream is not None:
                 stream.join(self.slot_timeout_s + 1)
-            for addr in list(outstanding):
-                outstanding.discard(addr)
+            with lent:  # a stream still reading (a stalled disk) releases what it reads from now on
+                left = list(outstanding)
+                outstanding.clear()
+            for addr in left:
                 self.transfer.release(addr)
                 self.stats.reclaimed_slots += 1
 
@@ -435,12 +445,20 @@ class StageStream:
             sock.sendall(msg.line())
 
     def report_corrupt(self, key: int) -> None:
-        """Tell the owner that ``key`` failed our checksums (call while iterating); best effort."""
-        if self._sock is not None:
-            try:
-                self._send(self._sock, CorruptOp(key=int(key) & _U64))
-            except OSError:
-                pass
+        """Tell the owner that ``key`` failed our checksums; best effort. On the stream's connection
+        while it is open, else on a connection of its own (a unit judged after the stream ended)."""
+        msg = CorruptOp(key=int(key) & _U64)
+        try:
+            if self._sock is not None:
+                self._send(self._sock, msg)
+                return
+        except OSError:
+            pass
+        try:
+            with socket.create_connection(_host_port(self.stage_addr), timeout=self.timeout_s) as s:
+                s.sendall(msg.line())
+        except (OSError, ValueError):
+            pass
 
     def __iter__(self) -> Iterator[Any]:
         # Two threads: the puller reads the owner's announcements and submits a pull of each unit
@@ -560,6 +578,20 @@ class StageStream:
                    threading.Thread(target=completer, name="tutti-stage-wait", daemon=True)]
         for t in threads:
             t.start()
+        # Hold mode: slots lent to the caller are its own until its done(), even past the stream's
+        # end (which comes inside the caller's next()): then done() returns them to the arena.
+        lent: set[int] = set()
+        lent_lock = threading.Lock()
+        ended = False
+
+        def give_back(local: int) -> None:
+            with lent_lock:
+                lent.discard(local)
+                if not ended:
+                    free.put(local)
+                    return
+            self.transfer.release(local)
+
         try:
             while True:
                 item = ready.get()
@@ -567,7 +599,9 @@ class StageStream:
                     break
                 key, local, n = item
                 if self.hold:
-                    yield key, self.transfer.view(local, n), _once(lambda local=local: free.put(local))
+                    with lent_lock:
+                        lent.add(local)
+                    yield key, self.transfer.view(local, n), _once(lambda local=local: give_back(local))
                 else:
                     yield key, self.transfer.view(local, n)
                     free.put(local)
@@ -584,7 +618,10 @@ class StageStream:
                 sock.close()
             except OSError:
                 pass
-            for addr in held:
+            with lent_lock:
+                ended = True
+                mine = [a for a in held if a not in lent]
+            for addr in mine:
                 self.transfer.release(addr)
 
 

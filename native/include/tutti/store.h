@@ -74,10 +74,11 @@ class Store : public UnitStore {
   Status scatter_unit(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks);
   // The same, ordered on `stream` (a cudaStream_t handle, 0 the default stream; see
   // Backend::scatter_from_host), returning before the scatter may have run: *ticket names it for
-  // scatter_wait, which gives the verdict. At most kScatterSlots at once (CapacityExceeded beyond);
-  // `data` must stay valid until scatter_wait returns.
+  // scatter_wait, which gives the verdict. At most kScatterSlots at once, synchronous scatters
+  // included (CapacityExceeded beyond); `data` must stay valid until scatter_wait returns. With
+  // `want_key`, a unit whose header names another key is a miss (NotFound), as a corrupt one is.
   Status scatter_unit_async(const uint8_t* data, uint64_t n, const int64_t* block_ids, uint64_t n_blocks,
-                            int64_t stream, uint64_t* ticket);
+                            int64_t stream, uint64_t* ticket, const uint64_t* want_key = nullptr);
   // Waits for the scatter of `ticket`: Ok when the blocks hold the unit, NotFound when it failed its
   // checksums, DeviceError when the device failed. Each ticket is waited for once.
   Status scatter_wait(uint64_t ticket);
