@@ -231,3 +231,36 @@ def test_a_requester_ends_its_stream_on_a_garbage_answer(served, answer):
     for a in held:
         requester.release(a)
     assert len(held) == 3
+
+
+class TricklingOwner(FakeOwner):
+    """An owner that sends its answer one byte at a time, each well within the socket's timeout,
+    so that no single read times out (a fake: a real server writes whole lines)."""
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            f = conn.makefile("rwb")
+            f.readline()
+            try:
+                for b in b'{"key": 1, "addr": 4096, "len": 10' + b" " * 1000:
+                    f.write(bytes([b]))
+                    f.flush()
+                    time.sleep(0.1)
+            except OSError:
+                pass  # the requester cut the connection
+
+
+def test_a_trickling_owner_is_cut_off_after_the_timeout(served):
+    from tutti_cluster.cluster.stage import StageStream
+
+    owner, requester, _units, _srv, _checked = served
+    fake = TricklingOwner(b"")
+    try:
+        t0 = time.monotonic()
+        stream = StageStream(requester, fake.address, owner.segment, [1], timeout_s=1.0)
+        assert list(stream) == []
+        assert "within 1.0 s" in (stream.error or ""), stream.error
+        assert time.monotonic() - t0 < 10  # the socket's own timeout (1 s per read) never fired
+    finally:
+        fake.close()

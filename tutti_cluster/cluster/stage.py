@@ -494,6 +494,14 @@ class StageStream:
                     continue
             return None
 
+        def cut() -> None:
+            if self.error is None:
+                self.error = f"no whole answer from the owner within {self.timeout_s} s"
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
         def puller() -> None:
             try:
                 sock.settimeout(self.timeout_s)
@@ -501,14 +509,22 @@ class StageStream:
                 self._send(sock, StageOp(keys=self.keys, window=max(1, self.window)))
                 expected = iter(self.keys)
                 while not stop.is_set():
-                    line = _read_line(rfile)
+                    # The socket's timeout bounds each read; this bounds the whole line, which an
+                    # owner sending a byte now and then would otherwise stretch without end.
+                    watchdog = threading.Timer(self.timeout_s, cut)
+                    watchdog.daemon = True
+                    watchdog.start()
+                    try:
+                        line = _read_line(rfile)
+                    finally:
+                        watchdog.cancel()
                     if line is None:
-                        self.error = "owner closed the stream"
+                        self.error = self.error or "owner closed the stream"
                         return
                     try:
                         msg = _ANSWER.validate_json(line)
                     except ValidationError as exc:
-                        self.error = f"bad answer from the owner: {_why(exc) if line else 'line too long'}"
+                        self.error = self.error or f"bad answer from the owner: {_why(exc) if line else 'line too long'}"
                         return
                     if isinstance(msg, End):
                         return
