@@ -424,15 +424,25 @@ def test_async_scatter_is_ordered_on_the_callers_stream(dirs: list[Path], caller
     side = torch.cuda.Stream() if caller_stream == "side" else torch.cuda.default_stream()
     with open_gpu_store(dirs[1:], got, "kv_first") as b, torch.cuda.stream(side):
         addr = b.register_host(arena)
+
+        def scatter_three() -> tuple[list[int], int]:
+            # Slots 0-2 in turn: in place from registered memory, from a copy, a corrupt copy.
+            return ([b.scatter_unit_async(memoryview(arena)[:n], list(range(32, 32 + ub))),
+                     b.scatter_unit_async(bytes(units[1]), list(range(32 + ub, 32 + 2 * ub)))],
+                    b.scatter_unit_async(bad, list(range(ub))))
+
+        first, bad_first = scatter_three()  # the slots' first use allocates (not under test)
+        for t in first:
+            b.scatter_wait(t)
+        with pytest.raises(NotFound, match="checksum"):
+            b.scatter_wait(bad_first)
         torch.cuda.synchronize()
-        torch.cuda._sleep(200_000_000)  # keeps the current stream busy for ~0.1 s
+        torch.cuda._sleep(1_000_000_000)  # keeps the current stream busy for about half a second
         for l in got:
             l[:, 32:].fill_(-2.0)  # queued behind the sleep: the scatters must land after it
-        tickets = [b.scatter_unit_async(memoryview(arena)[:n], list(range(32, 32 + ub))),
-                   b.scatter_unit_async(bytes(units[1]), list(range(32 + ub, 32 + 2 * ub)))]
+        tickets, bad_ticket = scatter_three()
         assert not side.query(), "scatter_unit_async waited for the caller's stream"
         seen = [l[:, 32:32 + 2 * ub].clone() for l in got]  # queued on the stream after the scatters
-        bad_ticket = b.scatter_unit_async(bad, list(range(ub)))
         for t in tickets:
             b.scatter_wait(t)
         with pytest.raises(NotFound, match="checksum"):
