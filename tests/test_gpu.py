@@ -450,7 +450,8 @@ def test_async_scatter_is_ordered_on_the_callers_stream(dirs: list[Path], caller
         torch.cuda.synchronize()
         b.unregister_host(addr)
     for x, w in zip(seen, want):
-        assert torch.equal(_bits(x), _bits(w[:, :2 * ub])), "the scatter ran before the stream's queued work, or after its later work"
+        assert torch.equal(_bits(x), _bits(w[:, :2 * ub])), \
+            "the scatter ran before the stream's queued work, or after its later work"
 
 
 @gpu

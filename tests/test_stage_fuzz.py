@@ -144,7 +144,8 @@ def test_every_malformed_line_gets_one_error_and_the_connection_stays(served):
 @given(st.one_of(
     st.binary(max_size=200).filter(lambda b: b"\n" not in b and b.strip()),
     st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                 lambda c: st.lists(c, max_size=4) | st.dictionaries(st.sampled_from(["op", "keys", "window", "addr", "key", "x"]), c, max_size=4),
+                 lambda c: st.lists(c, max_size=4)
+                 | st.dictionaries(st.sampled_from(["op", "keys", "window", "addr", "key", "x"]), c, max_size=4),
                  max_leaves=12).map(lambda v: json.dumps(v).encode()),
 ))
 def test_random_lines_never_break_the_endpoint(served, line):

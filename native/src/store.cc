@@ -638,7 +638,8 @@ Status Store::take_scatter_slot(uint32_t* slot, uint64_t* ticket) {
       *slot = i;
       return Status::Ok();
     }
-  return {Code::kCapacityExceeded, std::to_string(kScatterSlots) + " scatters in flight: wait for one (scatter_wait) first"};
+  return {Code::kCapacityExceeded,
+          std::to_string(kScatterSlots) + " scatters in flight: wait for one (scatter_wait) first"};
 }
 
 void Store::free_scatter_slot(uint32_t slot) {

@@ -211,7 +211,8 @@ class StageServer:
 
         self._server = Server((host, port), Handler)
         self.address = f"{host}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="tutti-stage", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="tutti-stage",
+                                        daemon=True)
 
     def start(self) -> "StageServer":
         self._thread.start()
@@ -412,8 +413,8 @@ class StageStream:
     Each view is a slot of the requester's own arena holding the unit's bytes; it is valid until the
     next iteration step (the slot is then reused). With ``hold`` the items are ``(key, view, done)``
     instead: the slot stays the caller's until it calls ``done()`` (for an asynchronous consumer,
-    such as a scatter ordered on a GPU stream); the caller keeps at most ``depth - 1`` slots, so that
-    one is left to pull into, and calls every ``done`` before it closes the iterator. The iteration ends early at the owner's first
+    such as a scatter ordered on a GPU stream), also past the stream's end; the caller keeps at most
+    ``depth - 1`` slots, so that one is left to pull into. The iteration ends early at the owner's first
     miss or at any fault (connection refused or dropped, transfer failure, timeout): the caller
     treats the rest as misses. Faults are counted in ``error`` and never raised.
 
@@ -524,7 +525,8 @@ class StageStream:
                     try:
                         msg = _ANSWER.validate_json(line)
                     except ValidationError as exc:
-                        self.error = self.error or f"bad answer from the owner: {_why(exc) if line else 'line too long'}"
+                        why = _why(exc) if line else "line too long"
+                        self.error = self.error or f"bad answer from the owner: {why}"
                         return
                     if isinstance(msg, End):
                         return
