@@ -1145,19 +1145,30 @@ Status CudaBackend::scatter_from_host(uint32_t slot, const uint8_t* unit, const 
   ScatterSlot& sl = scatter_[slot];
   cudaSetDevice(device_);
   cudaError_t e = cudaSuccess;
+  // The slot's first use allocates what it lacks (a failed allocation is tried again next time).
   if (!sl.host) {
     void* h = nullptr;
     Status st = alloc_host(align_up(dev_bytes + g.num_objs()), &h);
     if (!st.ok()) return st;
     sl.host = static_cast<uint8_t*>(h);
     sl.host_bytes = align_up(dev_bytes + g.num_objs());
-    if ((e = cudaMalloc(&sl.dev, dev_bytes)) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc (scatter)", e)};
-    if ((e = cudaEventCreateWithFlags(&sl.order, cudaEventDisableTiming)) != cudaSuccess)
-      return {Code::kDevice, cuda_msg("cudaEventCreate (scatter)", e)};
+  }
+  if (!sl.dev && (e = cudaMalloc(&sl.dev, dev_bytes)) != cudaSuccess) {
+    sl.dev = nullptr;
+    return {Code::kDevice, cuda_msg("cudaMalloc (scatter)", e)};
+  }
+  if (!sl.order && (e = cudaEventCreateWithFlags(&sl.order, cudaEventDisableTiming)) != cudaSuccess) {
+    sl.order = nullptr;
+    return {Code::kDevice, cuda_msg("cudaEventCreate (scatter)", e)};
+  }
+  if (!sl.done) {
     push();
     e = cudaEventCreateWithFlags(&sl.done, cudaEventDisableTiming);
     pop();
-    if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaEventCreate (scatter)", e)};
+    if (e != cudaSuccess) {
+      sl.done = nullptr;
+      return {Code::kDevice, cuda_msg("cudaEventCreate (scatter)", e)};
+    }
   }
   // The kernel reads the unit in place when it is in registered host memory, else from a copy.
   cudaPointerAttributes a{};
