@@ -977,9 +977,31 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
       return {Code::kDevice, cuda_msg("loading the I/O kernels", e)};
     }
   }
+  for (ScatterSlot& sl : scatter_)  // the I/O context: recorded on scatter_stream_
+    if ((e = cudaEventCreateWithFlags(&sl.done, cudaEventDisableTiming)) != cudaSuccess) {
+      pop();
+      return {Code::kDevice, cuda_msg("cudaEventCreate (scatter)", e)};
+    }
   req_.assign(ctx->max_requests, RequestMem{});
   for (auto& m : req_) cudaEventCreateWithFlags(&m.uploaded, cudaEventDisableTiming);
   pop();
+  // The rest of the remote path's scatter slots, now rather than at their first use, where
+  // cudaHostRegister and cudaMalloc could make an asynchronous scatter wait for the device (the
+  // bounce buffers stay lazy: only units outside registered memory need them). The primary
+  // context, as before: `order` is recorded on callers' streams.
+  {
+    const Geometry& g = ctx->geom;
+    const uint64_t dev_bytes = (static_cast<uint64_t>(g.num_objs()) * g.unit_blocks + g.num_objs()) * 8;
+    for (ScatterSlot& sl : scatter_) {
+      void* h = nullptr;
+      if (!(st = alloc_host(align_up(dev_bytes + g.num_objs()), &h)).ok()) return st;
+      sl.host = static_cast<uint8_t*>(h);
+      sl.host_bytes = align_up(dev_bytes + g.num_objs());
+      if ((e = cudaMalloc(&sl.dev, dev_bytes)) != cudaSuccess ||
+          (e = cudaEventCreateWithFlags(&sl.order, cudaEventDisableTiming)) != cudaSuccess)
+        return {Code::kDevice, cuda_msg("scatter slot", e)};
+    }
+  }
   cudaDeviceSynchronize();
   started_ = true;
   return Status::Ok();
@@ -1145,35 +1167,15 @@ Status CudaBackend::scatter_from_host(uint32_t slot, const uint8_t* unit, const 
   ScatterSlot& sl = scatter_[slot];
   cudaSetDevice(device_);
   cudaError_t e = cudaSuccess;
-  // The slot's first use allocates what it lacks (a failed allocation is tried again next time).
-  if (!sl.host) {
-    void* h = nullptr;
-    Status st = alloc_host(align_up(dev_bytes + g.num_objs()), &h);
-    if (!st.ok()) return st;
-    sl.host = static_cast<uint8_t*>(h);
-    sl.host_bytes = align_up(dev_bytes + g.num_objs());
-  }
-  if (!sl.dev && (e = cudaMalloc(&sl.dev, dev_bytes)) != cudaSuccess) {
-    sl.dev = nullptr;
-    return {Code::kDevice, cuda_msg("cudaMalloc (scatter)", e)};
-  }
-  if (!sl.order && (e = cudaEventCreateWithFlags(&sl.order, cudaEventDisableTiming)) != cudaSuccess) {
-    sl.order = nullptr;
-    return {Code::kDevice, cuda_msg("cudaEventCreate (scatter)", e)};
-  }
-  if (!sl.done) {
-    push();
-    e = cudaEventCreateWithFlags(&sl.done, cudaEventDisableTiming);
-    pop();
-    if (e != cudaSuccess) {
-      sl.done = nullptr;
-      return {Code::kDevice, cuda_msg("cudaEventCreate (scatter)", e)};
-    }
-  }
   // The kernel reads the unit in place when it is in registered host memory, else from a copy.
-  cudaPointerAttributes a{};
-  const bool mapped = cudaPointerGetAttributes(&a, unit) == cudaSuccess && a.type == cudaMemoryTypeHost && a.devicePointer == unit;
-  cudaGetLastError();
+  auto mapped_at = [](const uint8_t* q) {
+    cudaPointerAttributes a{};
+    const bool ok = cudaPointerGetAttributes(&a, q) == cudaSuccess && a.type == cudaMemoryTypeHost && a.devicePointer == q;
+    cudaGetLastError();
+    return ok;
+  };
+  // Both ends: a unit that runs past a registered region's end is copied, not read beyond it.
+  const bool mapped = mapped_at(unit) && mapped_at(unit + g.slot_bytes - 1);
   const uint8_t* src = unit;
   if (!mapped) {
     if (!sl.bounce) {
@@ -1219,7 +1221,9 @@ Status CudaBackend::scatter_from_host(uint32_t slot, const uint8_t* unit, const 
   if (e == cudaSuccess && stream >= 0) e = cudaStreamWaitEvent(caller, sl.done, 0);
   if (e != cudaSuccess) {
     // What was queued may still run and read this slot's memory: let it finish before the slot is reused.
+    push();
     cudaStreamSynchronize(scatter_stream_);
+    pop();
     return {Code::kDevice, cuda_msg("scatter kernel", e)};
   }
   return Status::Ok();
@@ -1228,7 +1232,6 @@ Status CudaBackend::scatter_from_host(uint32_t slot, const uint8_t* unit, const 
 Status CudaBackend::scatter_wait(uint32_t slot, int64_t* bad) {
   ScatterSlot& sl = scatter_[slot];
   *bad = -1;
-  if (!sl.done) return {Code::kDevice, "scatter slot never used"};
   const cudaError_t e = cudaEventSynchronize(sl.done);
   if (e != cudaSuccess) return {Code::kDevice, cuda_msg("scatter kernel", e)};
   const Geometry& g = k_->geom;
@@ -1259,6 +1262,11 @@ void CudaBackend::unregister_host(void* p) {
   auto it = std::find(host_regions_.begin(), host_regions_.end(), p);
   if (it == host_regions_.end()) return;  // only what register_host registered
   cudaSetDevice(device_);
+  // A scatter not yet waited for may still read the region in place (it runs when the caller's
+  // stream gets there): let every queued one finish before the mapping goes.
+  push();
+  if (scatter_stream_) cudaStreamSynchronize(scatter_stream_);
+  pop();
   cudaHostUnregister(p);
   host_regions_.erase(it);
 }
@@ -1285,13 +1293,16 @@ void CudaBackend::stop() {
   req_.clear();
   {
     std::lock_guard<std::mutex> lk(scatter_mu_);
+    push();
     if (scatter_stream_) cudaStreamSynchronize(scatter_stream_);
+    for (ScatterSlot& sl : scatter_)
+      if (sl.done) cudaEventDestroy(sl.done);
+    pop();
     for (ScatterSlot& sl : scatter_) {
+      if (sl.dev) cudaFree(sl.dev);
       free_host(sl.host, sl.host_bytes);
       free_host(sl.bounce, k_->geom.slot_bytes);
-      if (sl.dev) cudaFree(sl.dev);
       if (sl.order) cudaEventDestroy(sl.order);
-      if (sl.done) cudaEventDestroy(sl.done);
       sl = ScatterSlot{};
     }
     for (void* r : host_regions_) cudaHostUnregister(r);
