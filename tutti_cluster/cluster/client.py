@@ -7,11 +7,12 @@
 - ``retrieve_remote(keys, block_ids)``: for each run of keys held by one owner, a stage stream
   (:class:`~tutti_cluster.cluster.stage.StageStream`) has the owner read the units from its SSD into
   its registered arena, our Transfer Engine pulls each into our registered arena, and
-  ``store.scatter_unit`` places it into the KV blocks, checksums verified on the same pass (on a
-  GPU store by a kernel reading the arena, which is registered with the store, in place). With
-  ``keep_replica`` the unit is also committed locally (``store.import_unit``). A unit that fails
-  verification is reported to its owner, which drops it; a failure of our own (the device) is
-  not.
+  ``store.scatter_unit_async`` places it into the KV blocks, checksums and its key verified on
+  the same pass (on a GPU store by a kernel reading the arena, which is registered with the store,
+  in place, ordered on the engine's stream); each unit is judged (``store.scatter_wait``) while
+  the next ones are pulled, and its slot held until then. With ``keep_replica`` the unit is also
+  committed locally (``store.import_unit``). A unit that fails verification is reported to its
+  owner, which drops it; a failure of our own (the device) is not.
 
 Counters (``stats``: remote lookups and hits, units and bytes fetched, fetches that ended early)
 reach the node daemon's stats, and so the admin plane's ``/metrics``, when the client is given the
