@@ -847,6 +847,57 @@ def test_corrupt_last_unit_is_reported_to_its_owner(etcd, engines, unit_stores, 
         owner.close()
 
 
+@pytest.mark.parametrize("fault", ["corrupt middle unit", "replica import fails"])
+def test_the_first_failing_unit_in_order_decides_what_was_placed(etcd, engines, unit_stores, monkeypatch, fault):
+    """Two scatters in flight (depth 3): a unit that fails (its checksums, or our own replica import
+    of it) ends the fetch there; the units before it count as placed even when the failure is seen
+    before their verdicts (an import fails at once, a scatter's verdict comes later), the ones
+    after it do not, and only a corrupt unit is reported to the owner. The failing import is a
+    stand-in (a full local store, a fault not caused here)."""
+    from tutti_cluster.cluster import stage
+    from tutti_cluster.cluster.stage import StageServer
+    from tutti_cluster.cluster.transfer import TransferNode
+
+    monkeypatch.setattr(stage, "default_depth", lambda: 3)
+    kv, units, b, kv2 = unit_stores
+    source = dict(units)
+    if fault == "corrupt middle unit":
+        bad = bytearray(units[12])
+        bad[-100] ^= 0x01
+        source[12] = bytes(bad)
+    else:
+        real = b.import_unit
+
+        def import_unit(data):  # type: ignore[no-untyped-def]
+            if int.from_bytes(bytes(memoryview(data)[16:24]), "little") == 12:
+                raise CapacityExceeded("local store full (stand-in)")
+            return real(data)
+
+        monkeypatch.setattr(b, "import_unit", import_unit)
+    slot = len(units[11])
+    owner = TransferNode(arena_bytes=4 * slot, slot_bytes=slot)
+    checked: list[int] = []
+    srv = StageServer(owner, source.get, check=checked.append).start()
+    od = owner_record(etcd, "O3", owner.segment, srv.address)
+    client, rd = cluster_client(etcd, b)
+    try:
+        ub = b.unit_blocks
+        placed = client.retrieve_remote([11, 12, 13], list(range(40, 40 + 3 * ub)), keep_replica=True,
+                                        owners=[["O3"]] * 3)
+        assert placed == 1
+        for l in range(len(kv)):
+            np.testing.assert_array_equal(kv2[l][:, 40:40 + ub], kv[l][:, :ub])
+        time.sleep(0.3)
+        assert checked == ([12] if fault == "corrupt middle unit" else [])
+        assert b.lookup([11]) == 1  # the replica of the placed unit was kept
+    finally:
+        client.close()
+        rd.stop()
+        od.stop()
+        srv.stop()
+        owner.close()
+
+
 def test_an_owner_announcing_another_units_bytes_is_not_placed(etcd, engines, unit_stores):
     """Regression (once failed): the requester never checks that the unit it pulled is the key it asked for. An owner that
     announces key 12 with the slot holding unit 11 (a valid unit: its checksums pass) gets unit
