@@ -208,6 +208,70 @@ def require_mooncake() -> None:
         pytest.skip(f"mooncake-transfer-engine-non-cuda unusable (needs libibverbs1): {exc}")
 
 
+def transfer_nodes(unit: int):  # type: ignore[no-untyped-def]
+    """An owner's and a requester's Transfer Engine (TCP) with arenas of 4 and 3 slots of ``unit``
+    bytes, as the stage-endpoint tests use them; the caller closes both."""
+    require_mooncake()
+    from tutti_cluster.cluster.transfer import TransferNode
+
+    return TransferNode(arena_bytes=4 * unit, slot_bytes=unit), TransferNode(arena_bytes=3 * unit, slot_bytes=unit)
+
+
+def free_slots(node, n: int) -> int:  # type: ignore[no-untyped-def]
+    """How many of a TransferNode's ``n`` arena slots can be taken now (all are given back); a slot
+    that would come out twice (released twice) fails the test."""
+    got = [a for a in (node.acquire(0) for _ in range(n + 1)) if a is not None]
+    for a in got:
+        node.release(a)
+    assert len(got) == len(set(got)), "a slot was lent twice (released twice)"
+    assert len(got) <= n, f"{len(got)} slots out of an arena of {n}"
+    return len(got)
+
+
+def wait_slots_free(node, n: int, within_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+    """True once all ``n`` slots are free (an owner frees a slot when the requester's `done` reaches
+    it, which may be after the stream ended on the requester's side)."""
+    deadline = time.monotonic() + within_s
+    while free_slots(node, n) != n:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+class StageConn:
+    """A raw JSON-lines connection to a stage endpoint, as an attacker (or another version) talks."""
+
+    def __init__(self, address: str, timeout: float = 5.0) -> None:
+        host, port = address.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.f = self.sock.makefile("rwb")
+
+    def send(self, obj) -> None:  # type: ignore[no-untyped-def]
+        """A line (bytes, sent as they are) or an object (sent as JSON)."""
+        line = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+        self.f.write(line if line.endswith(b"\n") else line + b"\n")
+        self.f.flush()
+
+    def recv(self) -> dict:
+        line = self.f.readline()
+        assert line, "the server closed the connection"
+        return json.loads(line)
+
+    def ask(self, obj) -> dict:  # type: ignore[no-untyped-def]
+        self.send(obj)
+        return self.recv()
+
+    def ask_ping(self) -> bool:
+        return self.ask({"op": "ping"}) == {"pong": True}
+
+    def close(self) -> None:
+        try:
+            self.f.close()
+        finally:
+            self.sock.close()
+
+
 @pytest.fixture
 def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
     """A fresh etcd for one test (tests restart and wipe it)."""

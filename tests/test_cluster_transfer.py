@@ -12,7 +12,7 @@ import socket
 
 import pytest
 
-from cluster_fixtures import free_port, require_mooncake
+from cluster_fixtures import free_port, require_mooncake, transfer_nodes, wait_slots_free
 from tutti_cluster.errors import ConfigError
 
 pytestmark = pytest.mark.cluster
@@ -20,30 +20,9 @@ pytestmark = pytest.mark.cluster
 UNIT = 1 << 20
 
 
-def assert_all_slots_free(node, n: int, within_s: float = 5.0) -> None:
-    """Every one of the node's ``n`` arena slots comes back (the owner frees a slot when the
-    requester's `done` reaches it, after the stream has ended on the requester's side)."""
-    import time
-
-    deadline = time.monotonic() + within_s
-    while True:
-        slots = [node.acquire(0) for _ in range(n)]
-        for a in slots:
-            if a is not None:
-                node.release(a)
-        if None not in slots or time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    assert None not in slots
-
-
 @pytest.fixture(scope="module")
 def engines():
-    require_mooncake()
-    from tutti_cluster.cluster.transfer import TransferNode
-
-    owner = TransferNode(arena_bytes=4 * UNIT, slot_bytes=UNIT)
-    requester = TransferNode(arena_bytes=3 * UNIT, slot_bytes=UNIT)
+    owner, requester = transfer_nodes(UNIT)
     yield owner, requester
     owner.close()
     requester.close()
@@ -72,8 +51,7 @@ def test_stream_is_byte_exact_and_in_order(served):
             assert [k for k, _ in got] == keys and stream.error is None
             assert all(v == units[k] for k, v in got)
     assert srv.stats.units_staged == srv.stats.units_copied == 8 * len(keys)  # a bytes source: one copy each
-    assert_all_slots_free(owner, 4)
-    assert_all_slots_free(requester, 3)
+    assert wait_slots_free(owner, 4) and wait_slots_free(requester, 3)
 
 
 def test_held_slots_stay_the_callers_until_done(served):
@@ -99,8 +77,7 @@ def test_held_slots_stay_the_callers_until_done(served):
         assert bytes(v) == units[k]
         d()
     assert got == keys and stream.error is None
-    assert_all_slots_free(owner, 4)
-    assert_all_slots_free(requester, 3)
+    assert wait_slots_free(owner, 4) and wait_slots_free(requester, 3)
 
 
 def test_stream_stops_at_the_first_miss(served):

@@ -25,7 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster_fixtures import EtcdServer, require_etcd, require_mooncake
+from cluster_fixtures import (EtcdServer, StageConn, free_slots, require_etcd, require_mooncake, transfer_nodes,
+                              wait_slots_free)
 from conftest import make_kv, open_store, run_threads, snapshot
 from tutti_cluster import TuttiStore
 from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError, NotFound, TuttiError
@@ -36,55 +37,6 @@ UNIT = 64 << 10  # the raw-bytes tests' unit (the transfer path does not look in
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
-
-def free_slots(node, n: int) -> int:
-    """How many of the node's ``n`` arena slots can be taken now (all are given back); a slot that
-    would come out twice (released twice) fails the test."""
-    got = [a for a in (node.acquire(0) for _ in range(n + 1)) if a is not None]
-    for a in got:
-        node.release(a)
-    assert len(got) == len(set(got)), "a slot was lent twice (released twice)"
-    assert len(got) <= n, f"{len(got)} slots out of an arena of {n}"
-    return len(got)
-
-
-def wait_free(node, n: int, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if free_slots(node, n) == n:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-class Conn:
-    """A raw JSON-lines connection to a stage endpoint, as an attacker (or another version) talks."""
-
-    def __init__(self, address: str, timeout: float = 5.0) -> None:
-        host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
-        self.f = self.sock.makefile("rwb")
-
-    def send(self, obj) -> None:
-        line = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-        self.f.write(line if line.endswith(b"\n") else line + b"\n")
-        self.f.flush()
-
-    def recv(self) -> dict:
-        line = self.f.readline()
-        assert line, "the server closed the connection"
-        return json.loads(line)
-
-    def ask_ping(self) -> bool:
-        self.send({"op": "ping"})
-        return self.recv() == {"pong": True}
-
-    def close(self) -> None:
-        try:
-            self.f.close()
-        finally:
-            self.sock.close()
-
 
 class FakeOwner:
     """A stage endpoint that answers the requester's stage request with scripted lines (a callable
@@ -135,11 +87,7 @@ class FakeOwner:
 
 @pytest.fixture(scope="module")
 def engines():
-    require_mooncake()
-    from tutti_cluster.cluster.transfer import TransferNode
-
-    owner = TransferNode(arena_bytes=4 * UNIT, slot_bytes=UNIT)
-    requester = TransferNode(arena_bytes=3 * UNIT, slot_bytes=UNIT)
+    owner, requester = transfer_nodes(UNIT)
     yield owner, requester
     owner.close()
     requester.close()
@@ -158,8 +106,8 @@ def served(engines):
         yield owner, requester, units, srv
     finally:
         srv.stop()
-    assert wait_free(owner, 4), "an owner slot was not returned"
-    assert wait_free(requester, 3), "a requester slot was not returned"
+    assert wait_slots_free(owner, 4), "an owner slot was not returned"
+    assert wait_slots_free(requester, 3), "a requester slot was not returned"
 
 
 @pytest.fixture(scope="module")
@@ -422,7 +370,7 @@ def test_streams_one_after_another_on_one_connection_lend_at_most_the_window(eng
     owner, _requester = engines
     units = {k: os.urandom(UNIT) for k in range(1, 9)}
     srv = StageServer(owner, units.get, max_window=1, idle_timeout_s=5).start()
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
 
     def stage(keys: list[int]) -> dict | None:
         # The protocol is one stream per connection: a server may refuse the next one (then
@@ -458,7 +406,7 @@ def test_streams_one_after_another_on_one_connection_lend_at_most_the_window(eng
     finally:
         c.close()
         srv.stop()
-    assert wait_free(owner, 4)  # the close reclaimed them
+    assert wait_slots_free(owner, 4)  # the close reclaimed them
 
 
 def test_a_unit_read_after_its_requester_left_is_not_leaked(engines):
@@ -485,13 +433,13 @@ def test_a_unit_read_after_its_requester_left_is_not_leaked(engines):
 
     srv = StageServer(owner, stalling_read, max_window=1, slot_timeout_s=0.2, idle_timeout_s=5).start()
     try:
-        c = Conn(srv.address)
+        c = StageConn(srv.address)
         c.send({"op": "stage", "keys": [5], "window": 1})
         time.sleep(0.1)
         c.close()  # the requester goes away while the unit is read
         assert read.wait(5)
         time.sleep(0.5)  # the stream takes a slot for it, and finds nobody to lend it to
-        assert wait_free(owner, 2, timeout=2.0), "the slot of the unit read after the requester left was leaked"
+        assert wait_slots_free(owner, 2, within_s=2.0), "the slot of the unit read after the requester left was leaked"
     finally:
         srv.stop()
         owner.close()
@@ -501,7 +449,7 @@ def test_garbage_interleaved_with_a_running_stream(served):
     """Garbage lines, unknown dones and pings sent while a stream runs each get their answer and the
     stream goes on in key order to its end; every slot comes back (checked by the fixture)."""
     owner, _requester, units, srv = served
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     try:
         c.send({"op": "stage", "keys": list(range(1, 9)), "window": 2})
         keys, errors, pongs = [], 0, 0
@@ -541,7 +489,7 @@ def test_slow_partial_lines_and_a_cut_request(served):
     """A request sent a byte at a time is served; a request cut mid-line by a closing requester, and
     one cut by a half-close, lend nothing and end nothing but their connection."""
     owner, _requester, units, srv = served
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     try:
         for b in b'{"op": "stage", "keys": [3, 4], "window": 2}\n':
             c.sock.sendall(bytes([b]))
@@ -553,10 +501,10 @@ def test_slow_partial_lines_and_a_cut_request(served):
         assert c.recv() == {"end": True}
     finally:
         c.close()
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     c.sock.sendall(b'{"op": "stage", "keys": [1, 2')
     c.close()  # cut mid-line: nothing to answer, nothing lent
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     c.sock.sendall(b'{"op": "stage", "keys": [1, 2], "win')
     c.sock.shutdown(socket.SHUT_WR)  # the last line is cut by the end of the stream: a bad request
     reply = c.f.readline()
@@ -573,7 +521,7 @@ def test_a_stage_request_of_misses_only(served):
     connection still answers, and an empty request and a real stream are served afterwards."""
     owner, _requester, units, srv = served
     misses = srv.stats.misses
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     try:
         c.send({"op": "stage", "keys": [100, 101, 102, 2 ** 64 - 1], "window": 2})
         assert c.recv() == {"key": 100, "miss": "not found"}
@@ -582,13 +530,13 @@ def test_a_stage_request_of_misses_only(served):
         assert c.ask_ping()
     finally:
         c.close()
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     try:
         c.send({"op": "stage", "keys": [], "window": 2})
         assert c.recv() == {"end": True}
     finally:
         c.close()
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     try:
         c.send({"op": "stage", "keys": [1], "window": 2})
         m = c.recv()
@@ -606,7 +554,7 @@ def test_many_connections_at_once(served):
     results: list[list] = []
 
     def one() -> None:
-        c = Conn(srv.address, timeout=20)
+        c = StageConn(srv.address, timeout=20)
         seen: list = []
         try:
             c.send({"op": "stage", "keys": [1, 2, 3], "window": 2})
@@ -955,12 +903,12 @@ def test_retrieve_remote_through_a_real_owner_is_byte_exact(etcd, engines, unit_
                 assert placed == 3
                 for l in range(len(kv)):
                     np.testing.assert_array_equal(kv2[l][:, first:first + 3 * ub], kv[l][:, :3 * ub])
-                assert wait_free(client.transfer, client.transfer.num_slots)
+                assert wait_slots_free(client.transfer, client.transfer.num_slots)
             finally:
                 client.close()
                 rd.stop()
         assert b.lookup([11, 12, 13]) == 3  # the replicas kept
-        assert wait_free(owner, 4)
+        assert wait_slots_free(owner, 4)
     finally:
         od.stop()
         srv.stop()

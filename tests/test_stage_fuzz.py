@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster_fixtures import require_mooncake
+from cluster_fixtures import StageConn, transfer_nodes, wait_slots_free
 
 pytestmark = pytest.mark.cluster
 
@@ -29,12 +29,9 @@ KEYS = list(range(1, 5))
 
 @pytest.fixture(scope="module")
 def served():
-    require_mooncake()
     from tutti_cluster.cluster.stage import StageServer
-    from tutti_cluster.cluster.transfer import TransferNode
 
-    owner = TransferNode(arena_bytes=4 * UNIT, slot_bytes=UNIT)
-    requester = TransferNode(arena_bytes=3 * UNIT, slot_bytes=UNIT)
+    owner, requester = transfer_nodes(UNIT)
     units = {k: os.urandom(UNIT) for k in KEYS}
     checked: list[int] = []
     srv = StageServer(owner, units.get, check=checked.append, max_window=2, idle_timeout_s=5).start()
@@ -42,27 +39,6 @@ def served():
     srv.stop()
     owner.close()
     requester.close()
-
-
-class Conn:
-    def __init__(self, address: str) -> None:
-        host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=5)
-        self.f = self.sock.makefile("rwb")
-
-    def send(self, line: bytes) -> None:
-        self.f.write(line if line.endswith(b"\n") else line + b"\n")
-        self.f.flush()
-
-    def ask(self, line: bytes) -> dict:
-        self.send(line)
-        reply = self.f.readline()
-        assert reply, f"the server closed the connection after {line[:80]!r}"
-        return json.loads(reply)
-
-    def close(self) -> None:
-        self.f.close()
-        self.sock.close()
 
 
 def assert_error_shape(reply: dict) -> None:
@@ -74,7 +50,7 @@ def assert_still_serving(srv, owner, units) -> None:
     from tutti_cluster.cluster.stage import ping
 
     assert ping(srv.address)
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     try:
         c.send(json.dumps({"op": "stage", "keys": KEYS[:2], "window": 2}).encode())
         got = [json.loads(c.f.readline()) for _ in range(2)]
@@ -84,15 +60,7 @@ def assert_still_serving(srv, owner, units) -> None:
         assert json.loads(c.f.readline()) == {"end": True}
     finally:
         c.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # all four owner slots free again
-        held = [a for a in (owner.acquire(0) for _ in range(4)) if a is not None]
-        for a in held:
-            owner.release(a)
-        if len(held) == 4:
-            return
-        time.sleep(0.05)
-    raise AssertionError("an owner slot was not returned")
+    assert wait_slots_free(owner, 4), "an owner slot was not returned"
 
 
 BAD_LINES = [
@@ -128,7 +96,7 @@ BAD_LINES = [
 
 def test_every_malformed_line_gets_one_error_and_the_connection_stays(served):
     owner, _requester, units, srv, checked = served
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     try:
         for line in BAD_LINES:
             assert_error_shape(c.ask(line))
@@ -150,7 +118,7 @@ def test_every_malformed_line_gets_one_error_and_the_connection_stays(served):
 ))
 def test_random_lines_never_break_the_endpoint(served, line):
     owner, _requester, units, srv, _checked = served
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     try:
         c.send(line)
         c.send(b'{"op": "ping"}')
@@ -178,7 +146,7 @@ def test_a_line_over_the_limit_is_refused_and_the_connection_stays(served, monke
 
     owner, _requester, units, srv, _checked = served
     monkeypatch.setattr(stage, "MAX_LINE", 4096)
-    c = Conn(srv.address)
+    c = StageConn(srv.address)
     try:
         assert_error_shape(c.ask(b'{"op": "stage", "keys": [' + b"1, " * 5000 + b"1]}"))
         assert c.ask(b'{"op": "ping"}') == {"pong": True}
