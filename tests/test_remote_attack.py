@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -138,20 +139,49 @@ def unit_stores(tmp_path: Path):
         b.close()
 
 
-def cluster_client(etcd, store, name: str = "R"):  # type: ignore[no-untyped-def]
+@contextmanager
+def requester(etcd, store, name: str = "R"):  # type: ignore[no-untyped-def]
+    """A ClusterClient on ``store``, with a directory of its own."""
     from tutti_cluster.cluster.client import ClusterClient
     from tutti_cluster.cluster.directory import EtcdDirectory
 
     d = EtcdDirectory(etcd.endpoint, name, lease_ttl_s=5)
-    return ClusterClient(store, store.config, directory=d, host="127.0.0.1"), d
+    client = ClusterClient(store, store.config, directory=d, host="127.0.0.1")
+    try:
+        yield client
+    finally:
+        client.close()
+        d.stop()
 
 
+@contextmanager
 def owner_record(etcd, name: str, segment: str, stage: str):  # type: ignore[no-untyped-def]
+    """The node record of an owner named ``name`` in the directory, for as long as the block runs."""
     from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 
     d = EtcdDirectory(etcd.endpoint, name, lease_ttl_s=5)
     d.start(NodeRecord(name, segment, stage))
-    return d
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+@contextmanager
+def real_owner(etcd, name: str, source: dict, slot: int, check=None):  # type: ignore[no-untyped-def]
+    """An owner named ``name``: a real StageServer serving ``source`` (key -> unit bytes) over a
+    Transfer Engine of 4 ``slot``-byte slots, in the directory; yields its TransferNode."""
+    from tutti_cluster.cluster.stage import StageServer
+    from tutti_cluster.cluster.transfer import TransferNode
+
+    owner = TransferNode(arena_bytes=4 * slot, slot_bytes=slot)
+    srv = StageServer(owner, source.get, check=check).start()
+    try:
+        with owner_record(etcd, name, owner.segment, srv.address):
+            yield owner
+    finally:
+        srv.stop()
+        owner.close()
 
 
 # ==== 1. scatter_unit_async / scatter_wait (CPU backend) ===============================================
@@ -761,21 +791,14 @@ def test_corrupt_last_unit_is_reported_to_its_owner(etcd, engines, unit_stores, 
     that its copy is corrupt, keeps advertising it, and every requester keeps fetching it. (With
     depth 2, the 2-core default, each unit is judged while the stream is open, and it works.)"""
     from tutti_cluster.cluster import stage
-    from tutti_cluster.cluster.stage import StageServer
-    from tutti_cluster.cluster.transfer import TransferNode
 
     monkeypatch.setattr(stage, "default_depth", lambda: 3)  # as on a host of more than four cores
     kv, units, b, kv2 = unit_stores
     bad = bytearray(units[13])
     bad[-100] ^= 0x01  # the last unit's last object (its header is fine)
     source = {11: units[11], 12: units[12], 13: bytes(bad)}
-    slot = len(units[11])
-    owner = TransferNode(arena_bytes=4 * slot, slot_bytes=slot)
     checked: list[int] = []
-    srv = StageServer(owner, source.get, check=checked.append).start()
-    od = owner_record(etcd, "O1", owner.segment, srv.address)
-    client, rd = cluster_client(etcd, b)
-    try:
+    with real_owner(etcd, "O1", source, len(units[11]), check=checked.append), requester(etcd, b) as client:
         ub = b.unit_blocks
         before = snapshot(kv2)
         placed = client.retrieve_remote([11, 12, 13], list(range(40, 40 + 3 * ub)), owners=[["O1"]] * 3)
@@ -787,12 +810,6 @@ def test_corrupt_last_unit_is_reported_to_its_owner(etcd, engines, unit_stores, 
         while not checked and time.monotonic() < deadline:
             time.sleep(0.05)
         assert checked == [13], "the owner was not told that its unit 13 is corrupt"
-    finally:
-        client.close()
-        rd.stop()
-        od.stop()
-        srv.stop()
-        owner.close()
 
 
 @pytest.mark.parametrize("fault", ["corrupt middle unit", "replica import fails"])
@@ -803,8 +820,6 @@ def test_the_first_failing_unit_in_order_decides_what_was_placed(etcd, engines, 
     after it do not, and only a corrupt unit is reported to the owner. The failing import is a
     stand-in (a full local store, a fault not caused here)."""
     from tutti_cluster.cluster import stage
-    from tutti_cluster.cluster.stage import StageServer
-    from tutti_cluster.cluster.transfer import TransferNode
 
     monkeypatch.setattr(stage, "default_depth", lambda: 3)
     kv, units, b, kv2 = unit_stores
@@ -822,13 +837,8 @@ def test_the_first_failing_unit_in_order_decides_what_was_placed(etcd, engines, 
             return real(data)
 
         monkeypatch.setattr(b, "import_unit", import_unit)
-    slot = len(units[11])
-    owner = TransferNode(arena_bytes=4 * slot, slot_bytes=slot)
     checked: list[int] = []
-    srv = StageServer(owner, source.get, check=checked.append).start()
-    od = owner_record(etcd, "O3", owner.segment, srv.address)
-    client, rd = cluster_client(etcd, b)
-    try:
+    with real_owner(etcd, "O3", source, len(units[11]), check=checked.append), requester(etcd, b) as client:
         ub = b.unit_blocks
         placed = client.retrieve_remote([11, 12, 13], list(range(40, 40 + 3 * ub)), keep_replica=True,
                                         owners=[["O3"]] * 3)
@@ -838,12 +848,6 @@ def test_the_first_failing_unit_in_order_decides_what_was_placed(etcd, engines, 
         time.sleep(0.3)
         assert checked == ([12] if fault == "corrupt middle unit" else [])
         assert b.lookup([11]) == 1  # the replica of the placed unit was kept
-    finally:
-        client.close()
-        rd.stop()
-        od.stop()
-        srv.stop()
-        owner.close()
 
 
 def test_an_owner_announcing_another_units_bytes_is_not_placed(etcd, engines, unit_stores):
@@ -864,18 +868,14 @@ def test_an_owner_announcing_another_units_bytes_is_not_placed(etcd, engines, un
     a11 = owner.acquire(0)
     owner.put(a11, units[11])
     fake = FakeOwner(lambda keys: [{"key": k, "addr": a11, "len": slot} for k in keys] + [{"end": True}])
-    od = owner_record(etcd, "F1", owner.segment, fake.address)
-    client, rd = cluster_client(etcd, b)
     try:
-        ub = b.unit_blocks
-        placed = client.retrieve_remote([11, 12], list(range(40, 40 + 2 * ub)), owners=[["F1"]] * 2)
-        for l in range(len(kv)):
-            np.testing.assert_array_equal(kv2[l][:, 40:40 + ub], kv[l][:, :ub])  # unit 11: right
-        assert placed == 1, f"{placed} units placed: unit 12's blocks got unit 11's KV"
+        with owner_record(etcd, "F1", owner.segment, fake.address), requester(etcd, b) as client:
+            ub = b.unit_blocks
+            placed = client.retrieve_remote([11, 12], list(range(40, 40 + 2 * ub)), owners=[["F1"]] * 2)
+            for l in range(len(kv)):
+                np.testing.assert_array_equal(kv2[l][:, 40:40 + ub], kv[l][:, :ub])  # unit 11: right
+            assert placed == 1, f"{placed} units placed: unit 12's blocks got unit 11's KV"
     finally:
-        client.close()
-        rd.stop()
-        od.stop()
         fake.close()
         owner.close()
 
@@ -884,35 +884,21 @@ def test_retrieve_remote_through_a_real_owner_is_byte_exact(etcd, engines, unit_
     """The happy path at depth 2 and 3 (one or two scatters in flight), with replicas kept: byte
     exact, every unit placed and committed locally, and the owner's and requester's slots back."""
     from tutti_cluster.cluster import stage
-    from tutti_cluster.cluster.stage import StageServer
-    from tutti_cluster.cluster.transfer import TransferNode
 
     kv, units, b, kv2 = unit_stores
-    slot = len(units[11])
-    owner = TransferNode(arena_bytes=4 * slot, slot_bytes=slot)
-    srv = StageServer(owner, units.get).start()
-    od = owner_record(etcd, "O2", owner.segment, srv.address)
-    try:
+    with real_owner(etcd, "O2", units, len(units[11])) as owner:
         ub = b.unit_blocks
         for depth, first in ((2, 20), (3, 40)):
             monkeypatch.setattr(stage, "default_depth", lambda depth=depth: depth)
-            client, rd = cluster_client(etcd, b, name=f"R{depth}")
-            try:
+            with requester(etcd, b, name=f"R{depth}") as client:
                 placed = client.retrieve_remote([11, 12, 13], list(range(first, first + 3 * ub)),
                                                 keep_replica=(depth == 3), owners=[["O2"]] * 3)
                 assert placed == 3
                 for l in range(len(kv)):
                     np.testing.assert_array_equal(kv2[l][:, first:first + 3 * ub], kv[l][:, :3 * ub])
                 assert wait_slots_free(client.transfer, client.transfer.num_slots)
-            finally:
-                client.close()
-                rd.stop()
         assert b.lookup([11, 12, 13]) == 3  # the replicas kept
         assert wait_slots_free(owner, 4)
-    finally:
-        od.stop()
-        srv.stop()
-        owner.close()
 
 
 # ==== 5. the directory: node ids and records ===============================================================
