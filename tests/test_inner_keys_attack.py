@@ -36,6 +36,17 @@ def _dir(tmp_path, name="d"):
     return d
 
 
+def _one_unit(tmp_path, seed: int, key: int, n_inner: int | None = None):  # type: ignore[no-untyped-def]
+    """A directory holding one whole unit ``key`` with ``n_inner`` inner keys (None: one per block
+    but the last); returns it with the KV, unit_blocks and objects per unit."""
+    d = _dir(tmp_path)
+    kv = make_kv(seed=seed)
+    with open_store([d], kv) as s:
+        ub, num_objs = s.unit_blocks, 2 * len(kv)
+        assert s.store([key], np.arange(ub), [_inner(key, ub - 1 if n_inner is None else n_inner)]).ok
+    return d, kv, ub, num_objs
+
+
 # ---- crafted headers ---------------------------------------------------------------------------
 
 def _rewrite(d, key: int, *, word: int | None = None, version: int | None = None,
@@ -80,11 +91,7 @@ def _refused(s: TuttiStore, key: int, bad: int = 1) -> None:
 def test_a_crafted_header_with_valid_inner_keys_is_read_back(tmp_path):
     """Control: the rewriting helper makes headers the decoder accepts, so the refusals below are
     the range checks and not a wrong checksum."""
-    d = _dir(tmp_path)
-    kv = make_kv(seed=61)
-    with open_store([d], kv) as s:
-        ub, num_objs = s.unit_blocks, 2 * len(kv)
-        assert s.store([5], np.arange(ub), [_inner(5, ub - 1)]).ok
+    d, kv, ub, num_objs = _one_unit(tmp_path, 61, 5)
     _rewrite(d, 5, word=ub | (2 << 32), inner=[77, 78], num_objs=num_objs)
     with open_store([d], kv) as s:
         assert s.keys() == [5] and s.stats()["bad_headers"] == 0
@@ -112,11 +119,7 @@ def test_an_out_of_range_inner_count_under_a_valid_checksum_is_refused(tmp_path,
 
 
 def test_a_header_whose_inner_count_grew_without_its_checksum_is_refused(tmp_path):
-    d = _dir(tmp_path)
-    kv = make_kv(seed=63)
-    with open_store([d], kv) as s:
-        ub, num_objs = s.unit_blocks, 2 * len(kv)
-        assert s.store([7], np.arange(ub), [_inner(7, 1)]).ok
+    d, kv, ub, num_objs = _one_unit(tmp_path, 63, 7, 1)
     _, _, fixed = header_format()
     path, at = find_slots([d])[7]
     flip_bits(path, at + fixed + 4, [1])  # inner count 1 -> 3, checksum untouched
@@ -127,11 +130,7 @@ def test_a_header_whose_inner_count_grew_without_its_checksum_is_refused(tmp_pat
 def test_a_count_lowered_under_a_recomputed_checksum_only_drops_inner_keys(tmp_path):
     """Lowering the count and recomputing the CRC is a valid header naming fewer inner keys: the
     unit's data are still its own, so it stays a hit (nothing wrong can be served by it)."""
-    d = _dir(tmp_path)
-    kv = make_kv(seed=64)
-    with open_store([d], kv) as s:
-        ub, num_objs = s.unit_blocks, 2 * len(kv)
-        assert s.store([8], np.arange(ub), [_inner(8, ub - 1)]).ok
+    d, kv, ub, num_objs = _one_unit(tmp_path, 64, 8)
     _rewrite(d, 8, word=ub | (1 << 32), num_objs=num_objs)
     with open_store([d], kv) as s:
         assert s.keys() == [8] and s.inner_keys() == {8001: 8}
@@ -166,12 +165,8 @@ def test_a_format_3_header_is_read_without_inner_keys(tmp_path):
 
 @pytest.mark.parametrize("high", [1, 2, 1 << 31])
 def test_a_format_3_header_with_high_bits_in_its_block_word_is_refused(tmp_path, high):
-    d = _dir(tmp_path)
-    kv = make_kv(seed=66)
     _, _, fixed = header_format()
-    with open_store([d], kv) as s:
-        ub, num_objs = s.unit_blocks, 2 * len(kv)
-        assert s.store([14], np.arange(ub), [_inner(14, ub - 1)]).ok
+    d, kv, ub, num_objs = _one_unit(tmp_path, 66, 14)
     end = fixed + 8 + 8 * num_objs
     for crc_len in (end, end + 8 * min(high, ub - 1)):  # over the list, or as format 4 would
         _rewrite(d, 14, version=3, word=ub | (high << 32), crc_len=crc_len, num_objs=num_objs)
@@ -181,11 +176,7 @@ def test_a_format_3_header_with_high_bits_in_its_block_word_is_refused(tmp_path,
 
 @pytest.mark.parametrize("version", [0, 5, 6, 0xFFFFFFFF])
 def test_a_header_of_an_unknown_format_is_refused(tmp_path, version):
-    d = _dir(tmp_path)
-    kv = make_kv(seed=67)
-    with open_store([d], kv) as s:
-        ub, num_objs = s.unit_blocks, 2 * len(kv)
-        assert s.store([15], np.arange(ub), [_inner(15, 2)]).ok
+    d, kv, ub, num_objs = _one_unit(tmp_path, 67, 15, 2)
     _rewrite(d, 15, version=version, num_objs=num_objs)
     with open_store([d], kv) as s:
         _refused(s, 15)
@@ -194,12 +185,8 @@ def test_a_header_of_an_unknown_format_is_refused(tmp_path, version):
 def test_every_bit_of_the_block_word_and_inner_keys_is_covered(tmp_path):
     """Each single bit flip in the block word or the inner keys of a format-4 header: a damaged
     header, never a hit and never another inner key."""
-    d = _dir(tmp_path)
-    kv = make_kv(seed=68)
     _, _, fixed = header_format()
-    with open_store([d], kv) as s:
-        ub, num_objs = s.unit_blocks, 2 * len(kv)
-        assert s.store([16], np.arange(ub), [_inner(16, ub - 1)]).ok
+    d, kv, ub, num_objs = _one_unit(tmp_path, 68, 16)
     path, at = find_slots([d])[16]
     end = fixed + 8 + 8 * num_objs
     spans = [(fixed, 8), (end, 8 * (ub - 1))]
