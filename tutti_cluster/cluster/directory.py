@@ -46,6 +46,7 @@ NODE_PREFIX = PREFIX + "n/"
 # undecodable key reads as, so no id may hold it).
 NODE_ID_MAX = 253
 NODE_ID_PATTERN = f"[^/\ufffd]{{1,{NODE_ID_MAX}}}"
+_NODE_ID = re.compile(NODE_ID_PATTERN)
 UNIT_PREFIX = PREFIX + "u/"
 
 
@@ -165,7 +166,7 @@ class EtcdDirectory:
 
     def __init__(self, endpoints: str, node_id: str, lease_ttl_s: int = 10, timeout_s: float = 2.0,
                  max_txn_ops: int = 1024) -> None:
-        if not isinstance(node_id, str) or not re.fullmatch(NODE_ID_PATTERN, node_id):
+        if not isinstance(node_id, str) or not _NODE_ID.fullmatch(node_id):
             raise ConfigError(f"node_id must be 1 to {NODE_ID_MAX} characters, none of them '/' or U+FFFD: "
                               f"{str(node_id)[:300]!r}")
         if lease_ttl_s < 2:
@@ -452,7 +453,7 @@ class EtcdDirectory:
             owners = []
             for kv in kvs or ():
                 node = kv.key.decode(errors="replace").rsplit("/", 1)[-1]
-                if not node or "\ufffd" in node:  # not a key this directory writes
+                if not _NODE_ID.fullmatch(node):  # not a key this directory writes
                     self.stats.bad_records += 1
                     continue
                 if exclude_self and node == self.node_id:
