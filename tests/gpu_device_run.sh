@@ -133,7 +133,7 @@ for step in "$@"; do
       log "bench --pipeline glm4-9b-1m from /dev/shm"
       mkdir -p $SHM
       TUTTI_UNIT_TOKENS=512 TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline \
-        --paths $SHM --model glm4-9b-1m --inputs ${PIPE_GLM_INPUTS:-128K,640K} --prefix-tokens -1u \
+        --paths $SHM --model glm4-9b-1m --inputs ${PIPE_GLM_INPUTS:-128K,640K} --prefix-tokens=-1u \
         --systems ideal tutti naive load-all --decode-steps 4 ${PIPE_ARGS:-} \
         --json "$OUT/pipeline_glm_shm.json" --plot "$OUT/pipeline_glm_shm.png" | grep -v "step/s\]" | tail -30
       rm -rf $SHM
