@@ -64,6 +64,8 @@ def test_block_mask_matches_the_dense_lower_right_causal_mask() -> None:
         assert torch.allclose(got, want, atol=1e-5), (q_len, kv_len)
         # SDPA's causal_lower_right, the CPU path and the CUDA fallback, agrees as well.
         assert torch.allclose(attention(q, k, v, "sdpa"), want.squeeze(0).transpose(0, 1), atol=1e-5)
+        # So does the split form: flash attention over the prefix and over the suffix, merged.
+        assert torch.allclose(attention(q, k, v, "split"), want.squeeze(0).transpose(0, 1), atol=1e-5)
         # The mask is block indices, never q_len x kv_len.
         assert mask.kv_indices.numel() == -(-q_len // block) * -(-kv_len // block)
 
@@ -297,6 +299,19 @@ def _gpu_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device visible to torch"
     return None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+def test_gpu_split_attention_matches_sdpa_in_bf16() -> None:
+    """The split form through CUDA's flash kernel, against SDPA's lower-right causal mask (bf16)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(0)
+    for q_len, kv_len in ((4096, 4096), (3000, 8192), (1, 5000), (256, 257)):
+        q = torch.randn(q_len, 32, 128, generator=g, device=dev, dtype=torch.bfloat16)
+        k, v = torch.randn(2, kv_len, 8, 128, generator=g, device=dev, dtype=torch.bfloat16)
+        diff = (attention(q, k, v, "split").float() - attention(q, k, v, "sdpa").float()).abs().max().item()
+        assert diff <= 0.02, (q_len, kv_len, diff)
 
 
 @pytest.mark.gpu

@@ -63,8 +63,9 @@ def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    "tokens (16K), shares of the input (75%%) or -1u (the input minus one unit) [default: "
                    "16K,32K,64K,96K,-1u; on the CPU 25%%,50%%,75%%,-1u]; those not shorter than an input are "
                    "skipped for it")
-    g.add_argument("--attention", choices=("auto", "flex", "sdpa"), default="auto",
-                   help="attention kernel: auto is flex_attention for a cached prefix on CUDA, SDPA otherwise")
+    g.add_argument("--attention", choices=("auto", "flex", "sdpa", "split"), default="auto",
+                   help="attention kernel: auto is flex_attention for a cached prefix on CUDA, SDPA otherwise; split is "
+                   "two flash-attention calls (suffix over prefix, suffix over itself) merged by log-sum-exp")
     g.add_argument("--flex-compile", choices=("auto", "static"), default="auto",
                    help="flex_attention compile: static compiles every (input, prefix) shape; auto lets torch "
                    "switch to symbolic lengths at the second shape (fewer compiles)")

@@ -18,7 +18,10 @@ Attention: on CUDA ``flex_attention`` (compiled) with a block mask built from it
 never from a dense mask (``create_block_mask`` over a 128K x 128K grid asks for a dense boolean
 mask of that size); SDPA (``causal_lower_right``) as the fallback and on the CPU by default
 (``attention="flex"`` compiles it for the CPU too, through inductor's C++ backend: slower to
-start, the same kernel code path as on CUDA).
+start, the same kernel code path as on CUDA). ``attention="split"`` runs the two parts of the mask
+as two flash-attention calls, the suffix over the prefix with no mask and the suffix over itself
+with the square causal mask, and merges them by their log-sum-exps: the kernels of a full prefill,
+none with a mask to read.
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ import torch.nn.functional as F
 from tutti_cluster.bench.kvdata import KVShape
 from tutti_cluster.errors import ConfigError
 
-Attention = Literal["auto", "flex", "sdpa"]
-ATTENTION_CHOICES = ("auto", "flex", "sdpa")
+Attention = Literal["auto", "flex", "sdpa", "split"]
+ATTENTION_CHOICES = ("auto", "flex", "sdpa", "split")
 FLEX_BLOCK = 128  # flex_attention's default tile, query and key alike
 
 
@@ -266,6 +269,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, comp
               dynamic: bool | None = None) -> torch.Tensor:
     """Lower-right causal grouped-query attention. ``q``: [queries, q_heads, d]; ``k``, ``v``:
     [keys, kv_heads, d]. Returns [queries, q_heads, d]."""
+    if kind == "split":
+        return split_attention(q, k, v)
     s, n = q.shape[0], k.shape[0]
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if kind == "flex":
@@ -285,6 +290,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str, comp
             kh, vh = kh.repeat_interleave(groups, dim=1), vh.repeat_interleave(groups, dim=1)
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(s, n))
     return out.squeeze(0).transpose(0, 1)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention's output and log-sum-exp (natural log, float32), ``[1, heads, len, d]`` in,
+    ``[1, heads, len]`` log-sum-exp out; equal head counts."""
+    if q.device.type == "cuda":
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+    else:
+        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out[0], out[1]
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Lower-right causal grouped-query attention as two unmasked-or-square-causal parts: the
+    ``s`` queries over the ``n - s`` prefix keys (all visible; each KV head's query group is one
+    longer sequence, so the prefix's K and V are not repeated) and over their own ``s`` keys (causal),
+    merged by log-sum-exp. Same arguments and result as :func:`attention`."""
+    s, n = q.shape[0], k.shape[0]
+    qheads, kheads, d = q.shape[1], k.shape[1], q.shape[2]
+    g = qheads // kheads
+    kh, vh = (x[n - s :].transpose(0, 1).unsqueeze(0).repeat_interleave(g, dim=1) for x in (k, v))
+    own, own_lse = _flash(q.transpose(0, 1).unsqueeze(0), kh, vh, True)
+    if s == n:
+        return own.squeeze(0).transpose(0, 1)
+    # [s, kheads * g, d] -> [1, kheads, s * g, d]: query (i, head kh * g + j) at row i * g + j.
+    qg = q.reshape(s, kheads, g, d).transpose(0, 1).reshape(1, kheads, s * g, d)
+    kp, vp = (x[: n - s].transpose(0, 1).unsqueeze(0) for x in (k, v))
+    pre, pre_lse = _flash(qg, kp, vp, False)
+    pre = pre.reshape(kheads, s, g, d).permute(0, 2, 1, 3).reshape(1, qheads, s, d)
+    pre_lse = pre_lse.reshape(kheads, s, g).permute(0, 2, 1).reshape(1, qheads, s)
+    lse = torch.logaddexp(pre_lse, own_lse)
+    out = pre.float() * (pre_lse - lse).exp().unsqueeze(-1) + own.float() * (own_lse - lse).exp().unsqueeze(-1)
+    return out.to(q.dtype).squeeze(0).transpose(0, 1)
 
 
 def _is_range(block_ids: torch.Tensor) -> bool:

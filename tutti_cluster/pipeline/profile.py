@@ -114,7 +114,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--prefix-tokens", nargs="+", metavar="P",
                    help="prefix lengths: tokens, shares (75%%) or -1u [default: 0%%,25%%,50%%,75%%,-1u]")
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="runs per point (the median is kept)")
-    p.add_argument("--attention", choices=("auto", "flex", "sdpa"), default="auto")
+    p.add_argument("--attention", choices=("auto", "flex", "sdpa", "split"), default="auto")
     p.add_argument("--out", type=Path, metavar="PATH",
                    help="profile file [default: <data_dir>/profiles/<model>-<gpu>-<io_sms>sm.json]")
     p.add_argument("--seed", type=int, default=0)
