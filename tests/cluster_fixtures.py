@@ -217,6 +217,15 @@ def transfer_nodes(unit: int):  # type: ignore[no-untyped-def]
     return TransferNode(arena_bytes=4 * unit, slot_bytes=unit), TransferNode(arena_bytes=3 * unit, slot_bytes=unit)
 
 
+@pytest.fixture(scope="module")
+def engines(request):  # type: ignore[no-untyped-def]
+    """:func:`transfer_nodes` with the test module's ``UNIT``, shared by its tests, closed after them."""
+    owner, requester = transfer_nodes(request.module.UNIT)
+    yield owner, requester
+    owner.close()
+    requester.close()
+
+
 def free_slots(node, n: int) -> int:  # type: ignore[no-untyped-def]
     """How many of a TransferNode's ``n`` arena slots can be taken now (all are given back); a slot
     that would come out twice (released twice) fails the test."""

@@ -12,20 +12,12 @@ import socket
 
 import pytest
 
-from cluster_fixtures import free_port, require_mooncake, transfer_nodes, wait_slots_free
+from cluster_fixtures import engines, free_port, require_mooncake, wait_slots_free  # noqa: F401 (fixture)
 from tutti_cluster.errors import ConfigError
 
 pytestmark = pytest.mark.cluster
 
 UNIT = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def engines():
-    owner, requester = transfer_nodes(UNIT)
-    yield owner, requester
-    owner.close()
-    requester.close()
 
 
 @pytest.fixture

@@ -26,8 +26,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster_fixtures import (EtcdServer, StageConn, free_slots, require_etcd, require_mooncake, transfer_nodes,
-                              wait_slots_free)
+from cluster_fixtures import (EtcdServer, StageConn, engines, free_slots, require_etcd, require_mooncake,
+                              wait_slots_free)  # noqa: F401 (fixture: engines)
 from conftest import make_kv, open_store, run_threads, snapshot
 from tutti_cluster import TuttiStore
 from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError, NotFound, TuttiError
@@ -85,14 +85,6 @@ class FakeOwner:
 
 
 # ---- fixtures -----------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def engines():
-    owner, requester = transfer_nodes(UNIT)
-    yield owner, requester
-    owner.close()
-    requester.close()
-
 
 @pytest.fixture
 def served(engines):
@@ -186,6 +178,12 @@ def real_owner(etcd, name: str, source: dict, slot: int, check=None):  # type: i
 
 # ==== 1. scatter_unit_async / scatter_wait (CPU backend) ===============================================
 
+def _stored_unit(s: TuttiStore) -> bytearray:
+    """Unit 1, stored from blocks 0.., read back in read_unit format: a buffer to scatter."""
+    assert s.store([1], np.arange(s.unit_blocks)).ok
+    return bytearray(s.read_unit(1))
+
+
 def test_scatter_wait_refuses_tickets_that_are_not_ints(store_dirs):
     """Regression (once failed): a bool, float, str or bytes is not a ticket, yet ``TuttiStore.scatter_wait`` coerces it
     with ``int(ticket)``: ``scatter_wait(True)`` (or 1.0, 1.9, "1", b"1") waits ticket 1, consuming its
@@ -193,8 +191,7 @@ def test_scatter_wait_refuses_tickets_that_are_not_ints(store_dirs):
     kv = make_kv(seed=11)
     with open_store(store_dirs, kv) as s:
         ub = s.unit_blocks
-        assert s.store([1], np.arange(ub)).ok
-        unit = bytearray(s.read_unit(1))
+        unit = _stored_unit(s)
         t = s.scatter_unit_async(unit, np.arange(ub) + 8)
         assert t == 1  # the store's first ticket: True, 1.0 and "1" would all name it
         for wrong in (True, 1.0, 1.9, "1", b"1", np.float64(1.0)):
@@ -213,8 +210,7 @@ def test_out_of_range_tickets_are_refused_and_take_nothing(store_dirs):
     kv = make_kv(seed=12)
     with open_store(store_dirs, kv) as s:
         ub = s.unit_blocks
-        assert s.store([1], np.arange(ub)).ok
-        unit = bytearray(s.read_unit(1))
+        unit = _stored_unit(s)
         t = s.scatter_unit_async(unit, np.arange(ub) + 8)
         for wrong in (-1, 0, 2 ** 63, 2 ** 64 - 1, 2 ** 64, 2 ** 70, -(2 ** 70), None, "x", [1], t + 1):
             with pytest.raises((TypeError, ValueError, TuttiError)) as exc:
@@ -233,8 +229,7 @@ def test_one_ticket_waited_from_many_threads_gets_one_verdict(store_dirs):
     kv = make_kv(seed=13)
     with open_store(store_dirs, kv) as s:
         ub = s.unit_blocks
-        assert s.store([1], np.arange(ub)).ok
-        bad = bytearray(s.read_unit(1))
+        bad = _stored_unit(s)
         bad[-100] ^= 0x01
         for _ in range(50):
             t = s.scatter_unit_async(bad, np.arange(ub) + 8)
@@ -270,8 +265,7 @@ def test_a_refused_duplicate_wait_leaves_the_buffer_to_the_real_wait(store_dirs,
     kv = make_kv(seed=14)
     with open_store(store_dirs, kv) as s:
         ub = s.unit_blocks
-        assert s.store([1], np.arange(ub)).ok
-        unit = bytearray(s.read_unit(1))
+        unit = _stored_unit(s)
         native = s._e
         inside, release = threading.Event(), threading.Event()
 
