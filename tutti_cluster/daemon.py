@@ -54,8 +54,9 @@ from tutti_cluster.errors import (CapacityExceeded, ConfigError, LayoutError, No
                                   error_class)
 
 log = logging.getLogger(__name__)
-# How often the accept loop looks for a shutdown request: stop() waits at most this long
-# (socketserver's default, 0.5 s, made every daemon stop take about a second).
+# How often the node's accept loops (this daemon's, the stage endpoint's) look for a shutdown
+# request: stop() waits at most this long (socketserver's default, 0.5 s, made every daemon stop
+# take about a second).
 SHUTDOWN_POLL_S = 0.05
 
 SOCKET_NAME = "tutti.sock"

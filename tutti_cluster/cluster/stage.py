@@ -25,6 +25,7 @@ with ``error`` set.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -40,12 +41,10 @@ from typing import Annotated, Any, Callable, Iterator, Literal, Sequence, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from tutti_cluster.cluster.transfer import Pull, TransferNode
+from tutti_cluster.daemon import SHUTDOWN_POLL_S  # the node's accept loops: the daemon's and this one
 from tutti_cluster.errors import TuttiError
 
 log = logging.getLogger(__name__)
-# How often the accept loop looks for a shutdown request: stop() waits at most this long
-# (socketserver's default, 0.5 s, made every daemon stop take about a second).
-SHUTDOWN_POLL_S = 0.05
 
 # read_unit(key) -> the unit's bytes (read_unit format), or None when the node does not hold it.
 UnitReader = Callable[[int], "bytes | None"]
@@ -619,7 +618,7 @@ class StageStream:
                 if self.hold:
                     with lent_lock:
                         lent.add(local)
-                    yield key, self.transfer.view(local, n), _once(lambda local=local: give_back(local))
+                    yield key, self.transfer.view(local, n), _once(functools.partial(give_back, local))
                 else:
                     yield key, self.transfer.view(local, n)
                     free.put(local)
