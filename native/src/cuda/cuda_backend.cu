@@ -858,6 +858,12 @@ Status CudaBackend::make_partition(uint32_t sms) {
   return Status::Ok();
 }
 
+// A scatter slot's device arrays: each object's destination block addresses, then each object's
+// expected checksum; the slot's mapped host copy has one verdict byte per object after them.
+uint64_t scatter_dev_bytes(const Geometry& g) {
+  return (static_cast<uint64_t>(g.num_objs()) * g.unit_blocks + g.num_objs()) * 8;
+}
+
 Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   k_ = ctx;
   workers_ = workers;
@@ -991,12 +997,13 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   // context, as before: `order` is recorded on callers' streams.
   {
     const Geometry& g = ctx->geom;
-    const uint64_t dev_bytes = (static_cast<uint64_t>(g.num_objs()) * g.unit_blocks + g.num_objs()) * 8;
+    const uint64_t dev_bytes = scatter_dev_bytes(g);
+    const uint64_t host_bytes = align_up(dev_bytes + g.num_objs());
     for (ScatterSlot& sl : scatter_) {
       void* h = nullptr;
-      if (!(st = alloc_host(align_up(dev_bytes + g.num_objs()), &h)).ok()) return st;
+      if (!(st = alloc_host(host_bytes, &h)).ok()) return st;
       sl.host = static_cast<uint8_t*>(h);
-      sl.host_bytes = align_up(dev_bytes + g.num_objs());
+      sl.host_bytes = host_bytes;
       if ((e = cudaMalloc(&sl.dev, dev_bytes)) != cudaSuccess ||
           (e = cudaEventCreateWithFlags(&sl.order, cudaEventDisableTiming)) != cudaSuccess)
         return {Code::kDevice, cuda_msg("scatter slot", e)};
@@ -1162,7 +1169,7 @@ Status CudaBackend::scatter_from_host(uint32_t slot, const uint8_t* unit, const 
   if (!started_) return {Code::kDevice, "CUDA backend not started"};
   const Geometry& g = k_->geom;
   const uint64_t nd = static_cast<uint64_t>(g.num_objs()) * g.unit_blocks;
-  const uint64_t dev_bytes = (nd + g.num_objs()) * 8;
+  const uint64_t dev_bytes = scatter_dev_bytes(g);
   std::lock_guard<std::mutex> lk(scatter_mu_);
   ScatterSlot& sl = scatter_[slot];
   cudaSetDevice(device_);
