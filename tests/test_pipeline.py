@@ -6,6 +6,7 @@ arguments are ConfigErrors. No figure is asserted on."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -204,7 +205,14 @@ def test_bench_pipeline_cpu_mode_writes_json_and_plot(tmp_path: Path) -> None:
         if r["system"] == "tutti-writeback":  # against the same steps with no I/O, right after
             assert r["itl_base_s"] > 0
             assert r["itl_increase"] == pytest.approx(r["itl_s"] / r["itl_base_s"] - 1, abs=1e-3)
-    assert "crossover_hit_rate" in report["summary"]["1024"]
+        if r["system"] in ("ideal", "tutti", "naive"):  # per-layer compute, waits included
+            assert len(r["layer_ms"]) == report["model"]["layers"] and min(r["layer_ms"]) > 0
+    summary = report["summary"]["1024"]
+    assert "crossover_hit_rate" in summary
+    below = [r["bubble_s"] for r in report["results"] if r["system"] == "tutti"
+             and (summary["crossover_hit_rate"] is None or r["hit_rate"] < summary["crossover_hit_rate"])]
+    assert summary["tutti_median_bubble_below_crossover_s"] == (
+        pytest.approx(statistics.median(below), abs=1e-5) if below else None)
     assert not [p for p in store.iterdir() if p.name.startswith("tutti-bench-")]
 
 

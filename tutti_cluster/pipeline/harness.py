@@ -110,6 +110,9 @@ class _Timer(LayerHooks):
             return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
+    def layer_ms(self) -> list[float]:
+        return [round(x * 1e3, 3) for x in self.seconds()]
+
 
 class _Chain(LayerHooks):
     def __init__(self, *hooks: LayerHooks) -> None:
@@ -325,17 +328,19 @@ class Harness:
         out, t = self._timed(lambda: self._prefill(case, prefix, timer))
         layers = timer.seconds()
         self.layer_seconds[(case.n, prefix)] = layers
-        return Outcome("ideal", t, out, {"layer_ms": [round(x * 1e3, 3) for x in layers]})
+        return Outcome("ideal", t, out, {"layer_ms": timer.layer_ms()})
 
     def _naive(self, case: InputCase, prefix: int) -> Outcome:
         self.poison(case, prefix)
         keys, ids = self._prefix_keys(case, prefix), self._prefix_blocks(case, prefix).tolist()
         layers = self.model.shape.layers
 
+        timer = _Timer(layers, self.cuda)
+
         def go() -> tuple[PrefillOutput, Any]:
             req = self.store.begin_retrieve(keys, ids)
             try:
-                out = self._prefill(case, prefix, _NaiveHooks(self.store, req, layers, self.naive_ahead))
+                out = self._prefill(case, prefix, _Chain(timer, _NaiveHooks(self.store, req, layers, self.naive_ahead)))
             finally:
                 res = self.store.finish(req)
             return out, res
@@ -343,7 +348,7 @@ class Harness:
         (out, res), t = self._timed(go)
         if res.failed_units:
             raise BenchVerificationError(f"naive: {len(res.failed_units)} of {len(keys)} units failed to load")
-        return Outcome("naive", t, out, {"ahead": self.naive_ahead or "all"})
+        return Outcome("naive", t, out, {"ahead": self.naive_ahead or "all", "layer_ms": timer.layer_ms()})
 
     def _load_all(self, case: InputCase, prefix: int) -> Outcome:
         self.poison(case, prefix)
@@ -404,6 +409,7 @@ class Harness:
         decode_window = self.itl_s.get(case.n) or (self.itl(case, 2) if decode_steps else 0.0)
         sched_box: list[SlackScheduler] = []
         itl: list[float] = []
+        timer = _Timer(layers, self.cuda)
 
         def go() -> PrefillOutput:
             req = self.store.begin_retrieve(keys, ids.tolist())
@@ -416,7 +422,7 @@ class Harness:
             )
             sched_box.append(sched)
             try:
-                out = self._prefill(case, prefix, sched)
+                out = self._prefill(case, prefix, _Chain(timer, sched))
             finally:
                 sched.finish_reads()
                 res = self.store.finish(req)
@@ -439,7 +445,7 @@ class Harness:
         if report.failed_iocbs:
             raise BenchVerificationError(f"tutti: {report.failed_iocbs} read IOCBs failed")
         extra: dict[str, Any] = {"schedule": {**report.as_dict(), "reads": self.tutti_reads}, "windows_ms": [round(w * 1e3, 3) for w in windows],
-                                 "windows_from": source}
+                                 "windows_from": source, "layer_ms": timer.layer_ms()}
         if itl:
             extra["itl_s"] = statistics.median(itl)
             extra["itl_base_s"] = statistics.median(base)
