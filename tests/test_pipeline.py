@@ -277,23 +277,24 @@ def test_reads_fill_windows_in_order_and_go_at_once_when_none_fits(rig: hz.Harne
         req = store.begin_retrieve(case.keys[:2], ids)
         sched = SlackScheduler(store, layers=layers, windows=windows, read_req=req, read_ioctx=ioctx,
                                read_seconds_per_ioctx=1.0, iocb_ioctx=2)
-        counts = []
+        counts, own = [], []
         for l in range(layers):
             before = sched.report.read_iocbs
             sched.before_layer(l)
+            own.append(sched.report.read_iocbs - before)  # the layer's own reads, alone
+            sched.before_attention(l)  # after they landed: what fills the window
             counts.append(sched.report.read_iocbs - before)
-            sched.before_attention(l)
         sched.finish_reads()
         store.finish(req)
         assert sched.report.failed_iocbs == 0
-        return counts
+        return counts, own
 
     # Two IOCBs per layer, 2 s each. A 2 s window takes one IOCB ahead: layer 0's two now plus the
     # first half of layer 1; then each layer's second half now plus the next layer's first half.
-    assert issued_by_layer([2.0] * layers) == [3, 2, 2, 1]
+    assert issued_by_layer([2.0] * layers) == ([3, 2, 2, 1], [2, 1, 1, 1])
     total = 2 * layers
-    assert issued_by_layer([1.5] * layers) == [total, 0, 0, 0]  # none fits: everything at once
-    assert issued_by_layer([100.0] * layers) == [total, 0, 0, 0]  # all fit the first window
+    assert issued_by_layer([1.5] * layers) == ([total, 0, 0, 0], [2, 0, 0, 0])  # none fits: all at once
+    assert issued_by_layer([100.0] * layers) == ([total, 0, 0, 0], [2, 0, 0, 0])  # all fit the first window
 
 
 # ---- on the GPU host (pytest -m gpu tests/test_pipeline.py) ---------------------------------------

@@ -8,9 +8,10 @@ resident run). Reads are on the critical path; writes only ever fill what reads 
 Per layer ``l`` (``before_layer``):
 
 1. Reads of layer ``l`` not yet issued are needed now: they go at once, whatever they cost.
-2. Then reads of the next layers, in order, one IOCB at a time, while their estimated time fits
-   what is left of window ``l``. When not even one fits a whole window, retrieval is the
-   bottleneck: every read still needed goes at once (as a plain pipeline would issue them).
+2. Then (``before_attention``, once layer ``l``'s reads have landed, so that they had the device to
+   themselves) reads of the next layers, in order, one IOCB at a time, while their estimated time
+   fits what is left of window ``l``. When not even one fits a whole window, retrieval is the
+   bottleneck: every read still needed goes then (as a plain pipeline would issue them).
 3. Only when no read is left waiting for a later window (the read queue is empty, or its next IOCB
    did not fit) and the window still has room: writes of layers whose KV is final (``< l``), one
    layer at a time, while a layer's estimated write time fits the rest of the window. A window
@@ -27,12 +28,13 @@ a request by ``failed_iocbs``, not by ``finish``.
 Reads, ``reads="layer"``: whole layers through ``retrieve_layer``/``wait_layer``. On CUDA these are
 stream-ordered: a read issued at ``before_layer(l)`` starts when the GPU reaches layer ``l`` (the
 event the store records on the caller's stream), which is where window ``l`` begins in GPU time,
-and the wait holds only the compute stream. The raw IOCBs' ``wait_cqe`` holds the host instead,
+one issued at ``before_attention(l)`` when layer ``l``'s reads have landed (the wait is on that
+stream before it), and the wait holds only the compute stream. The raw IOCBs' ``wait_cqe`` holds the host instead,
 which, on a GPU, also stops the host from queueing the next layers' kernels.
 
 Writes go through the store request (``store_layer``), whose ``finish`` commits the units whose
-every layer was written; on CUDA a write issued at ``before_layer(l)`` starts at window ``l`` in GPU
-time, after the kernels that wrote its KV.
+every layer was written; on CUDA a write issued at ``before_attention(l)`` starts in window ``l`` in
+GPU time, after layer ``l``'s reads and the kernels that wrote its KV.
 
 Writes left at the end of prefill are flushed during decode (``decode_step``: at most what fits
 one decode step's window per step) and, best effort, at ``flush``: every layer not yet written is
@@ -122,6 +124,7 @@ class SlackScheduler(LayerHooks):
         self.report = ScheduleReport()
         self._queue: deque[_ReadIocb] = deque()
         self._issued: dict[int, list[_ReadIocb]] = {}
+        self._window: tuple[list[_ReadIocb], float] = ([], 0.0)  # reads and budget left for before_attention
         if read_req is not None:
             piece = read_ioctx if reads == "layer" else iocb_ioctx
             for layer in range(layers):
@@ -168,12 +171,22 @@ class SlackScheduler(LayerHooks):
             ahead.append(r)
         if not ahead and self._queue and self._queue[0].seconds > self.windows[layer]:
             # No slack window holds even one IOCB: retrieval is the bottleneck, so every read
-            # still needed goes now, for the most overlap the device can give.
-            now.extend(self._queue)
+            # still needed goes with this window, for the most overlap the device can give.
+            ahead = list(self._queue)
             self._queue.clear()
             budget = 0.0
+            self.report.reads_issued_at_once += len(ahead)
         self.report.reads_issued_at_once += len(now)
-        self._issue(now + ahead)
+        # The layer's own reads go alone; what fills its window follows once they have landed
+        # (before_attention), so that the critical reads do not share the device with it.
+        self._issue(now)
+        self._window = (ahead, budget)
+
+    def before_attention(self, layer: int) -> None:
+        self._wait_reads(layer)
+        ahead, budget = self._window
+        self._window = ([], 0.0)
+        self._issue(ahead)
         # Writes only where no read waits for this window.
         if self.write_req is not None and (not self._queue or self._queue[0].seconds > budget):
             while self._writes and self.write_cost <= budget:
@@ -182,7 +195,7 @@ class SlackScheduler(LayerHooks):
                 budget -= self.write_cost
                 self.report.writes_in_prefill.append(l)
 
-    def before_attention(self, layer: int) -> None:
+    def _wait_reads(self, layer: int) -> None:
         if self.reads == "layer":
             if self._issued.pop(layer, None):
                 self.store.wait_layer(layer, self.read_req)
@@ -217,8 +230,9 @@ class SlackScheduler(LayerHooks):
 
     def finish_reads(self) -> None:
         """Waits for and returns every read IOCB still out (a prefill cut short, or an error)."""
+        self._window = ([], 0.0)
         for layer in list(self._issued):
-            self.before_attention(layer)
+            self._wait_reads(layer)
         self._queue.clear()
 
     def flush(self) -> ScheduleReport:
