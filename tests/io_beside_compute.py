@@ -1,0 +1,100 @@
+"""GPU host diagnostic: how long one layer's retrieve (and a whole prefix's) takes alone, and while
+matrix multiplies run on the store's compute stream (the SMs outside the I/O partition) or on a
+stream of the whole device. Times are CUDA events on a side stream around ``retrieve_layer`` and
+``wait_layer``; the compute is queued after the reads are issued, so both run at once.
+
+    python3 tests/io_beside_compute.py --paths /dev/shm/a /dev/shm/b --tokens 32K --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from tutti_cluster import TuttiStore
+from tutti_cluster.bench.runner import parse_tokens
+from tutti_cluster.bench.tutti_system import pool_bytes_per_path
+from tutti_cluster.config import load_config
+from tutti_cluster.pipeline.model import PagedKV, model_shape
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--paths", nargs="+", required=True)
+    ap.add_argument("--tokens", default="32K")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    shape = model_shape("llama3-8b", None)
+    tokens = parse_tokens(a.tokens)
+    dev = torch.device("cuda")
+    kv = PagedKV(shape, tokens // shape.block_tokens, dev)
+    cap = pool_bytes_per_path(tokens * shape.kv_bytes_per_token, len(a.paths)) / (1 << 30)
+    store = TuttiStore(load_config(paths=a.paths, capacity_gb=[cap] * len(a.paths), backend="cuda", instance="diag"))
+    store.register_kv_caches(kv.layers, block_tokens=shape.block_tokens, layout="kv_first")
+    unit = store.unit_tokens
+    keys = list(range(1, tokens // unit + 1))
+    ids = list(range(tokens // shape.block_tokens))
+    kv.all.normal_()
+    res = store.store(keys, ids)
+    assert not res.failed_units
+    compute = torch.cuda.ExternalStream(store.compute_stream()) if store.compute_stream() else None
+    whole = torch.cuda.Stream()
+    side = torch.cuda.Stream()
+    x = torch.randn(8192, 4096, dtype=torch.bfloat16, device=dev)
+    w = torch.randn(4096, 14336, dtype=torch.bfloat16, device=dev)
+
+    def run(layers: int, busy: torch.cuda.Stream | None) -> float:
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        req = store.begin_retrieve(keys, ids)
+        with torch.cuda.stream(side):
+            t0.record()
+            for l in range(layers):
+                store.retrieve_layer(l, req)
+        if busy is not None:
+            with torch.cuda.stream(busy):
+                for _ in range(60):  # about 0.1 s of work
+                    x @ w
+        with torch.cuda.stream(side):
+            for l in range(layers):
+                store.wait_layer(l, req)
+            t1.record()
+        torch.cuda.synchronize()
+        r = store.finish(req)
+        assert not r.failed_units
+        return t0.elapsed_time(t1)
+
+    out: dict[str, dict[str, float]] = {}
+    for layers in (1, shape.layers):
+        for name, busy in (("alone", None), ("beside compute stream", compute), ("beside whole device", whole)):
+            if name == "beside compute stream" and compute is None:
+                continue
+            run(layers, busy)  # warm
+            ms = [run(layers, busy) for _ in range(a.rounds)]
+            gb = layers * tokens * shape.kv_bytes_per_token / shape.layers / 1e9
+            med = statistics.median(ms)
+            out[f"{layers} layer(s) {name}"] = {"ms": round(med, 3), "runs_ms": [round(m, 3) for m in ms],
+                                                  "gbps": round(gb / med * 1e3, 2)}
+            print(f"{layers:>2} layer(s) {name:<24} {med:8.3f} ms  {gb / med * 1e3:6.2f} GB/s  {[round(m, 1) for m in ms]}")
+    # The compute alone, for scale.
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(compute or whole):
+        e0.record()
+        for _ in range(60):
+            x @ w
+        e1.record()
+    torch.cuda.synchronize()
+    print(f"60 GEMMs alone {e0.elapsed_time(e1):.1f} ms")
+    store.close()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
