@@ -69,7 +69,31 @@ def main() -> None:
         assert layers < shape.layers or not r.failed_units
         return t0.elapsed_time(t1)
 
+    def on_compute(layers: int, gemms: int) -> float:
+        # As the pipeline does it: the reads ordered on the compute stream, work, then the wait there.
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        req = store.begin_retrieve(keys, ids)
+        with torch.cuda.stream(compute or whole):
+            t0.record()
+            for l in range(layers):
+                store.retrieve_layer(l, req)
+            for _ in range(gemms):
+                x @ w
+            for l in range(layers):
+                store.wait_layer(l, req)
+            t1.record()
+        torch.cuda.synchronize()
+        r = store.finish(req)
+        assert layers < shape.layers or not r.failed_units
+        return t0.elapsed_time(t1)
+
     out: dict[str, dict[str, float]] = {}
+    for gemms in (0, 3):
+        on_compute(1, gemms)
+        ms = [on_compute(1, gemms) for _ in range(a.rounds)]
+        out[f"1 layer ordered and waited on the compute stream, {gemms} GEMMs between"] = {"ms": round(statistics.median(ms), 3)}
+        print(f" 1 layer on the compute stream, {gemms} GEMMs between: {statistics.median(ms):8.3f} ms {[round(m, 1) for m in ms]}")
     for layers in (1, shape.layers):
         for name, busy in (("alone", None), ("beside compute stream", compute), ("beside whole device", whole)):
             if name == "beside compute stream" and compute is None:
