@@ -76,6 +76,9 @@ def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tutti-reads", choices=("auto", "iocb", "layer"), default="auto",
                    help="scheduler's reads: raw IOCBs (get_iocb/fill_iocb/issue_io/wait_cqe, the host waits) or "
                    "whole layers (retrieve_layer/wait_layer, stream-ordered on CUDA); auto: layer on CUDA, iocb on the CPU")
+    g.add_argument("--compute-on", choices=("partition", "device"), default="partition",
+                   help="CUDA: every system's compute on the store's compute stream (the SMs outside the I/O "
+                   "partition, where green contexts give one) or on a stream of the whole device")
     g.add_argument("--writeback", action=argparse.BooleanOptionalAction, default=True,
                    help="also run tutti writing the suffix's new KV back (scheduled into slack, flushed in decode)")
     g.add_argument("--decode-steps", type=int, metavar="N",

@@ -71,6 +71,7 @@ class PipelinePlan:
     naive_ahead: int
     iocb_ioctx: int
     tutti_reads: str
+    compute_on: str
     writeback: bool
     decode_steps: int
     output_tokens: int
@@ -149,7 +150,7 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         dirs=dirs, shape=shape, inputs=inputs, prefixes=prefixes, systems=[s for s in hz.SYSTEMS if s in systems],
         repeat=repeat, device=device, cfg=cfg, attention=args.attention,
         flex_dynamic={"static": False, "auto": None}[args.flex_compile], naive_ahead=args.naive_ahead,
-        iocb_ioctx=args.iocb_ioctx, tutti_reads=args.tutti_reads, writeback=bool(args.writeback), decode_steps=decode,
+        iocb_ioctx=args.iocb_ioctx, tutti_reads=args.tutti_reads, compute_on=args.compute_on, writeback=bool(args.writeback), decode_steps=decode,
         output_tokens=args.output_tokens, prices=prices, profile=args.profile,
         baseline_threads=args.baseline_threads, seed=args.seed,
         capacity_gb=list(cfg.capacity_gb) if args.capacity_gb else None,
@@ -271,7 +272,8 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
             for w in work:
                 (w / "per-chunk").mkdir()
         h = hz.Harness(model, kv, store, per_chunk=reader, naive_ahead=plan.naive_ahead, iocb_ioctx=plan.iocb_ioctx,
-                       seed=plan.seed, tutti_reads=plan.tutti_reads)
+                       seed=plan.seed, tutti_reads=plan.tutti_reads,
+                       compute_stream=plan.compute_on == "partition")
         if plan.profile is not None:
             from tutti_cluster.pipeline.profile import SlackTable
 
