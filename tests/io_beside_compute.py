@@ -3,7 +3,7 @@ matrix multiplies run on the store's compute stream (the SMs outside the I/O par
 stream of the whole device. Times are CUDA events on a side stream around ``retrieve_layer`` and
 ``wait_layer``; the compute is queued after the reads are issued, so both run at once.
 
-    python3 tests/io_beside_compute.py --paths /dev/shm/a /dev/shm/b --tokens 32K --json out.json
+    python3 tests/io_beside_compute.py --paths /dev/shm/a /dev/shm/b --tokens 32K [--pool-tokens 128K] --json out.json
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--paths", nargs="+", required=True)
     ap.add_argument("--tokens", default="32K")
+    ap.add_argument("--pool-tokens", default=None, help="size the pool for this many tokens (default: --tokens)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -32,7 +33,8 @@ def main() -> None:
     tokens = parse_tokens(a.tokens)
     dev = torch.device("cuda")
     kv = PagedKV(shape, tokens // shape.block_tokens, dev)
-    cap = pool_bytes_per_path(tokens * shape.kv_bytes_per_token, len(a.paths)) / (1 << 30)
+    pool = max(tokens, parse_tokens(a.pool_tokens)) if a.pool_tokens else tokens
+    cap = pool_bytes_per_path(pool * shape.kv_bytes_per_token, len(a.paths)) / (1 << 30)
     store = TuttiStore(load_config(paths=a.paths, capacity_gb=[cap] * len(a.paths), backend="cuda", instance="diag"))
     store.register_kv_caches(kv.layers, block_tokens=shape.block_tokens, layout="kv_first")
     unit = store.unit_tokens
