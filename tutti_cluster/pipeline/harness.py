@@ -334,7 +334,6 @@ class Harness:
         self.poison(case, prefix)
         keys, ids = self._prefix_keys(case, prefix), self._prefix_blocks(case, prefix).tolist()
         layers = self.model.shape.layers
-
         timer = _Timer(layers, self.cuda)
 
         def go() -> tuple[PrefillOutput, Any]:

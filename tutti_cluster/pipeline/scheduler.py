@@ -29,8 +29,8 @@ Reads, ``reads="layer"``: whole layers through ``retrieve_layer``/``wait_layer``
 stream-ordered: a read issued at ``before_layer(l)`` starts when the GPU reaches layer ``l`` (the
 event the store records on the caller's stream), which is where window ``l`` begins in GPU time,
 one issued at ``before_attention(l)`` when layer ``l``'s reads have landed (the wait is on that
-stream before it), and the wait holds only the compute stream. The raw IOCBs' ``wait_cqe`` holds the host instead,
-which, on a GPU, also stops the host from queueing the next layers' kernels.
+stream before it), and the wait holds only the compute stream. The raw IOCBs' ``wait_cqe`` holds
+the host instead, which, on a GPU, also stops the host from queueing the next layers' kernels.
 
 Writes go through the store request (``store_layer``), whose ``finish`` commits the units whose
 every layer was written; on CUDA a write issued at ``before_attention(l)`` starts in window ``l`` in
