@@ -214,6 +214,7 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
         req_cfg: dict[str, Any] = {"paths": [str(req_dir)], "capacity_gb": max(0.1, 2 * unit_guess / GiB),
                                    "unit_tokens": UNIT_TOKENS, "data_dir": str(work / "req"), "etcd": [etcd],
                                    "node_id": "bench-requester", "instance": "engine0", "protocol": args.protocol}
+        kv: list[Any]  # torch tensors on the GPU, numpy arrays on the host
         if args.device == "cuda":
             import torch
 

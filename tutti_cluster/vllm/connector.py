@@ -151,7 +151,7 @@ class TuttiConnector(KVConnectorBase_V1):
         if getattr(self, "connector_worker", None) is not None:
             self.worker.shutdown()
         if getattr(self, "connector_scheduler", None) is not None:
-            self.connector_scheduler.shutdown()
+            self.scheduler.shutdown()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         role = self.connector_scheduler if self.connector_scheduler is not None else self.connector_worker

@@ -164,8 +164,8 @@ class TuttiScheduler:
                 units: dict[int, list[int]] = {}
                 for inner, unit in m.inner.items():
                     units.setdefault(unit, []).append(inner)
-                for unit, inner in units.items():
-                    self._inner.add(unit, inner)
+                for unit, inners in units.items():
+                    self._inner.add(unit, inners)
         log.info("Tutti connector: %d units present in the workers' stores (%d inner keys)", len(self._present),
                  len(self._inner))
 
