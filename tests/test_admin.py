@@ -359,6 +359,19 @@ def test_openapi_is_committed_and_lists_every_status():
     assert "/v1/nodes/{node_id}/drain" in s["paths"] and "/readyz" in s["paths"]
 
 
+def test_object_lookup_parameters_are_not_nullable():
+    """A query string has no null. A nullable `key` or `prefix` let schemathesis's fuzzing mutate the
+    null branch into an integer or an array whose text is a valid key or an empty prefix, and then
+    report the 200 as schema-violating data accepted (a failure seen at random seeds)."""
+    from tutti_control.openapi import schema
+
+    params = {p["name"]: p for p in schema()["paths"]["/v1/objects"]["get"]["parameters"]}
+    assert set(params) == {"key", "prefix", "limit"}
+    for name, p in params.items():
+        assert "anyOf" not in p["schema"] and p["schema"]["type"] != "null", (name, p["schema"])
+        assert not p.get("required"), name
+
+
 # -- engines and daemons coming and going ---------------------------------------------------------
 def test_pins_come_back_with_a_restarted_engine_and_daemon(tmp_path: Path):
     n = AdminNode(tmp_path, node_id="node-p")

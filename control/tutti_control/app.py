@@ -256,20 +256,20 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
     @v1.get("/objects", response_model=ObjectList, tags=["cache"],
             dependencies=[Depends(only_params("key", "prefix", "limit"))],
             summary="Units by key or key prefix, with the nodes that hold them")
-    def objects(key: Annotated[list[HexKey] | None, Query(max_length=MAX_QUERY_KEYS,
-                                                           description="Keys to look up (repeat the parameter)")] = None,
-                prefix: Annotated[HexPrefix | None, Query(description="Only keys starting with this hex prefix")] = None,
+    # Neither parameter is nullable in the schema: a query string has no null, and an empty `prefix`
+    # already means every key.
+    def objects(key: Annotated[list[HexKey], Query(max_length=MAX_QUERY_KEYS,
+                                                   description="Keys to look up (repeat the parameter)")] = [],  # noqa: B006
+                prefix: Annotated[HexPrefix, Query(description="Only keys starting with this hex prefix")] = "",
                 limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> ObjectList:
         """With ``key``: those units (also the ones no node holds); with ``prefix``: the units whose key
         starts so; with both, the given keys that match the prefix; with neither, every unit."""
         if key:
-            keys = [k.lower().rjust(16, "0") for k in key]
-            if prefix is not None:
-                keys = [k for k in keys if k.startswith(prefix.lower())]
+            keys = [k for k in (x.lower().rjust(16, "0") for x in key) if k.startswith(prefix.lower())]
             if not keys:
                 return ObjectList(objects=[], truncated=False)
             return backend.objects(keys, None, limit)
-        return backend.objects(None, (prefix or "").lower(), limit)
+        return backend.objects(None, prefix.lower(), limit)
 
     @v1.delete("/cache", response_model=EvictResult, tags=["cache"], responses=NOT_FOUND,
                dependencies=[Depends(only_params("all", "prefix", "node"))],
