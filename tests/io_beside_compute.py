@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -49,19 +50,23 @@ def main() -> None:
     x = torch.randn(8192, 4096, dtype=torch.bfloat16, device=dev)
     w = torch.randn(4096, 14336, dtype=torch.bfloat16, device=dev)
 
-    def run(layers: int, busy: torch.cuda.Stream | None) -> float:
+    def timed(layers: int, stream: torch.cuda.Stream, busy: torch.cuda.Stream | None = None, between: int = 0) -> float:
+        """The reads issued, then ``between`` multiplies, then the waits, all on ``stream``; 60
+        multiplies (about 0.1 s) on ``busy`` beside them."""
         torch.cuda.synchronize()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         req = store.begin_retrieve(keys, ids)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(stream):
             t0.record()
             for l in range(layers):
                 store.retrieve_layer(l, req)
+            for _ in range(between):
+                x @ w
         if busy is not None:
             with torch.cuda.stream(busy):
-                for _ in range(60):  # about 0.1 s of work
+                for _ in range(60):
                     x @ w
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(stream):
             for l in range(layers):
                 store.wait_layer(l, req)
             t1.record()
@@ -71,42 +76,25 @@ def main() -> None:
         assert layers < shape.layers or not r.failed_units
         return t0.elapsed_time(t1)
 
-    def on_compute(layers: int, gemms: int) -> float:
-        # As the pipeline does it: the reads ordered on the compute stream, work, then the wait there.
-        torch.cuda.synchronize()
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        req = store.begin_retrieve(keys, ids)
-        with torch.cuda.stream(compute or whole):
-            t0.record()
-            for l in range(layers):
-                store.retrieve_layer(l, req)
-            for _ in range(gemms):
-                x @ w
-            for l in range(layers):
-                store.wait_layer(l, req)
-            t1.record()
-        torch.cuda.synchronize()
-        r = store.finish(req)
-        assert layers < shape.layers or not r.failed_units
-        return t0.elapsed_time(t1)
-
     out: dict[str, dict[str, float]] = {}
+
+    def measure(name: str, layers: int, fn: Callable[[], float]) -> None:
+        fn()  # warm
+        ms = [fn() for _ in range(a.rounds)]
+        gb = layers * tokens * shape.kv_bytes_per_token / shape.layers / 1e9
+        med = statistics.median(ms)
+        out[name] = {"ms": round(med, 3), "runs_ms": [round(m, 3) for m in ms], "gbps": round(gb / med * 1e3, 2)}
+        print(f"{name:<60} {med:8.3f} ms  {gb / med * 1e3:6.2f} GB/s  {[round(m, 1) for m in ms]}")
+
+    # As the pipeline issues them: ordered and waited on the compute stream, its work in between.
     for gemms in (0, 3):
-        on_compute(1, gemms)
-        ms = [on_compute(1, gemms) for _ in range(a.rounds)]
-        out[f"1 layer ordered and waited on the compute stream, {gemms} GEMMs between"] = {"ms": round(statistics.median(ms), 3)}
-        print(f" 1 layer on the compute stream, {gemms} GEMMs between: {statistics.median(ms):8.3f} ms {[round(m, 1) for m in ms]}")
+        measure(f"1 layer on the compute stream, {gemms} multiplies between", 1,
+                lambda: timed(1, compute or whole, between=gemms))
     for layers in (1, shape.layers):
         for name, busy in (("alone", None), ("beside compute stream", compute), ("beside whole device", whole)):
             if name == "beside compute stream" and compute is None:
                 continue
-            run(layers, busy)  # warm
-            ms = [run(layers, busy) for _ in range(a.rounds)]
-            gb = layers * tokens * shape.kv_bytes_per_token / shape.layers / 1e9
-            med = statistics.median(ms)
-            out[f"{layers} layer(s) {name}"] = {"ms": round(med, 3), "runs_ms": [round(m, 3) for m in ms],
-                                                  "gbps": round(gb / med * 1e3, 2)}
-            print(f"{layers:>2} layer(s) {name:<24} {med:8.3f} ms  {gb / med * 1e3:6.2f} GB/s  {[round(m, 1) for m in ms]}")
+            measure(f"{layers} layer(s) {name}", layers, lambda: timed(layers, side, busy))
     # The compute alone, for scale.
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
