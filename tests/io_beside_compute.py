@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from collections.abc import Callable
 
 import torch
 
@@ -78,9 +77,10 @@ def main() -> None:
 
     out: dict[str, dict[str, float]] = {}
 
-    def measure(name: str, layers: int, fn: Callable[[], float]) -> None:
-        fn()  # warm
-        ms = [fn() for _ in range(a.rounds)]
+    def measure(name: str, layers: int, stream: torch.cuda.Stream, busy: torch.cuda.Stream | None = None,
+                between: int = 0) -> None:
+        timed(layers, stream, busy, between)  # warm
+        ms = [timed(layers, stream, busy, between) for _ in range(a.rounds)]
         gb = layers * tokens * shape.kv_bytes_per_token / shape.layers / 1e9
         med = statistics.median(ms)
         out[name] = {"ms": round(med, 3), "runs_ms": [round(m, 3) for m in ms], "gbps": round(gb / med * 1e3, 2)}
@@ -88,13 +88,12 @@ def main() -> None:
 
     # As the pipeline issues them: ordered and waited on the compute stream, its work in between.
     for gemms in (0, 3):
-        measure(f"1 layer on the compute stream, {gemms} multiplies between", 1,
-                lambda: timed(1, compute or whole, between=gemms))
+        measure(f"1 layer on the compute stream, {gemms} multiplies between", 1, compute or whole, between=gemms)
     for layers in (1, shape.layers):
         for name, busy in (("alone", None), ("beside compute stream", compute), ("beside whole device", whole)):
             if name == "beside compute stream" and compute is None:
                 continue
-            measure(f"{layers} layer(s) {name}", layers, lambda: timed(layers, side, busy))
+            measure(f"{layers} layer(s) {name}", layers, side, busy)
     # The compute alone, for scale.
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
