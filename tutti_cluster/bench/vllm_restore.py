@@ -47,6 +47,7 @@ from tutti_cluster.errors import ConfigError
 
 SYSTEMS = ("recompute", "tutti", "example", "cached")
 DEFAULT_SYSTEMS = ("recompute", "tutti", "example")
+RUN_ONLY = ("recompute", "cached")  # systems with no storing run and nothing to restore
 MODEL_SHAPES: dict[str, dict[str, int]] = {
     # Llama-3-8B's layer; the vocabulary cut to 32,000 to keep the embedding small.
     "llama3-8b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -374,7 +375,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             plan += [("tutti", u) for u in units]
         else:
             plan.append((s, None))
-    total = sum(args.repeat if s in ("recompute", "cached") else 1 + args.repeat for s, _ in plan)
+    total = sum(args.repeat if s in RUN_ONLY else 1 + args.repeat for s, _ in plan)
     n = 0
     rows: list[dict[str, Any]] = []
     reference: list[int] | None = None
@@ -440,7 +441,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             for i in range(args.repeat):
                 n += 1
                 note = ""
-                restore = system not in ("recompute", "cached")
+                restore = system not in RUN_ONLY
                 if restore and args.drop_caches and drop_note is None:
                     why = drop_caches()
                     note = " (page cache dropped)" if why is None else f" ({why})"

@@ -328,7 +328,7 @@ class Harness:
         out, t = self._timed(lambda: self._prefill(case, prefix, timer))
         layers = timer.seconds()
         self.layer_seconds[(case.n, prefix)] = layers
-        return Outcome("ideal", t, out, {"layer_ms": timer.layer_ms()})
+        return Outcome("ideal", t, out, {"layer_ms": [round(x * 1e3, 3) for x in layers]})
 
     def _naive(self, case: InputCase, prefix: int) -> Outcome:
         self.poison(case, prefix)
