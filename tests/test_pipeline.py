@@ -207,6 +207,9 @@ def test_bench_pipeline_cpu_mode_writes_json_and_plot(tmp_path: Path) -> None:
             assert r["itl_increase"] == pytest.approx(r["itl_s"] / r["itl_base_s"] - 1, abs=1e-3)
         if r["system"] in ("ideal", "tutti", "naive"):  # per-layer compute, waits included
             assert len(r["layer_ms"]) == report["model"]["layers"] and min(r["layer_ms"]) > 0
+            # The waits before attention are part of their layers' times.
+            assert len(r["wait_ms"]) == len(r["layer_ms"])
+            assert all(0 <= w <= t for w, t in zip(r["wait_ms"], r["layer_ms"]))
     summary = report["summary"]["1024"]
     assert "crossover_hit_rate" in summary
     below = [r["bubble_s"] for r in report["results"] if r["system"] == "tutti"
@@ -273,10 +276,10 @@ def test_reads_fill_windows_in_order_and_go_at_once_when_none_fits(rig: hz.Harne
     ids = case.block_ids[: N // 2 // SHAPE.block_tokens].tolist()
     ioctx = 2 * rig.objs_per_layer  # two units, one IOCB each per layer with iocb_ioctx=2
 
-    def issued_by_layer(windows: list[float]) -> list[int]:
+    def issued_by_layer(windows: list[float], read_ahead: int = 0) -> tuple[list[int], list[int]]:
         req = store.begin_retrieve(case.keys[:2], ids)
         sched = SlackScheduler(store, layers=layers, windows=windows, read_req=req, read_ioctx=ioctx,
-                               read_seconds_per_ioctx=1.0, iocb_ioctx=2)
+                               read_seconds_per_ioctx=1.0, iocb_ioctx=2, read_ahead=read_ahead)
         counts, own = [], []
         for l in range(layers):
             before = sched.report.read_iocbs
@@ -295,6 +298,8 @@ def test_reads_fill_windows_in_order_and_go_at_once_when_none_fits(rig: hz.Harne
     total = 2 * layers
     assert issued_by_layer([1.5] * layers) == ([total, 0, 0, 0], [2, 0, 0, 0])  # none fits: all at once
     assert issued_by_layer([100.0] * layers) == ([total, 0, 0, 0], [2, 0, 0, 0])  # all fit the first window
+    # With read_ahead=1 a window reaches only the next layer, however much room it has.
+    assert issued_by_layer([100.0] * layers, read_ahead=1) == ([4, 2, 2, 0], [2, 0, 0, 0])
 
 
 # ---- on the GPU host (pytest -m gpu tests/test_pipeline.py) ---------------------------------------

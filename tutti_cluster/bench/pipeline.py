@@ -69,6 +69,7 @@ class PipelinePlan:
     attention: str
     flex_dynamic: bool | None
     naive_ahead: int
+    read_ahead: int
     iocb_ioctx: int
     tutti_reads: str
     compute_on: str
@@ -132,6 +133,8 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         raise ConfigError("--repeat must be at least 1")
     if args.naive_ahead < 0:
         raise ConfigError("--naive-ahead must be 0 (every layer up front) or positive")
+    if args.read_ahead < 0:
+        raise ConfigError("--read-ahead must be 0 (as far as the window holds) or positive")
     if not 0 < args.iocb_ioctx <= 2048:
         raise ConfigError("--iocb-ioctx must be in [1, 2048]")
     decode = args.decode_steps if args.decode_steps is not None else (4 if cpu else 16)
@@ -150,7 +153,7 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         dirs=dirs, shape=shape, inputs=inputs, prefixes=prefixes, systems=[s for s in hz.SYSTEMS if s in systems],
         repeat=repeat, device=device, cfg=cfg, attention=args.attention,
         flex_dynamic={"static": False, "auto": None}[args.flex_compile], naive_ahead=args.naive_ahead,
-        iocb_ioctx=args.iocb_ioctx, tutti_reads=args.tutti_reads, compute_on=args.compute_on,
+        read_ahead=args.read_ahead, iocb_ioctx=args.iocb_ioctx, tutti_reads=args.tutti_reads, compute_on=args.compute_on,
         writeback=bool(args.writeback), decode_steps=decode,
         output_tokens=args.output_tokens, prices=prices, profile=args.profile,
         baseline_threads=args.baseline_threads, seed=args.seed,
@@ -272,7 +275,8 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
             reader = LayerwisePerChunk(kv, [w / "per-chunk" for w in work], plan.baseline_threads)  # type: ignore[arg-type]
             for w in work:
                 (w / "per-chunk").mkdir()
-        h = hz.Harness(model, kv, store, per_chunk=reader, naive_ahead=plan.naive_ahead, iocb_ioctx=plan.iocb_ioctx,
+        h = hz.Harness(model, kv, store, per_chunk=reader, naive_ahead=plan.naive_ahead, read_ahead=plan.read_ahead,
+                       iocb_ioctx=plan.iocb_ioctx,
                        seed=plan.seed, tutti_reads=plan.tutti_reads,
                        compute_stream=plan.compute_on == "partition")
         if plan.profile is not None:
@@ -406,7 +410,7 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
                     load = _median([o.extra["load_s"] for o in outs])
                     row["load_s"] = round(load, 5)
                     cross_pts.append((hit, load, ideal_s))
-                for name in ("layer_ms", "schedule", "windows_ms", "windows_from", "ahead", "threads"):
+                for name in ("layer_ms", "pre_wait_ms", "wait_ms", "host_wait_ms", "schedule", "windows_ms", "windows_from", "ahead", "threads"):
                     if name in last:
                         row[name] = last[name]
                 if system == "tutti-writeback":

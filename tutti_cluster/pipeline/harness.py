@@ -82,36 +82,75 @@ class Outcome:
 
 
 class _Timer(LayerHooks):
-    """Per-layer compute times of a prefill (CUDA events, or the host clock on the CPU)."""
+    """Per-layer compute times of a prefill (CUDA events, or the host clock on the CPU), and the time
+    each layer spends at its attention's wait: between this hook's ``before_attention`` and
+    :attr:`after_wait`'s (chain them around the hooks that wait, :class:`_Chain`)."""
 
     def __init__(self, layers: int, cuda: bool) -> None:
         self.cuda = cuda
         self.marks: list[Any] = []
+        self.waits: list[tuple[Any, Any]] = []
+        self.host_waits: list[float] = []  # host seconds spent in the hooks between the two wait marks
         self.layers = layers
+        self.after_wait = _AfterWait(self)
 
-    def _mark(self) -> None:
+    def _now(self) -> Any:
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self.marks.append(ev)
-        else:
-            self.marks.append(time.perf_counter())
+            return ev
+        return time.perf_counter()
+
+    def _gap(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1e3 if self.cuda else b - a
 
     def before_layer(self, layer: int) -> None:
-        self._mark()
+        self.marks.append(self._now())
+
+    def before_attention(self, layer: int) -> None:
+        self.waits.append((self._now(), None))
+        self.host_waits.append(time.perf_counter())
 
     def after_layer(self, layer: int) -> None:
         if layer == self.layers - 1:
-            self._mark()
+            self.marks.append(self._now())
 
     def seconds(self) -> list[float]:
         if self.cuda:
             torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return [self._gap(a, b) for a, b in zip(self.marks, self.marks[1:])]
 
     def layer_ms(self) -> list[float]:
         return [round(x * 1e3, 3) for x in self.seconds()]
+
+    def wait_ms(self) -> list[float]:
+        """Per layer, what the wait before its attention took (on the compute stream on CUDA)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [round(self._gap(a, b) * 1e3, 3) for a, b in self.waits if b is not None]
+
+    def pre_wait_ms(self) -> list[float]:
+        """Per layer, the kernels before the wait (norm, projections, the suffix's KV into the cache)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [round(self._gap(m, w[0]) * 1e3, 3) for m, w in zip(self.marks, self.waits)]
+
+    def parts(self) -> dict[str, list[float]]:
+        """``layer_ms``, ``pre_wait_ms`` and ``wait_ms`` (the rest of a layer is its attention and MLP),
+        and ``host_wait_ms``: the host's time in the hooks at the wait (issuing, not waiting, on CUDA)."""
+        return {"layer_ms": self.layer_ms(), "pre_wait_ms": self.pre_wait_ms(), "wait_ms": self.wait_ms(),
+                "host_wait_ms": [round(x * 1e3, 3) for x in self.host_waits]}
+
+
+class _AfterWait(LayerHooks):
+    def __init__(self, timer: _Timer) -> None:
+        self.timer = timer
+
+    def before_attention(self, layer: int) -> None:
+        t = self.timer
+        if t.waits and t.waits[-1][1] is None:
+            t.waits[-1] = (t.waits[-1][0], t._now())
+            t.host_waits[-1] = time.perf_counter() - t.host_waits[-1]
 
 
 class _Chain(LayerHooks):
@@ -177,16 +216,18 @@ class Harness:
     """Runs the systems of one model, cache and store; see the module docstring."""
 
     def __init__(self, model: Decoder, kv: PagedKV, store: Any, *, per_chunk: Any = None, naive_ahead: int = 0,
-                 iocb_ioctx: int = 1024, compute_stream: bool = True, seed: int = 0, tutti_reads: str = "auto") -> None:
+                 iocb_ioctx: int = 1024, compute_stream: bool = True, seed: int = 0, tutti_reads: str = "auto",
+                 read_ahead: int = 0) -> None:
         if tutti_reads not in ("auto", "iocb", "layer"):
             raise ConfigError(f"tutti_reads must be auto, iocb or layer, not {tutti_reads!r}")
-        if naive_ahead < 0:
-            raise ConfigError("naive_ahead must be 0 (every layer up front) or positive")
+        if naive_ahead < 0 or read_ahead < 0:
+            raise ConfigError("naive_ahead and read_ahead must be 0 (no limit) or positive")
         self.model = model
         self.kv = kv
         self.store = store
         self.per_chunk = per_chunk
         self.naive_ahead = naive_ahead
+        self.read_ahead = read_ahead
         self.iocb_ioctx = iocb_ioctx
         self.cuda = kv.device.type == "cuda"
         # Stream-ordered whole layers on a GPU (raw IOCBs' wait_cqe would hold the host there).
@@ -325,10 +366,10 @@ class Harness:
     def _ideal(self, case: InputCase, prefix: int) -> Outcome:
         self.restore(case, prefix)
         timer = _Timer(self.model.shape.layers, self.cuda)
-        out, t = self._timed(lambda: self._prefill(case, prefix, timer))
+        out, t = self._timed(lambda: self._prefill(case, prefix, _Chain(timer, timer.after_wait)))
         layers = timer.seconds()
         self.layer_seconds[(case.n, prefix)] = layers
-        return Outcome("ideal", t, out, {"layer_ms": [round(x * 1e3, 3) for x in layers]})
+        return Outcome("ideal", t, out, timer.parts())
 
     def _naive(self, case: InputCase, prefix: int) -> Outcome:
         self.poison(case, prefix)
@@ -339,7 +380,8 @@ class Harness:
         def go() -> tuple[PrefillOutput, Any]:
             req = self.store.begin_retrieve(keys, ids)
             try:
-                out = self._prefill(case, prefix, _Chain(timer, _NaiveHooks(self.store, req, layers, self.naive_ahead)))
+                out = self._prefill(case, prefix, _Chain(timer, _NaiveHooks(self.store, req, layers, self.naive_ahead),
+                                                          timer.after_wait))
             finally:
                 res = self.store.finish(req)
             return out, res
@@ -347,7 +389,7 @@ class Harness:
         (out, res), t = self._timed(go)
         if res.failed_units:
             raise BenchVerificationError(f"naive: {len(res.failed_units)} of {len(keys)} units failed to load")
-        return Outcome("naive", t, out, {"ahead": self.naive_ahead or "all", "layer_ms": timer.layer_ms()})
+        return Outcome("naive", t, out, {"ahead": self.naive_ahead or "all", **timer.parts()})
 
     def _load_all(self, case: InputCase, prefix: int) -> Outcome:
         self.poison(case, prefix)
@@ -418,10 +460,11 @@ class Harness:
                 read_seconds_per_ioctx=per_ioctx, write_req=wreq,
                 write_seconds_per_layer=self._layer_bytes(len(wkeys)) / max(self.write_bps, 1.0),
                 decode_window=decode_window, iocb_ioctx=self.iocb_ioctx, reads=self.tutti_reads,
+                read_ahead=self.read_ahead,
             )
             sched_box.append(sched)
             try:
-                out = self._prefill(case, prefix, _Chain(timer, sched))
+                out = self._prefill(case, prefix, _Chain(timer, sched, timer.after_wait))
             finally:
                 sched.finish_reads()
                 res = self.store.finish(req)
@@ -443,8 +486,9 @@ class Harness:
             base = self.decode(case, decode_steps)
         if report.failed_iocbs:
             raise BenchVerificationError(f"tutti: {report.failed_iocbs} read IOCBs failed")
-        extra: dict[str, Any] = {"schedule": {**report.as_dict(), "reads": self.tutti_reads}, "windows_ms": [round(w * 1e3, 3) for w in windows],
-                                 "windows_from": source, "layer_ms": timer.layer_ms()}
+        extra: dict[str, Any] = {"schedule": {**report.as_dict(), "reads": self.tutti_reads,
+                                              "read_ahead": self.read_ahead or "windows"}, "windows_ms": [round(w * 1e3, 3) for w in windows],
+                                 "windows_from": source, **timer.parts()}
         if itl:
             extra["itl_s"] = statistics.median(itl)
             extra["itl_base_s"] = statistics.median(base)

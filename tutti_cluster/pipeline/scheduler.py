@@ -10,7 +10,7 @@ Per layer ``l`` (``before_layer``):
 1. Reads of layer ``l`` not yet issued are needed now: they go at once, whatever they cost.
 2. Then (``before_attention``, once layer ``l``'s reads have landed, so that they had the device to
    themselves) reads of the next layers, in order, one IOCB at a time, while their estimated time
-   fits what is left of window ``l``. When not even one fits a whole window, retrieval is the
+   fits what is left of window ``l`` (and, with ``read_ahead``, up to layer ``l + read_ahead``). When not even one fits a whole window, retrieval is the
    bottleneck: every read still needed goes then (as a plain pipeline would issue them).
 3. Only when no read is left waiting for a later window (the read queue is empty, or its next IOCB
    did not fit) and the window still has room: writes of layers whose KV is final (``< l``), one
@@ -96,14 +96,18 @@ class SlackScheduler(LayerHooks):
     of store request ``write_req``) into the given per-layer slack windows (seconds).
 
     ``read_seconds_per_ioctx`` and ``write_seconds_per_layer`` are the estimated costs (from the
-    measured bandwidths); ``decode_window`` is the slack of one decode step.
+    measured bandwidths); ``decode_window`` is the slack of one decode step. ``read_ahead`` (0: no
+    limit) bounds how many layers ahead of the compute a window's reads may reach.
     """
 
     def __init__(self, store: Any, *, layers: int, windows: Sequence[float], read_req: int | None, read_ioctx: int,
                  read_seconds_per_ioctx: float, write_req: int | None = None, write_seconds_per_layer: float = 0.0,
-                 decode_window: float = 0.0, iocb_ioctx: int = 1024, sms: int = 0, reads: str = "iocb") -> None:
+                 decode_window: float = 0.0, iocb_ioctx: int = 1024, sms: int = 0, reads: str = "iocb",
+                 read_ahead: int = 0) -> None:
         if reads not in ("iocb", "layer"):
             raise ConfigError(f"reads must be 'iocb' or 'layer', not {reads!r}")
+        if read_ahead < 0:
+            raise ConfigError("read_ahead must be 0 (as far as the windows hold) or positive")
         if len(windows) != layers:
             raise ConfigError(f"{len(windows)} slack windows for {layers} layers")
         if not 0 < iocb_ioctx <= MAX_IOCTX_PER_IOCB:
@@ -119,6 +123,7 @@ class SlackScheduler(LayerHooks):
         self.write_req = write_req
         self.sms = sms
         self.reads = reads
+        self.read_ahead = read_ahead
         self.write_cost = write_seconds_per_layer
         self.decode_window = decode_window
         self.report = ScheduleReport()
@@ -165,7 +170,8 @@ class SlackScheduler(LayerHooks):
         while self._queue and self._queue[0].layer <= layer:
             now.append(self._queue.popleft())
         ahead: list[_ReadIocb] = []
-        while self._queue and self._queue[0].seconds <= budget:
+        last = layer + self.read_ahead if self.read_ahead else self.layers
+        while self._queue and self._queue[0].seconds <= budget and self._queue[0].layer <= last:
             r = self._queue.popleft()
             budget -= r.seconds
             ahead.append(r)
