@@ -419,6 +419,14 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
                     row["itl_s"] = round(wb_itl, 6)
                     row["itl_base_s"] = round(wb_base, 6)  # the same steps with no I/O, right after
                     row["itl_increase"] = round(wb_itl / wb_base - 1, 4) if wb_base else None
+                    # The steps that carried writes, against the no-I/O steps, and the whole decode.
+                    carried = [o.extra["itl_write_steps_s"] for o in outs if o.extra["itl_write_steps_s"] is not None]
+                    row["write_steps"] = [o.extra["write_steps"] for o in outs]
+                    row["itl_write_steps_s"] = round(_median(carried), 6) if carried else None
+                    row["itl_write_steps_increase"] = (round(_median(carried) / wb_base - 1, 4)
+                                                       if carried and wb_base else None)
+                    row["decode_increase"] = round(_median([o.extra["decode_s"] / o.extra["decode_base_s"] - 1
+                                                            for o in outs]), 4)
                     plain = _median([o.ttft_s for o in runs["tutti"]])
                     row["ttft_increase"] = round(ttft / plain - 1, 4)
                 rows.append(row)
@@ -476,7 +484,9 @@ def format_table(report: dict[str, Any]) -> str:
     for r in report["results"]:
         if r["system"] == "tutti-writeback":
             lines.append(f"write-back {_k(r['input_tokens'])}/{_k(r['prefix_tokens'])}: TTFT {r['ttft_increase'] * 100:+.1f} %, "
-                         f"ITL {(r['itl_increase'] or 0) * 100:+.1f} %, units committed "
+                         f"ITL {(r['itl_increase'] or 0) * 100:+.1f} % (steps with writes "
+                         f"{(r['itl_write_steps_increase'] or 0) * 100:+.1f} %, whole decode "
+                         f"{r['decode_increase'] * 100:+.1f} %), units committed "
                          f"{r['schedule']['committed_units']}/{r['schedule']['store_units']} "
                          f"(prefill {r['schedule']['writes_in_prefill']}, decode {r['schedule']['writes_in_decode']}, "
                          f"flushed {r['schedule']['writes_flushed']} layers)")

@@ -268,6 +268,19 @@ class Harness:
         self._sync()
         return out, time.perf_counter() - t0
 
+    def _timed_step(self, fn: Callable[[], Any]) -> float:
+        """Seconds of ``fn``'s work on the compute stream alone: I/O it starts on other streams runs on
+        past the step (an engine waits for its token, not for the writes), beside the next steps."""
+        with self._on_stream():
+            stream = torch.cuda.current_stream() if self.cuda else None
+            if stream is not None:
+                stream.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if stream is not None:
+                stream.synchronize()
+            return time.perf_counter() - t0
+
     def _prefix_blocks(self, case: InputCase, prefix: int) -> torch.Tensor:
         return case.block_ids[: prefix // self.bt]
 
@@ -450,6 +463,7 @@ class Harness:
         decode_window = self.itl_s.get(case.n) or (self.itl(case, 2) if decode_steps else 0.0)
         sched_box: list[SlackScheduler] = []
         itl: list[float] = []
+        writing: list[bool] = []
         timer = _Timer(layers, self.cuda)
 
         def go() -> PrefillOutput:
@@ -477,7 +491,7 @@ class Harness:
         sched = sched_box[0]
         base: list[float] = []
         if decode_steps:
-            itl = self.decode(case, decode_steps, sched)
+            itl = self.decode(case, decode_steps, sched, writing)
         report = sched.flush()
         self._sync()
         if decode_steps:
@@ -492,12 +506,19 @@ class Harness:
         if itl:
             extra["itl_s"] = statistics.median(itl)
             extra["itl_base_s"] = statistics.median(base)
+            # The steps that carried writes (the ITL the write-back is judged by) and the whole decode.
+            carried = [t for t, w in zip(itl, writing) if w]
+            extra["itl_write_steps_s"] = statistics.fmean(carried) if carried else None
+            extra["write_steps"] = len(carried)
+            extra["decode_s"], extra["decode_base_s"] = sum(itl), sum(base)
         return Outcome("tutti", t, out, extra)
 
     # ---- decode ------------------------------------------------------------------------------------
-    def decode(self, case: InputCase, steps: int, sched: SlackScheduler | None = None) -> list[float]:
-        """``steps`` decode steps after the input (timed one by one); the scheduler, when given,
-        flushes its deferred writes into them. The KV goes into the blocks after the input's."""
+    def decode(self, case: InputCase, steps: int, sched: SlackScheduler | None = None,
+               writing: list[bool] | None = None) -> list[float]:
+        """``steps`` decode steps after the input (timed one by one, on the compute stream); the
+        scheduler, when given, flushes its deferred writes into them (``writing`` gets, per step,
+        whether it issued any). The KV goes into the blocks after the input's."""
         n = case.n
         need = -(-(n + steps) // self.bt)
         if need > self.kv.max_blocks:
@@ -512,8 +533,10 @@ class Harness:
                     sched.decode_step()
                 self.model.decode_step(self.kv, token, n + i, table)
 
-            _, t = self._timed(step)
-            times.append(t)
+            before = len(sched.report.writes_in_decode) if sched is not None else 0
+            times.append(self._timed_step(step))
+            if writing is not None:
+                writing.append(sched is not None and len(sched.report.writes_in_decode) > before)
         return times
 
     def itl(self, case: InputCase, steps: int) -> float:
