@@ -452,6 +452,38 @@ def test_deferred_writes_are_committed_by_a_later_step_without_waiting(tmp_path,
         c.shutdown()
 
 
+@pytest.mark.parametrize("defer", [True, False])
+def test_a_steps_writes_go_through_the_slack_scheduler_to_the_next_step(tmp_path, monkeypatch, defer) -> None:
+    """The connector knows no slack window in the engine's forward: with defer_saves nothing of a
+    save is written beside the forward that computed it (not even at its wait_for_save); the next
+    step writes every layer, and the save commits. Without it, the step writes and commits it."""
+    c, _ = _worker(tmp_path, defer_saves=defer)
+    try:
+        store = c.worker.store
+        calls: list[int] = []
+        real = store.store_layer
+
+        def counted(layer, req, event=0):
+            calls.append(layer)
+            return real(layer, req, event)
+
+        monkeypatch.setattr(store, "store_layer", counted)
+        key = _key(c.worker.prefix, b"a".ljust(32, b"."))
+        _step(c, saves=[_unit(c, b"a", [0, 1])])
+        if defer:
+            assert calls == [] and _in_flight(c) == {"a"} and store.lookup([key]) == 0
+            _step(c)
+            assert sorted(calls) == list(range(store.num_layers))
+            _drain(c)
+        else:
+            assert sorted(calls) == list(range(store.num_layers)) and not _in_flight(c)
+        assert store.lookup([key]) == 1
+        assert c.get_kv_connector_stats().reduce()["store_units"] == 1
+        _no_request_left(c)
+    finally:
+        c.shutdown()
+
+
 def test_a_finished_request_is_reported_only_once_its_writes_are_done(tmp_path, monkeypatch) -> None:
     """vLLM frees a finished request's blocks when the worker reports it (finished_sending): never
     while a write of it still reads them."""

@@ -3,13 +3,18 @@
 It opens one :class:`~tutti_cluster.TuttiStore` instance per rank (``<instance>-r<rank>``, with
 ``-dp<rank>`` under data parallelism), registers vLLM's paged KV tensors and maps the layer-wise
 hooks onto the store: ``start_load_kv``/``wait_for_layer_load`` onto ``begin_retrieve``,
-``retrieve_layer`` and ``wait_layer``; ``save_kv_layer``/``wait_for_save`` onto ``begin_store``,
-``store_layer`` and ``finish``. ``wait_for_save`` ends the step: every load begun in it is finished
-there (or, for asynchronous loads, in ``get_finished``). Writes are finished there too, or, with
-``defer_saves`` (the default), left running: each later step finishes (commits) those whose I/O is
-done, without waiting; a finished request's blocks stay held (the scheduler) until its writes are
-done, and ``before_step`` completes the writes of a preempted request before the step's forward can
-reuse its blocks. So vLLM never frees a block under an unfinished I/O, and the store gets its pins,
+``retrieve_layer`` and ``wait_layer``; ``save_kv_layer``/``wait_for_save`` onto ``begin_store`` and
+the pipeline's :class:`~tutti_cluster.pipeline.scheduler.SlackScheduler`, which writes a layer
+(``store_layer``) only into slack and commits with ``finish``. ``wait_for_save`` ends the step: every
+load begun in it is finished there (or, for asynchronous loads, in ``get_finished``). A save's layers
+are handed to its scheduler as the forward finishes them; the connector knows no slack window of the
+engine's forward, so none is written beside it: with ``defer_saves`` (the default) the writes go in
+the next step, beside its forward (the scheduler's decode step: the step that computed them, and so
+the first token, never waits for or shares the device with them), and each later step finishes
+(commits) the saves whose I/O is done, without waiting; without ``defer_saves`` they are written and
+finished at the end of their step. A finished request's blocks stay held (the scheduler) until its
+writes are done, and ``before_step`` completes the writes of a preempted request before the step's
+forward can reuse its blocks. So vLLM never frees a block under an unfinished I/O, and the store gets its pins,
 slots and IOCBs back.
 
 Errors never reach the engine and never count as loaded: a load that cannot begin, a load with any
@@ -33,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from tutti_cluster.config import TuttiConfig, check_instance_name
 from tutti_cluster.errors import CapacityExceeded, TuttiError
 from tutti_cluster.kv_layout import LayerKV, layer_kv_from_vllm
+from tutti_cluster.pipeline.scheduler import SlackScheduler
 from tutti_cluster.vllm.config import ConnectorSetup, rank_prefix, unit_key
 from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
 from tutti_cluster.vllm.metrics import TuttiConnectorStats
@@ -54,6 +60,7 @@ class _InFlight:
     keys: list[int]
     error: bool = False  # a layer call or wait failed: nothing of it counts as loaded (or saved)
     inner: list[list[int]] | None = None  # saves: each unit's inner keys
+    sched: SlackScheduler | None = None  # saves: places the layers' writes
 
 
 class TuttiWorker:
@@ -205,6 +212,7 @@ class TuttiWorker:
         """Hands each request's units to the store and starts every layer's retrieve."""
         if self.store is None or meta is None:
             return
+        self._write_deferred()
         for transfers, sink in ((meta.loads, self._loads), (meta.async_loads, self._async)):
             for t in transfers:
                 if t.remote_from is not None:
@@ -292,13 +300,8 @@ class TuttiWorker:
             return
         self._saved_layers.add(idx)
         for f in self._saves:
-            if f.error:
-                continue
-            try:
-                self.store.store_layer(idx, f.handle)
-            except TuttiError as e:  # never into the engine: the save is dropped, finished in wait_for_save
-                log.warning("Tutti store of request %s, layer %d: %s", f.transfer.req_id, idx, e)
-                f.error = True
+            if f.sched is not None:
+                f.sched.after_layer(idx)  # final now: written in slack, not beside this forward
 
     def _start_saves(self, meta: TuttiConnectorMetadata | None) -> None:
         self._saves_started = True
@@ -311,6 +314,12 @@ class TuttiWorker:
                 continue
             f = self._begin(t, load=False)
             if f is not None:
+                layers = self.store.num_layers
+                # No slack window of the engine's forward is known: every write goes to later steps,
+                # all of the save's layers in the first (one decode step's window holds them).
+                f.sched = SlackScheduler(self.store, layers=layers, windows=[0.0] * layers, read_req=None,
+                                         read_ioctx=0, read_seconds_per_ioctx=0.0, write_req=f.handle,
+                                         write_seconds_per_layer=1.0, decode_window=float(layers), reads="layer")
                 self._saves.append(f)
 
     def wait_for_save(self, meta: TuttiConnectorMetadata | None) -> None:
@@ -322,17 +331,16 @@ class TuttiWorker:
             self._loads = []
         if not self._saves_started:
             self._start_saves(meta)
+        # Earlier steps' saves, in a step that had no start_load_kv (no forward): written now.
+        self._write_deferred()
         for f in self._saves:
-            try:
-                # Layers that had no save_kv_layer call this step (no forward) are complete now.
-                for layer in range(self.store.num_layers):
-                    if layer not in self._saved_layers and not f.error:
-                        self.store.store_layer(layer, f.handle)
-            except TuttiError as e:
-                log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
-                f.error = True
-            if self.options.defer_saves and not f.error:
-                self._writing.append(f)  # runs on; finished by a later step
+            assert f.sched is not None
+            # Layers that had no save_kv_layer call this step (no forward) are complete now.
+            for layer in range(self.store.num_layers):
+                if layer not in self._saved_layers:
+                    f.sched.after_layer(layer)
+            if self.options.defer_saves:
+                self._writing.append(f)  # written in the next step; finished by a later one
             else:
                 self._finish_save(f)
         self._saves = []
@@ -341,31 +349,53 @@ class TuttiWorker:
         self._settle_writes(wait=False)
         self._report_finished()
 
+    def _write_deferred(self) -> None:
+        """A later step: each save's scheduler writes what fits the step (its decode window)."""
+        for f in self._writing:
+            if f.sched is not None and f.sched.pending_writes and not f.error:
+                try:
+                    f.sched.decode_step()
+                except TuttiError as e:  # never into the engine: the save is dropped
+                    log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
+                    f.error = True
+
     def _finish_save(self, f: _InFlight) -> None:
-        """Finishes a save, always, so that its slots and IOCBs go back; a request with a layer
-        that did not move commits nothing."""
+        """Writes what is left of a save and finishes it, always, so that its slots and IOCBs go
+        back; a request with a layer that did not move commits nothing."""
+        committed: list[int] = []
         try:
-            res = self.store.finish(f.handle)
+            if f.error or f.sched is None:
+                res = self.store.finish(f.handle)
+                committed, skipped, failed = sorted(res.committed_units), res.skipped_units, len(res.failed_units)
+            else:
+                report = f.sched.flush()
+                committed, skipped, failed = report.committed_units, report.skipped_units, len(report.not_stored_units)
         except TuttiError as e:
             log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
+            if not f.error and f.sched is not None:
+                f.error = True
+                self._finish_save(f)  # a write that failed to start: finish what was issued
+                return
             self._stats.add("store_failed_units", len(f.keys))
             return
-        self._stats.add("store_units", len(res.committed_units))
+        self._stats.add("store_units", len(committed))
         if f.inner:
-            self._inner.update({f.keys[u]: f.inner[u] for u in res.committed_units if f.inner[u]})
-        self._stats.add("store_skipped_units", res.skipped_units)
-        self._stats.add("store_failed_units", len(res.failed_units))
+            self._inner.update({f.keys[u]: f.inner[u] for u in committed if f.inner[u]})
+        self._stats.add("store_skipped_units", skipped)
+        self._stats.add("store_failed_units", failed)
 
     def _settle_writes(self, wait: bool, req_ids: set[str] | None = None) -> None:
-        """Finishes the running writes whose I/O is done (``wait``: all of them, waiting), or only
-        those of ``req_ids``, waiting."""
+        """Finishes the saves whose writes are all issued and done (``wait``: all of them, writing
+        what is left and waiting), or only those of ``req_ids``, waiting."""
         keep: list[_InFlight] = []
         for f in self._writing:
             if req_ids is not None:
                 ready = f.transfer.req_id in req_ids
+            elif wait or f.error or f.sched is None:
+                ready = True
             else:
                 try:
-                    ready = wait or self.store.done(f.handle)
+                    ready = not f.sched.pending_writes and self.store.done(f.handle)
                 except TuttiError:
                     ready = True  # finish reports it
             if ready:
