@@ -506,11 +506,10 @@ class Harness:
         if itl:
             extra["itl_s"] = statistics.median(itl)
             extra["itl_base_s"] = statistics.median(base)
-            # The steps that carried writes (the ITL the write-back is judged by) and the whole decode.
-            carried = [t for t, w in zip(itl, writing) if w]
-            extra["itl_write_steps_s"] = statistics.fmean(carried) if carried else None
-            extra["write_steps"] = len(carried)
-            extra["decode_s"], extra["decode_base_s"] = sum(itl), sum(base)
+            # Step by step, and which steps issued writes: against the same steps of a run without
+            # write-back (the bench's tutti row), right after the same prefill.
+            extra["itl_steps_s"] = itl
+            extra["write_step_flags"] = writing
         return Outcome("tutti", t, out, extra)
 
     # ---- decode ------------------------------------------------------------------------------------
