@@ -53,10 +53,11 @@ namespace {
 #define TUTTI_IO_UNROLL 4
 #endif
 // 1: the workers' accesses to device memory (KV blocks written by a retrieve, read by a store) are
-// cache-streaming (evict-first in L2), so that the I/O beside a prefill does not push the compute's
-// working set (attention's K/V tiles) out of L2; 0: default caching.
+// cache-streaming (evict-first in L2), so that the I/O beside a prefill might keep out of the
+// compute's working set (attention's K/V tiles); 0 (default until an A/B on the GPU decides it):
+// default caching. docs/PERF.md, "The first layer's bubble is the compute slowed beside the reads".
 #ifndef TUTTI_STREAM_KV
-#define TUTTI_STREAM_KV 1
+#define TUTTI_STREAM_KV 0
 #endif
 constexpr uint32_t kMaxLaunchIocbs = 8;
 // Launches alternate between two I/O streams ("lanes"), each with its own SQ/CQ pairs and half of
