@@ -429,7 +429,8 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
                     load = _median([o.extra["load_s"] for o in outs])
                     row["load_s"] = round(load, 5)
                     cross_pts.append((hit, load, ideal_s))
-                for name in ("layer_ms", "pre_wait_ms", "wait_ms", "host_wait_ms", "schedule", "windows_ms", "windows_from", "ahead", "threads"):
+                for name in ("layer_ms", "pre_wait_ms", "wait_ms", "host_wait_ms", "schedule", "windows_ms",
+                             "windows_from", "ahead", "threads"):
                     if name in last:
                         row[name] = last[name]
                 if system == "tutti-writeback":

@@ -500,8 +500,8 @@ class Harness:
             base = self.decode(case, decode_steps)
         if report.failed_iocbs:
             raise BenchVerificationError(f"tutti: {report.failed_iocbs} read IOCBs failed")
-        extra: dict[str, Any] = {"schedule": {**report.as_dict(), "reads": self.tutti_reads,
-                                              "read_ahead": self.read_ahead or "windows"}, "windows_ms": [round(w * 1e3, 3) for w in windows],
+        schedule = {**report.as_dict(), "reads": self.tutti_reads, "read_ahead": self.read_ahead or "windows"}
+        extra: dict[str, Any] = {"schedule": schedule, "windows_ms": [round(w * 1e3, 3) for w in windows],
                                  "windows_from": source, **timer.parts()}
         if itl:
             extra["itl_s"] = statistics.median(itl)

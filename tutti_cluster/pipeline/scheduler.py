@@ -10,8 +10,9 @@ Per layer ``l`` (``before_layer``):
 1. Reads of layer ``l`` not yet issued are needed now: they go at once, whatever they cost.
 2. Then (``before_attention``, once layer ``l``'s reads have landed, so that they had the device to
    themselves) reads of the next layers, in order, one IOCB at a time, while their estimated time
-   fits what is left of window ``l`` (and, with ``read_ahead``, up to layer ``l + read_ahead``). When not even one fits a whole window, retrieval is the
-   bottleneck: every read still needed goes then (as a plain pipeline would issue them).
+   fits what is left of window ``l`` (and, with ``read_ahead``, up to layer ``l + read_ahead``).
+   When not even one fits a whole window, retrieval is the bottleneck: every read still needed
+   goes then (as a plain pipeline would issue them).
 3. Only when no read is left waiting for a later window (the read queue is empty, or its next IOCB
    did not fit) and the window still has room: writes of layers whose KV is final (``< l``), one
    layer at a time, while a layer's estimated write time fits the rest of the window. A window

@@ -14,8 +14,8 @@ the first token, never waits for or shares the device with them), and each later
 (commits) the saves whose I/O is done, without waiting; without ``defer_saves`` they are written and
 finished at the end of their step. A finished request's blocks stay held (the scheduler) until its
 writes are done, and ``before_step`` completes the writes of a preempted request before the step's
-forward can reuse its blocks. So vLLM never frees a block under an unfinished I/O, and the store gets its pins,
-slots and IOCBs back.
+forward can reuse its blocks. So vLLM never frees a block under an unfinished I/O, and the store
+gets its pins, slots and IOCBs back.
 
 Errors never reach the engine and never count as loaded: a load that cannot begin, a load with any
 failed layer call or wait, and the units the store reports failed are returned by
@@ -362,7 +362,6 @@ class TuttiWorker:
     def _finish_save(self, f: _InFlight) -> None:
         """Writes what is left of a save and finishes it, always, so that its slots and IOCBs go
         back; a request with a layer that did not move commits nothing."""
-        committed: list[int] = []
         try:
             if f.error or f.sched is None:
                 res = self.store.finish(f.handle)
