@@ -89,8 +89,8 @@ class _Timer(LayerHooks):
     def __init__(self, layers: int, cuda: bool) -> None:
         self.cuda = cuda
         self.marks: list[Any] = []
-        self.waits: list[tuple[Any, Any]] = []
-        self.host_waits: list[float] = []  # host seconds spent in the hooks between the two wait marks
+        self.waits: list[tuple[Any, Any]] = []  # per layer: before and after the hooks that wait
+        self.host_waits: list[tuple[float, float]] = []  # the same on the host clock
         self.layers = layers
         self.after_wait = _AfterWait(self)
 
@@ -109,7 +109,7 @@ class _Timer(LayerHooks):
 
     def before_attention(self, layer: int) -> None:
         self.waits.append((self._now(), None))
-        self.host_waits.append(time.perf_counter())
+        self.host_waits.append((time.perf_counter(), 0.0))
 
     def after_layer(self, layer: int) -> None:
         if layer == self.layers - 1:
@@ -120,26 +120,21 @@ class _Timer(LayerHooks):
             torch.cuda.synchronize()
         return [self._gap(a, b) for a, b in zip(self.marks, self.marks[1:])]
 
-    def layer_ms(self) -> list[float]:
-        return [round(x * 1e3, 3) for x in self.seconds()]
+    def parts(self, seconds: list[float] | None = None) -> dict[str, list[float]]:
+        """``layer_ms`` (from ``seconds`` when already read), ``pre_wait_ms`` (the kernels before the
+        wait: norm, projections, the suffix's KV into the cache), ``wait_ms`` (the wait before the
+        attention, on the compute stream on CUDA; the rest of a layer is its attention and MLP) and
+        ``host_wait_ms`` (the host in the hooks at the wait: issuing, not waiting, on CUDA)."""
+        if seconds is None:
+            seconds = self.seconds()  # synchronises: every event below has been reached
+        return {"layer_ms": _ms(seconds),
+                "pre_wait_ms": _ms([self._gap(m, w[0]) for m, w in zip(self.marks, self.waits)]),
+                "wait_ms": _ms([self._gap(a, b) for a, b in self.waits if b is not None]),
+                "host_wait_ms": _ms([b - a for a, b in self.host_waits if b])}
 
-    def wait_ms(self) -> list[float]:
-        """Per layer, what the wait before its attention took (on the compute stream on CUDA)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        return [round(self._gap(a, b) * 1e3, 3) for a, b in self.waits if b is not None]
 
-    def pre_wait_ms(self) -> list[float]:
-        """Per layer, the kernels before the wait (norm, projections, the suffix's KV into the cache)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-        return [round(self._gap(m, w[0]) * 1e3, 3) for m, w in zip(self.marks, self.waits)]
-
-    def parts(self) -> dict[str, list[float]]:
-        """``layer_ms``, ``pre_wait_ms`` and ``wait_ms`` (the rest of a layer is its attention and MLP),
-        and ``host_wait_ms``: the host's time in the hooks at the wait (issuing, not waiting, on CUDA)."""
-        return {"layer_ms": self.layer_ms(), "pre_wait_ms": self.pre_wait_ms(), "wait_ms": self.wait_ms(),
-                "host_wait_ms": [round(x * 1e3, 3) for x in self.host_waits]}
+def _ms(seconds: list[float]) -> list[float]:
+    return [round(x * 1e3, 3) for x in seconds]
 
 
 class _AfterWait(LayerHooks):
@@ -150,7 +145,7 @@ class _AfterWait(LayerHooks):
         t = self.timer
         if t.waits and t.waits[-1][1] is None:
             t.waits[-1] = (t.waits[-1][0], t._now())
-            t.host_waits[-1] = time.perf_counter() - t.host_waits[-1]
+            t.host_waits[-1] = (t.host_waits[-1][0], time.perf_counter())
 
 
 class _Chain(LayerHooks):
@@ -382,7 +377,7 @@ class Harness:
         out, t = self._timed(lambda: self._prefill(case, prefix, _Chain(timer, timer.after_wait)))
         layers = timer.seconds()
         self.layer_seconds[(case.n, prefix)] = layers
-        return Outcome("ideal", t, out, timer.parts())
+        return Outcome("ideal", t, out, timer.parts(layers))
 
     def _naive(self, case: InputCase, prefix: int) -> Outcome:
         self.poison(case, prefix)
@@ -494,7 +489,7 @@ class Harness:
             itl = self.decode(case, decode_steps, sched, writing)
         report = sched.flush()
         self._sync()
-        if decode_steps:
+        if decode_steps and wkeys:
             # The same steps again with no I/O, right after: the baseline of the write-back's ITL,
             # under the same conditions (an earlier baseline met other clocks, caches and kernels).
             base = self.decode(case, decode_steps)
@@ -505,7 +500,8 @@ class Harness:
                                  "windows_from": source, **timer.parts()}
         if itl:
             extra["itl_s"] = statistics.median(itl)
-            extra["itl_base_s"] = statistics.median(base)
+            if base:
+                extra["itl_base_s"] = statistics.median(base)
             # Step by step, and which steps issued writes: against the same steps of a run without
             # write-back (the bench's tutti row), right after the same prefill.
             extra["itl_steps_s"] = itl
