@@ -71,9 +71,9 @@ def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    "switch to symbolic lengths at the second shape (fewer compiles)")
     g.add_argument("--naive-ahead", type=int, default=0, metavar="N",
                    help="naive and per-chunk: issue reads N layers ahead of the compute (0: every layer up front)")
-    g.add_argument("--read-ahead", type=int, default=0, metavar="N",
-                   help="scheduler: reads that fill a layer's slack reach at most N layers ahead (0: as far as the "
-                   "window holds)")
+    g.add_argument("--read-ahead", type=int, default=2, metavar="N",
+                   help="scheduler: reads that fill a layer's slack reach at most N layers ahead [default: 2; 0: as "
+                   "far as the window holds] (docs/BENCH.md says why)")
     g.add_argument("--iocb-ioctx", type=int, default=1024, metavar="N",
                    help="scheduler: IOCTXs per read IOCB (1..2048), the granularity reads fill windows with")
     g.add_argument("--tutti-reads", choices=("auto", "iocb", "layer"), default="auto",

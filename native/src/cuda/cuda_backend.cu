@@ -52,13 +52,6 @@ namespace {
 #ifndef TUTTI_IO_UNROLL
 #define TUTTI_IO_UNROLL 4
 #endif
-// 1: the workers' accesses to device memory (KV blocks written by a retrieve, read by a store) are
-// cache-streaming (evict-first in L2), so that the I/O beside a prefill might keep out of the
-// compute's working set (attention's K/V tiles); 0 (default until an A/B on the GPU decides it):
-// default caching. docs/PERF.md, "The first layer's bubble is the compute slowed beside the reads".
-#ifndef TUTTI_STREAM_KV
-#define TUTTI_STREAM_KV 0
-#endif
 constexpr uint32_t kMaxLaunchIocbs = 8;
 // Launches alternate between two I/O streams ("lanes"), each with its own SQ/CQ pairs and half of
 // the staging chunks, so that the kernel of the next layer gathers (store) or posts its reads while
@@ -156,21 +149,9 @@ __shared__ uint32_t crc_t[kCrcRows][kCrcCols];  // 24 KiB
 using CrcRows = const uint32_t (*)[kCrcCols];
 __shared__ uint32_t crc_shift[64];         // lane_shift16, then lane_shift4
 
-// Device-memory side of a move (TUTTI_STREAM_KV): evict-first loads and stores.
-template <typename T>
-__device__ __forceinline__ T load_kv(const T* p) {
-  return TUTTI_STREAM_KV ? __ldcs(p) : __ldcg(p);
-}
-template <typename T>
-__device__ __forceinline__ void store_kv(T* p, T v) {
-  if (TUTTI_STREAM_KV) __stcs(p, v);
-  else *p = v;
-}
-
 // One warp moves `bytes` from `src` to `dst` (when kCopy) and extends the lanes' CRC registers over
 // them. kFromHost: `src` is mapped host memory that the host rewrites between uses, read with
-// ld.global.cv so that no stale cached line is ever used, and `dst` the KV blocks; otherwise `src`
-// is the KV blocks (load_kv/store_kv: the device side).
+// ld.global.cv so that no stale cached line is ever used.
 template <bool kCopy, bool kFromHost, bool kCrc = true>
 __device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint64_t obj_off, CrcRows t,
                                             uint32_t& acc, uint32_t lane) {
@@ -185,16 +166,13 @@ __device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, ui
 #pragma unroll
     for (uint32_t u = 0; u < U; ++u) {
       const uint32_t i = base + u * 32 + first;
-      if (i < nv) v[u] = kFromHost ? __ldcv(s + i) : load_kv(s + i);
+      if (i < nv) v[u] = kFromHost ? __ldcv(s + i) : __ldcg(s + i);
     }
 #pragma unroll
     for (uint32_t u = 0; u < U; ++u) {
       const uint32_t i = base + u * 32 + first;
       if (i < nv) {
-        if (kCopy) {
-          if (kFromHost) store_kv(d + i, v[u]);
-          else d[i] = v[u];
-        }
+        if (kCopy) d[i] = v[u];
         if (kCrc) acc = crc_lane_step16(t, acc, v[u].x, v[u].y, v[u].z, v[u].w);
       }
     }
@@ -209,11 +187,8 @@ __device__ __forceinline__ void warp_move4(const uint8_t* src, uint8_t* dst, uin
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
   const uint32_t nw = static_cast<uint32_t>(bytes / 4);
   for (uint32_t i = (lane - static_cast<uint32_t>(obj_off / 4)) & 31u; i < nw; i += 32) {
-    const uint32_t v = kFromHost ? __ldcv(s + i) : load_kv(s + i);
-    if (kCopy) {
-      if (kFromHost) store_kv(d + i, v);
-      else d[i] = v;
-    }
+    const uint32_t v = kFromHost ? __ldcv(s + i) : __ldcg(s + i);
+    if (kCopy) d[i] = v;
     if (kCrc) acc = crc_lane_step4(t, acc, v);
   }
 }
