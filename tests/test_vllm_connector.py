@@ -484,6 +484,64 @@ def test_a_steps_writes_go_through_the_slack_scheduler_to_the_next_step(tmp_path
         c.shutdown()
 
 
+@pytest.mark.parametrize("fault", ["store_layer", "finish before", "finish after"])
+def test_a_deferred_save_that_fails_in_a_later_step_loses_nothing(tmp_path, monkeypatch, fault) -> None:
+    """A deferred save fails in the step that writes or finishes it (an injected fault: a real
+    store fails these calls only on device errors a test cannot cause): a layer's write raises, or
+    ``finish`` raises once, before the real one or after it has committed. The engine sees no
+    exception, the request is reported finished, nothing is left in flight, a unit the store lists
+    loads exactly the bytes that were saved, and the next save commits."""
+    from tutti_cluster.errors import StorageError
+
+    c, kv = _worker(tmp_path)
+    try:
+        store = c.worker.store
+        saved = {n: t[0:2].clone() for n, t in kv.items()}
+        name = "finish" if fault.startswith("finish") else "store_layer"
+        real = getattr(store, name)
+        fired: list[int] = []
+
+        def failing(req_or_layer, *a, **kw):
+            if fired:
+                return real(req_or_layer, *a, **kw)
+            fired.append(req_or_layer)
+            if fault == "finish after":
+                real(req_or_layer, *a, **kw)
+            raise StorageError(f"injected {name} fault")
+
+        monkeypatch.setattr(store, name, failing)
+        key = _key(c.worker.prefix, b"a".ljust(32, b"."))
+        _step(c, saves=[_unit(c, b"a", [0, 1])])
+        assert not fired  # deferred: nothing written or finished in the saving step
+        from tutti_cluster.vllm import _Transfer
+
+        _step(c, saves=[_Transfer("a", [], [], finish=True)])  # the request ends; its writes go now
+        sent: set[str] = set()
+        deadline = time.monotonic() + 30
+        while ("a" not in sent or _in_flight(c)) and time.monotonic() < deadline:
+            _step(c)
+            sent |= c.get_finished(set())[0] or set()
+        assert fired and "a" in sent and not _in_flight(c)
+        monkeypatch.setattr(store, name, real)
+        _no_request_left(c)
+        # A layer that did not move commits nothing; a finish that failed before the real one is
+        # retried (the writes are whole), one that failed after it had committed leaves the commit.
+        assert store.lookup([key]) == (0 if fault == "store_layer" else 1)
+        if store.lookup([key]):
+            for t in kv.values():
+                t[8:10] = 0
+            _step(c, loads=[_unit(c, b"a", [8, 9])])
+            assert not c.get_block_ids_with_load_errors()
+            for n, t in kv.items():
+                assert torch.equal(t[8:10], saved[n])
+        _step(c, saves=[_unit(c, b"b", [2, 3])])
+        _drain(c)
+        assert store.lookup([_key(c.worker.prefix, b"b".ljust(32, b"."))]) == 1
+        _no_request_left(c)
+    finally:
+        c.shutdown()
+
+
 def test_a_finished_request_is_reported_only_once_its_writes_are_done(tmp_path, monkeypatch) -> None:
     """vLLM frees a finished request's blocks when the worker reports it (finished_sending): never
     while a write of it still reads them."""
