@@ -273,6 +273,37 @@ def test_each_role_object_exists_only_in_its_process(tmp_path) -> None:
         w.shutdown()
 
 
+# vLLM's managers of local attention free a running request's blocks that left the window; a unit
+# saved after its forward could then hold another request's KV: such KV caches are refused at start.
+def _group(kind: str):
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheGroupSpec,
+                                            SlidingWindowSpec)
+
+    shape = dict(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.float32)
+    spec = {"full": lambda: FullAttentionSpec(**shape),
+            "full, sliding-window layers beside full ones": lambda: FullAttentionSpec(**shape, sliding_window=64),
+            "sliding window": lambda: SlidingWindowSpec(**shape, sliding_window=64),
+            "chunked local": lambda: ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64)}[kind]()
+    return KVCacheGroupSpec(LAYER_NAMES, spec)
+
+
+@pytest.mark.parametrize("kind", ["full", "full, sliding-window layers beside full ones", "sliding window",
+                                  "chunked local"])
+def test_kv_caches_whose_blocks_are_freed_while_running_are_refused(tmp_path, kind) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    (tmp_path / "store").mkdir()
+    kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[_group(kind)])
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        make = lambda: TuttiConnector(_vllm_config(tmp_path, "recompute"), role, kv_cache_config)  # noqa: E731
+        if kind.startswith("full"):
+            make().shutdown()
+        else:
+            with pytest.raises(ConfigError, match="frees a running request's blocks"):
+                make()
+
+
 # ---- the worker's bookkeeping under errors (issue 13) -------------------------------------------
 # A real worker-role connector on real vLLM config objects and a real store (CPU backend, files
 # under a temporary directory); only the engine is absent: the test makes the calls vLLM's model

@@ -214,3 +214,18 @@ def test_preemption_while_writes_run_keeps_outputs_and_stored_kv(work: dict[str,
     assert m.get("vllm:tutti_load_units", 0) == 3 * 8 and m.get("vllm:tutti_load_failed_units", 0) == 0, m
     assert m.get("vllm:external_prefix_cache_hits", 0) == 3 * 992, m
     assert c["outputs"] == baseline["outputs"]
+
+
+def test_a_model_whose_every_layer_slides_is_refused_at_start(work: dict[str, Any]) -> None:
+    """A Mistral-shaped model whose every layer attends to a 64-token window: vLLM keeps it in a
+    sliding-window KV cache group even with its hybrid manager off, and frees blocks that left the
+    window while their request runs. The engine does not start, and says why."""
+    root = work["root"]
+    model = root / "model_sliding"
+    subprocess.run([sys.executable, str(DRIVER), "make", str(model), "64"], check=True, timeout=300)
+    store = root / "store_sliding"
+    store.mkdir()
+    with pytest.raises(AssertionError, match="SlidingWindowManager frees a running request's blocks"):
+        _engine(model, root / "sliding.json", _kv_config(root, paths=[str(store)]))
+    assert not (root / "sliding.json").exists()
+

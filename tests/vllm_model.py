@@ -2,7 +2,7 @@
 
 vLLM engines do not shut down cleanly inside one process, so every engine run is its own process::
 
-    python tests/vllm_model.py make MODEL_DIR
+    python tests/vllm_model.py make MODEL_DIR [SLIDING_WINDOW]
     python tests/vllm_model.py run MODEL_DIR OUT.json [KV_TRANSFER_CONFIG_JSON]
 
 ``run`` generates greedily for :func:`prompts` (requests sharing a long prefix, longer than
@@ -27,19 +27,23 @@ VOCAB = 1024
 KV_HEADS, HEAD_DIM, LAYERS = 2, 32, 2
 
 
-def make_model(path: str) -> None:
-    """Saves a 2-layer Llama (hidden 128, 4 heads, 2 KV heads of 32) with seeded random weights."""
+def make_model(path: str, sliding_window: int | None = None) -> None:
+    """Saves a 2-layer Llama (hidden 128, 4 heads, 2 KV heads of 32) with seeded random weights; with
+    ``sliding_window``, the same shape as a Mistral whose every layer attends to that window."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
+    shape = dict(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    model.save_pretrained(path)
+    if sliding_window is None:
+        model = LlamaForCausalLM(LlamaConfig(**shape))
+    else:
+        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=sliding_window))
+    model.to(torch.float32).save_pretrained(path)
 
 
 def prompts(n: int = 3, prefix_tokens: int = 600, suffix_tokens: int = 40, seed: int = 1,
@@ -194,7 +198,7 @@ def corrupt_pool(path: Any, unit_tokens: int, rank: int = 0, tp: int = 1) -> int
 
 def main(argv: list[str]) -> None:
     if len(argv) >= 2 and argv[0] == "make":
-        make_model(argv[1])
+        make_model(argv[1], int(argv[2]) if len(argv) > 2 else None)
     elif len(argv) >= 3 and argv[0] == "run":
         run(argv[1], argv[2], json.loads(argv[3]) if len(argv) > 3 else None)
     else:

@@ -179,7 +179,8 @@ class ConnectorSetup:
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> ConnectorSetup:
         """Reads and checks the settings: :class:`ConfigError` when vLLM's block sizes do not divide
-        ``unit_tokens`` or the engine has more than one KV cache group."""
+        ``unit_tokens``, the engine has more than one KV cache group, or vLLM frees the blocks of
+        its group while their request runs (local attention only)."""
         tcfg = vllm_config.kv_transfer_config
         assert tcfg is not None
         config, options = connector_config(tcfg.kv_connector_extra_config, tcfg.kv_role)
@@ -196,6 +197,8 @@ class ConnectorSetup:
             )
         if kv_cache_config is not None and len(kv_cache_config.kv_cache_groups) > 1:
             raise ConfigError("TuttiConnector supports one KV cache group (disable the hybrid KV cache manager)")
+        if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+            _refuse_freed_running_blocks(kv_cache_config.kv_cache_groups[0])
         pc = vllm_config.parallel_config
         world = int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
         namespace = _namespace(vllm_config, options, unit_tokens)
@@ -211,3 +214,32 @@ class ConnectorSetup:
             namespace=namespace,
             prefixes=tuple(rank_prefix(namespace, r) for r in range(world)),
         )
+
+
+def _refuse_freed_running_blocks(group: Any) -> None:
+    """:class:`ConfigError` when vLLM's manager of ``group`` frees a running request's blocks.
+
+    Sliding-window, chunked-local, circular-buffer, R-SWA and Mamba managers give the blocks that
+    left the window back to the pool while their request runs (``remove_skipped_blocks``). A save
+    moves whole units after the forward that computed them (with ``defer_saves``, in the next step),
+    so such a block may by then hold another request's KV: the unit would be stored wrong under its
+    key and served as a hit. Models whose every layer is local attention keep such a group even with
+    the hybrid manager off (vLLM promotes local layers to full attention only beside full ones)."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    spec = group.kv_cache_spec
+    manager = KVCacheSpecRegistry.get_manager_class(spec, getattr(group, "role", None))
+    base = SingleTypeKVCacheManager
+    if manager is None or (
+        manager.remove_skipped_blocks is base.remove_skipped_blocks
+        and manager.get_num_skipped_tokens is base.get_num_skipped_tokens
+    ):
+        return
+    raise ConfigError(
+        f"TuttiConnector cannot serve this model's KV cache ({type(spec).__name__}): vLLM's "
+        f"{manager.__name__} frees a running request's blocks outside its attention window, and a "
+        "unit saved after them could hold another request's KV. Models with full-attention layers "
+        "beside their sliding-window ones are served (vLLM keeps every block of a request then)"
+    )
+

@@ -9,8 +9,10 @@ the pipeline's :class:`~tutti_cluster.pipeline.scheduler.SlackScheduler`, which 
 load begun in it is finished there (or, for asynchronous loads, in ``get_finished``). A save's layers
 are handed to its scheduler as the forward finishes them; the connector knows no slack window of the
 engine's forward, so none is written beside it: with ``defer_saves`` (the default) the writes go in
-the next step, beside its forward (the scheduler's decode step: the step that computed them, and so
-the first token, never waits for or shares the device with them), and each later step finishes
+the next step, at its ``start_load_kv`` (the scheduler's decode step: the step that computed them, and
+so the first token, never waits for or shares the device with them). vLLM calls ``start_load_kv``
+before the forward when the step loads synchronously, otherwise right after launching the forward,
+so on a GPU the writes run beside it either way. Each later step finishes
 (commits) the saves whose I/O is done, without waiting; without ``defer_saves`` they are written and
 finished at the end of their step. A finished request's blocks stay held (the scheduler) until its
 writes are done, and ``before_step`` completes the writes of a preempted request before the step's
