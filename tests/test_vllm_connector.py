@@ -411,6 +411,47 @@ def test_a_load_with_a_failed_layer_call_is_never_reported_loaded(tmp_path, monk
         c.shutdown()
 
 
+def test_a_corrupt_load_is_reported_in_its_own_step_when_vllm_defers_the_finalize(tmp_path) -> None:
+    """With speculative decoding vLLM collects a step's load errors and worker metadata before
+    ``wait_for_save``, which it calls after the draft model's forward. A unit with a flipped byte in
+    its pool file must be reported failed in that step's errors, not a step late, when the step's
+    output was already sampled from it."""
+    import glob
+
+    from tutti_cluster.vllm import TuttiConnectorMetadata
+
+    c, kv = _worker(tmp_path, defer_saves=False)
+    try:
+        _step(c, saves=[_unit(c, b"a", [0, 1]), _unit(c, b"b", [2, 3])])
+        g = c.worker.store.geometry()
+        (pool,) = glob.glob(str(tmp_path / "store" / "*.pool"))
+        with open(pool, "r+b") as f:  # the second slot written ("b"): its last layer's object
+            off = g["slot_bytes"] + g["header_bytes"] + g["obj_bytes"] + 5
+            f.seek(off)
+            byte = f.read(1)
+            f.seek(off)
+            f.write(bytes([byte[0] ^ 0x04]))
+        # One step in the order of vLLM's model runner with defer_finalize (speculative decoding).
+        c.bind_connector_metadata(TuttiConnectorMetadata(loads=[_unit(c, b"a", [8, 9]), _unit(c, b"b", [10, 11])]))
+        c.start_load_kv(None)
+        for name in LAYER_NAMES:
+            c.wait_for_layer_load(name)
+            c.save_kv_layer(name, None, None)
+        c.get_finished(set())
+        errors = c.get_block_ids_with_load_errors()
+        meta = c.build_connector_worker_meta()
+        c.wait_for_save()  # after the draft model's forward
+        c.clear_connector_metadata()
+        assert errors == {10, 11}
+        assert meta is not None and meta.failed == {"b": 0}
+        assert c.get_block_ids_with_load_errors() == set()  # reported once
+        for n, t in kv.items():
+            assert torch.equal(t[8:10], t[0:2])
+        _no_request_left(c)
+    finally:
+        c.shutdown()
+
+
 def test_a_save_with_a_failed_store_layer_is_finished_and_commits_nothing(tmp_path, monkeypatch) -> None:
     """store_layer raises (an injected fault): the engine sees no exception, the save is finished
     (its slots and IOCBs return), nothing is committed, and the next save works (in its step:

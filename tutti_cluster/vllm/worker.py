@@ -429,6 +429,13 @@ class TuttiWorker:
         return (sent or None), (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """The blocks of this step's failed loads. With speculative decoding vLLM asks before
+        ``wait_for_save`` (which it defers past the draft model's forward): the loads, whose every
+        layer the forward has waited for, are finished here, so that a failure is reported in the
+        step whose output it would corrupt, never in a later one."""
+        if self._loads:
+            self._finish_loads(self._loads)
+            self._loads = []
         out, self._invalid = self._invalid, set()
         return out
 
