@@ -13,7 +13,10 @@ core and worker inside the driver process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
      the prefix is served from the store (external hits > 0, units loaded) and outputs equal (a);
      the same with asynchronous loads (one process);
   d. fresh engine (one process) on a copy whose every stored object has a flipped byte: the loads fail their
-     checksums, vLLM recomputes (``kv_load_failure_policy: recompute``) and outputs still equal (a).
+     checksums, vLLM recomputes (``kv_load_failure_policy: recompute``) and outputs still equal (a);
+     the same with speculative decoding (n-gram proposals), where vLLM asks for load errors before
+     ``wait_for_save``;
+  e. a model whose every layer has a sliding window: the engine refuses to start, saying why.
 """
 
 from __future__ import annotations
@@ -189,6 +192,19 @@ def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:
     assert d["outputs"] == work["baseline"]["outputs"]
     # The recomputed units were stored again in place of the damaged ones.
     assert m.get("vllm:tutti_store_units", 0) > 0, m
+
+
+def test_corrupt_objects_are_recomputed_under_speculative_decoding(work: dict[str, Any]) -> None:
+    """With speculative decoding (n-gram proposals) vLLM collects a step's load errors before
+    ``wait_for_save``: the corrupt loads must still be reported in the step that loaded them."""
+    store = _copy_store(work, "store_spec")
+    assert corrupt_pool(store, UNIT_TOKENS) > 0
+    d = _engine(work["model"], work["root"] / "spec.json", _kv_config(work["root"], paths=[str(store)]),
+                VLLM_MODEL_NGRAM="2")
+    m = d["metrics"]
+    assert m.get("vllm:tutti_load_failed_units", 0) > 0, m
+    assert m.get("vllm:tutti_load_units", 0) == 0, m
+    assert d["outputs"] == work["baseline"]["outputs"]
 
 
 def test_preemption_while_writes_run_keeps_outputs_and_stored_kv(work: dict[str, Any]) -> None:

@@ -84,11 +84,15 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
 
         TuttiStore.done = slow_done  # type: ignore[method-assign]
     blocks = os.environ.get("VLLM_MODEL_NUM_BLOCKS")  # a KV cache this small forces preemptions
+    ngram = int(os.environ.get("VLLM_MODEL_NGRAM", "0"))  # speculative decoding: n-gram proposals
+    speculative = ({"method": "ngram", "num_speculative_tokens": ngram, "prompt_lookup_max": 3,
+                    "prompt_lookup_min": 1} if ngram else None)
     llm = LLM(
         model=model, skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=2048,
         max_num_batched_tokens=MAX_BATCHED_TOKENS, dtype="float32", enforce_eager=True,
         enable_prefix_caching=os.environ.get("VLLM_MODEL_PREFIX_CACHING", "1") == "1", disable_log_stats=False, seed=0, tensor_parallel_size=tp,
         kv_transfer_config=kv_transfer_config, num_gpu_blocks_override=int(blocks) if blocks else None,
+        speculative_config=speculative,
     )
     # The first request ends with its prefill (one token): the connector must hold its blocks until
     # any save still reading them is done. The others decode on the shared prefix.
