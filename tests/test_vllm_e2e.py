@@ -244,4 +244,3 @@ def test_a_model_whose_every_layer_slides_is_refused_at_start(work: dict[str, An
     with pytest.raises(AssertionError, match="SlidingWindowManager frees a running request's blocks"):
         _engine(model, root / "sliding.json", _kv_config(root, paths=[str(store)]))
     assert not (root / "sliding.json").exists()
-

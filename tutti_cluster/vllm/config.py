@@ -242,4 +242,3 @@ def _refuse_freed_running_blocks(group: Any) -> None:
         "unit saved after them could hold another request's KV. Models with full-attention layers "
         "beside their sliding-window ones are served (vLLM keeps every block of a request then)"
     )
-
