@@ -452,6 +452,79 @@ def test_a_corrupt_load_is_reported_in_its_own_step_when_vllm_defers_the_finaliz
         c.shutdown()
 
 
+def _flip_first_object_byte(tmp_path, c) -> None:
+    """Flips a byte of the first object of the pool's first slot (headers stay valid)."""
+    import glob
+
+    g = c.worker.store.geometry()
+    (pool,) = glob.glob(str(tmp_path / "store" / "*.pool"))
+    with open(pool, "r+b") as f:
+        off = g["header_bytes"] + 5
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_a_failed_load_into_shared_blocks_never_lets_a_save_commit_its_bytes(tmp_path) -> None:
+    """A load starts at its first unit's first block, which vLLM's prefix cache may share with
+    another request (here block 4, the first block of request A's unit "a"). A load of "b" with a
+    flipped byte lands wrong bytes there before its checksum fails. A's save of "a", begun in the
+    same step and written in later ones, must not commit them: every unit the store then lists
+    loads exactly the bytes A computed."""
+    c, kv = _worker(tmp_path)  # defer_saves on: a step's writes go to later steps
+    try:
+        _step(c, saves=[_unit(c, b"b", [4, 7])])  # "b" shares its first block with "a"
+        _drain(c)
+        _flip_first_object_byte(tmp_path, c)
+        want = {n: t[4:6].clone() for n, t in kv.items()}
+        _step(c, loads=[_unit(c, b"b", [4, 6])], saves=[_unit(c, b"a", [4, 5])])
+        assert c.get_block_ids_with_load_errors() == {4, 6}
+        assert any(not torch.equal(kv[n][4], want[n][0]) for n in kv), "the corrupt byte did not land"
+        _drain(c)
+        _no_request_left(c)
+        w = c.worker
+        if w.store.lookup([_key(w.prefix, b"a".ljust(32, b"."))]) == 1:
+            for t in kv.values():
+                t[12:14] = 0
+            _step(c, loads=[_unit(c, b"a", [12, 13])])
+            assert c.get_block_ids_with_load_errors() == set()
+            for n, t in kv.items():
+                assert torch.equal(t[12:14], want[n]), "a unit was committed with a failed load's bytes"
+    finally:
+        c.shutdown()
+
+
+def test_writes_over_a_loads_blocks_end_before_the_load_begins(tmp_path, monkeypatch) -> None:
+    """A's save of "a" (blocks 4, 5) is still writing (held running: the store's ``done`` says no,
+    as on a loaded device) when the next step loads into block 4, shared through vLLM's prefix
+    cache: the save is finished, its writes done, before the load is begun; a save over other
+    blocks keeps running."""
+    c, kv = _worker(tmp_path)
+    try:
+        store = c.worker.store
+        calls: list[str] = []
+        real_finish, real_begin = store.finish, store.begin_retrieve
+        _step(c, saves=[_unit(c, b"b", [8, 9])])
+        _drain(c)
+        monkeypatch.setattr(store, "done", lambda req: False)
+        monkeypatch.setattr(store, "finish", lambda req: calls.append(f"finish {req}") or real_finish(req))
+        monkeypatch.setattr(store, "begin_retrieve",
+                            lambda keys, ids: calls.append(f"load {list(ids)}") or real_begin(keys, ids))
+        _step(c, saves=[_unit(c, b"a", [4, 5]), _unit(c, b"c", [10, 11])])
+        handles = {f.transfer.req_id: f.handle for f in c.worker._writing}
+        assert set(handles) == {"a", "c"} and not calls
+        _step(c, loads=[_unit(c, b"b", [4, 6])])
+        assert calls[:2] == [f"finish {handles['a']}", "load [4, 6]"], calls
+        assert [f.transfer.req_id for f in c.worker._writing] == ["c"]
+        assert c.get_block_ids_with_load_errors() == set()
+        monkeypatch.setattr(store, "done", lambda req: True)
+        _drain(c)
+        _no_request_left(c)
+    finally:
+        c.shutdown()
+
+
 def test_a_save_with_a_failed_store_layer_is_finished_and_commits_nothing(tmp_path, monkeypatch) -> None:
     """store_layer raises (an injected fault): the engine sees no exception, the save is finished
     (its slots and IOCBs return), nothing is committed, and the next save works (in its step:

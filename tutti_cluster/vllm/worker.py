@@ -223,6 +223,10 @@ class TuttiWorker:
                         if sink is self._async:
                             self._finished_recving.add(t.req_id)
                         continue
+                if self._writing:
+                    # A load can start inside blocks vLLM's prefix cache shares (its first unit's
+                    # first block): writes still reading them end first, before it lands there.
+                    self._settle_writes(wait=True, blocks=set(t.block_ids))
                 f = self._begin(t, load=True)
                 if f is None:
                     if sink is self._async:
@@ -280,7 +284,9 @@ class TuttiWorker:
             if failed:
                 # vLLM keeps the prefix before the first invalid block and recomputes the rest.
                 first = failed[0]
-                self._invalid.update(f.transfer.block_ids[first * self.unit_blocks :])
+                bad = f.transfer.block_ids[first * self.unit_blocks :]
+                self._invalid.update(bad)
+                self._drop_saves_over(set(bad))
                 req_id, unit = f.transfer.req_id, f.transfer.first_unit + first
                 self._failed[req_id] = min(unit, self._failed.get(req_id, unit))
                 self._stats.add("load_failed_units", len(f.keys) - first)
@@ -289,6 +295,16 @@ class TuttiWorker:
                          len(f.keys) - first, len(f.keys), f.transfer.req_id)
             else:
                 self._stats.add("load_units", len(f.keys))
+
+    def _drop_saves_over(self, blocks: set[int]) -> None:
+        """A failed load may have left wrong bytes in ``blocks``, some of which other requests share
+        through vLLM's prefix cache: no save that has yet to write them commits (vLLM recomputes
+        them; the units are later misses). Saves already writing them ended before the load began."""
+        for f in self._saves + self._writing:
+            if not f.error and blocks.intersection(f.transfer.block_ids):
+                log.info("Tutti: the save of request %s is dropped: a failed load shares its blocks",
+                         f.transfer.req_id)
+                f.error = True
 
     # ---- saves ----------------------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, meta: TuttiConnectorMetadata | None) -> None:
@@ -328,11 +344,11 @@ class TuttiWorker:
         """Ends the step: finishes the loads and writes it started, so no block is freed under an I/O."""
         if self.store is None:
             return
-        if self._loads:
-            self._finish_loads(self._loads)
-            self._loads = []
         if not self._saves_started:
             self._start_saves(meta)
+        if self._loads:  # after the saves begin, so that a failed load drops those over its blocks
+            self._finish_loads(self._loads)
+            self._loads = []
         # Earlier steps' saves, in a step that had no start_load_kv (no forward): written now.
         self._write_deferred()
         for f in self._saves:
@@ -385,13 +401,15 @@ class TuttiWorker:
         self._stats.add("store_skipped_units", skipped)
         self._stats.add("store_failed_units", failed)
 
-    def _settle_writes(self, wait: bool, req_ids: set[str] | None = None) -> None:
+    def _settle_writes(self, wait: bool, req_ids: set[str] | None = None, blocks: set[int] | None = None) -> None:
         """Finishes the saves whose writes are all issued and done (``wait``: all of them, writing
-        what is left and waiting), or only those of ``req_ids``, waiting."""
+        what is left and waiting), or only those of ``req_ids`` or over ``blocks``, waiting."""
         keep: list[_InFlight] = []
         for f in self._writing:
             if req_ids is not None:
                 ready = f.transfer.req_id in req_ids
+            elif blocks is not None:
+                ready = not blocks.isdisjoint(f.transfer.block_ids)
             elif wait or f.error or f.sched is None:
                 ready = True
             else:
