@@ -8,6 +8,8 @@ another, for every tensor form vLLM hands to ``register_kv_caches``.
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import importlib.util
 
@@ -86,6 +88,33 @@ def test_connector_is_found_by_module_path() -> None:
 
 
 # ---- keys ---------------------------------------------------------------------------------------
+def test_the_namespace_follows_the_models_effective_config(tmp_path) -> None:
+    """Units stored under one RoPE setting (vLLM's ``hf_overrides``) are never keys of an engine
+    that runs another: the namespace mixes in the model's effective configuration. Two engines of
+    the same configuration share it."""
+    import sys
+
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+
+    from tutti_cluster.vllm.config import ConnectorSetup
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vllm_model import make_model
+
+    make_model(str(tmp_path / "model"))
+
+    def namespace(**model: Any) -> bytes:
+        mc = ModelConfig(model=str(tmp_path / "model"), skip_tokenizer_init=True, dtype="float32", **model)
+        kt = KVTransferConfig(kv_connector="TuttiConnector", kv_connector_module_path="tutti_cluster.vllm", kv_role="kv_both",
+                              kv_connector_extra_config={"paths": [str(tmp_path)], "unit_tokens": 256})
+        return ConnectorSetup.from_vllm(VllmConfig(model_config=mc, kv_transfer_config=kt), None).namespace
+
+    plain = namespace()
+    assert namespace() == plain
+    assert namespace(hf_overrides={"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}) != plain
+    assert namespace(hf_overrides={"rms_norm_eps": 1e-3}) != plain
+
+
 def test_unit_hash_is_the_units_last_block_hash() -> None:
     blocks = [bytes([i]) * 32 for i in range(10)]
     assert unit_hashes(blocks, 4, 5) == [blocks[3], blocks[7]]  # only full units

@@ -15,6 +15,7 @@ rank to answer lookups; each worker computes its own to move units.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -140,9 +141,21 @@ def _namespace(vllm_config: VllmConfig, opts: ConnectorOptions, unit_tokens: int
                 cc.block_size,
                 pc.tensor_parallel_size,
                 pc.pipeline_parallel_size,
+                getattr(mc, "quantization", None),
+                _model_config_digest(mc),
             )
         )
     return hashlib.blake2b(f"tutti-vllm|{ident}|{unit_tokens}".encode(), digest_size=16).digest()
+
+
+def _model_config_digest(mc: Any) -> str:
+    """A digest of the model's effective configuration (its ``config.json`` with vLLM's
+    ``hf_overrides`` applied: RoPE, attention and layer settings that change the KV of a prompt)."""
+    hf = getattr(mc, "hf_config", None)
+    if hf is None:
+        return ""
+    text = json.dumps(hf.to_dict(), sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def rank_prefix(namespace: bytes, rank: int) -> bytes:
