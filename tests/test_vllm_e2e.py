@@ -16,7 +16,9 @@ core and worker inside the driver process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
      checksums, vLLM recomputes (``kv_load_failure_policy: recompute``) and outputs still equal (a);
      the same with speculative decoding (n-gram proposals), where vLLM asks for load errors before
      ``wait_for_save``;
-  e. a model whose every layer has a sliding window: the engine refuses to start, saying why.
+  e. a model whose every layer has a sliding window: the engine refuses to start, saying why;
+  f. one engine stepped by hand (``VLLM_MODEL_PLAN``): a failed load into blocks that a finished
+     request's pending save shares never lets that save commit the load's bytes.
 """
 
 from __future__ import annotations
@@ -205,6 +207,44 @@ def test_corrupt_objects_are_recomputed_under_speculative_decoding(work: dict[st
     assert m.get("vllm:tutti_load_failed_units", 0) > 0, m
     assert m.get("vllm:tutti_load_units", 0) == 0, m
     assert d["outputs"] == work["baseline"]["outputs"]
+
+
+def test_a_failed_load_never_lets_another_requests_save_commit_its_bytes(work: dict[str, Any]) -> None:
+    """Prompts A, B and D share a 600-token prefix, each with a 100-token suffix of its own; whole
+    128-token units only. A store holds B's prompt with a flipped byte in every object, and D's
+    prompt, stored again valid once its corrupt loads were recomputed. Then, one engine, step by step:
+    A (its prefix units load, its fifth unit is computed and saved, A finishes), B (vLLM's prefix
+    cache gives it 576 tokens, A's blocks; its fifth unit, corrupt, loads from 512, into two of A's
+    blocks, and fails), D's prompt again (a load). A's save of its fifth unit must not commit B's
+    bytes: a fresh engine restoring A's prompt gives the outputs of the engine without a connector."""
+    import json
+    import random
+
+    from vllm_model import VOCAB
+
+    r = random.Random(1)
+    prefix = [r.randrange(1, VOCAB) for _ in range(600)]
+    prompt = {k: prefix + [random.Random(seed).randrange(1, VOCAB) for _ in range(100)]
+              for k, seed in (("A", 11), ("B", 22), ("D", 33))}
+    root = work["root"] / "shared_blocks"
+    (root / "store").mkdir(parents=True)
+    cfg = _kv_config(root, paths=[str(root / "store")], partial_units=False)
+
+    def run(name: str, steps: list[list[tuple[str, str, int]]], kv: dict[str, Any] | None) -> dict[str, Any]:
+        plan = [[{"id": rid, "prompt": prompt[p], "max_tokens": n} for rid, p, n in step] for step in steps]
+        (root / f"{name}.plan.json").write_text(json.dumps(plan))
+        return _engine(work["model"], root / f"{name}.json", kv, VLLM_MODEL_PLAN=str(root / f"{name}.plan.json"))
+
+    reference = run("reference", [[("A", "A", 8)]], None)
+    run("store_b", [[("B", "B", 1)]], cfg)
+    assert corrupt_pool(root / "store", UNIT_TOKENS) == 5
+    d = run("store_d", [[("D", "D", 1)]], cfg)["metrics"]
+    assert d.get("vllm:tutti_load_failed_units", 0) == 4, d
+    m = run("steps", [[("A", "A", 1)], [("B", "B", 1)], [("C", "D", 1)]], cfg)["metrics"]
+    assert m.get("vllm:tutti_load_failed_units", 0) >= 1, m  # B's fifth unit
+    a = run("restore_a", [[("A", "A", 8)]], cfg)
+    assert a["metrics"].get("vllm:tutti_load_units", 0) >= 4, a["metrics"]
+    assert a["outputs"] == reference["outputs"]
 
 
 def test_preemption_while_writes_run_keeps_outputs_and_stored_kv(work: dict[str, Any]) -> None:

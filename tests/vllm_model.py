@@ -97,6 +97,13 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
         kv_transfer_config=kv_transfer_config, num_gpu_blocks_override=int(blocks) if blocks else None,
         speculative_config=speculative,
     )
+    plan = os.environ.get("VLLM_MODEL_PLAN")
+    if plan:
+        with open(plan) as f:
+            outputs = run_plan(llm, json.load(f))
+        with open(out, "w") as f:
+            json.dump({"outputs": outputs, "metrics": _metrics(llm), "seconds": time.monotonic() - t0}, f)
+        return
     # The first request ends with its prefill (one token): the connector must hold its blocks until
     # any save still reading them is done. The others decode on the shared prefix.
     shape = {"prefix_tokens": int(os.environ.get("VLLM_MODEL_PREFIX_TOKENS", "600")),
@@ -113,17 +120,45 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
                   for i in range(len(ps))]
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params)
         outputs += [list(o.outputs[0].token_ids) for o in outs]
-        metrics: dict[str, float] = {}
-        for m in llm.get_metrics():
-            value = getattr(m, "value", None)
-            if isinstance(value, (int, float)):
-                metrics[m.name] = metrics.get(m.name, 0) + value
-        metrics_after.append(metrics)
+        metrics_after.append(_metrics(llm))
     # "metrics": the whole run; "metrics_after": after each batch (counters add up over batches).
     result = {"outputs": outputs, "metrics": metrics_after[-1], "metrics_after": metrics_after,
               "seconds": time.monotonic() - t0}
     with open(out, "w") as f:
         json.dump(result, f)
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    metrics: dict[str, float] = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        if isinstance(value, (int, float)):
+            metrics[m.name] = metrics.get(m.name, 0) + value
+    return metrics
+
+
+def run_plan(llm: Any, plan: list[list[dict[str, Any]]]) -> dict[str, list[int]]:
+    """Steps the engine by hand (``VLLM_MODEL_PLAN``): before engine step *i* the requests of
+    ``plan[i]`` (``{"id", "prompt", "max_tokens"}``) are added, then it steps until all are done;
+    returns each request's greedy tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine, outputs = llm.llm_engine, {}
+
+    def step() -> None:
+        for o in engine.step():
+            if o.finished:
+                outputs[o.request_id] = list(o.outputs[0].token_ids)
+
+    for adds in plan:
+        for r in adds:
+            engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]),
+                               SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], detokenize=False))
+        step()
+    while engine.has_unfinished_requests():
+        step()
+    return outputs
 
 
 def kv_transfer_config(unit_tokens: int, **extra: Any) -> dict[str, Any]:
