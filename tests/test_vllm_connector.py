@@ -440,26 +440,32 @@ def test_a_load_with_a_failed_layer_call_is_never_reported_loaded(tmp_path, monk
         c.shutdown()
 
 
+def _flip_object_byte(tmp_path, c, slot: int, obj: int, mask: int) -> None:
+    """XORs ``mask`` into a byte of object ``obj`` of the pool's slot ``slot`` (headers stay valid,
+    so lookups still find the unit and only its checksum tells)."""
+    import glob
+
+    g = c.worker.store.geometry()
+    (pool,) = glob.glob(str(tmp_path / "store" / "*.pool"))
+    with open(pool, "r+b") as f:
+        off = slot * g["slot_bytes"] + g["header_bytes"] + obj * g["obj_bytes"] + 5
+        f.seek(off)
+        byte = f.read(1)
+        f.seek(off)
+        f.write(bytes([byte[0] ^ mask]))
+
+
 def test_a_corrupt_load_is_reported_in_its_own_step_when_vllm_defers_the_finalize(tmp_path) -> None:
     """With speculative decoding vLLM collects a step's load errors and worker metadata before
     ``wait_for_save``, which it calls after the draft model's forward. A unit with a flipped byte in
     its pool file must be reported failed in that step's errors, not a step late, when the step's
     output was already sampled from it."""
-    import glob
-
     from tutti_cluster.vllm import TuttiConnectorMetadata
 
     c, kv = _worker(tmp_path, defer_saves=False)
     try:
         _step(c, saves=[_unit(c, b"a", [0, 1]), _unit(c, b"b", [2, 3])])
-        g = c.worker.store.geometry()
-        (pool,) = glob.glob(str(tmp_path / "store" / "*.pool"))
-        with open(pool, "r+b") as f:  # the second slot written ("b"): its last layer's object
-            off = g["slot_bytes"] + g["header_bytes"] + g["obj_bytes"] + 5
-            f.seek(off)
-            byte = f.read(1)
-            f.seek(off)
-            f.write(bytes([byte[0] ^ 0x04]))
+        _flip_object_byte(tmp_path, c, slot=1, obj=1, mask=0x04)  # "b", the second slot written
         # One step in the order of vLLM's model runner with defer_finalize (speculative decoding).
         c.bind_connector_metadata(TuttiConnectorMetadata(loads=[_unit(c, b"a", [8, 9]), _unit(c, b"b", [10, 11])]))
         c.start_load_kv(None)
@@ -481,20 +487,6 @@ def test_a_corrupt_load_is_reported_in_its_own_step_when_vllm_defers_the_finaliz
         c.shutdown()
 
 
-def _flip_first_object_byte(tmp_path, c) -> None:
-    """Flips a byte of the first object of the pool's first slot (headers stay valid)."""
-    import glob
-
-    g = c.worker.store.geometry()
-    (pool,) = glob.glob(str(tmp_path / "store" / "*.pool"))
-    with open(pool, "r+b") as f:
-        off = g["header_bytes"] + 5
-        f.seek(off)
-        byte = f.read(1)
-        f.seek(off)
-        f.write(bytes([byte[0] ^ 0x10]))
-
-
 def test_a_failed_load_into_shared_blocks_never_lets_a_save_commit_its_bytes(tmp_path) -> None:
     """A load starts at its first unit's first block, which vLLM's prefix cache may share with
     another request (here block 4, the first block of request A's unit "a"). A load of "b" with a
@@ -505,7 +497,7 @@ def test_a_failed_load_into_shared_blocks_never_lets_a_save_commit_its_bytes(tmp
     try:
         _step(c, saves=[_unit(c, b"b", [4, 7])])  # "b" shares its first block with "a"
         _drain(c)
-        _flip_first_object_byte(tmp_path, c)
+        _flip_object_byte(tmp_path, c, slot=0, obj=0, mask=0x10)  # "b": its first block's bytes
         want = {n: t[4:6].clone() for n, t in kv.items()}
         _step(c, loads=[_unit(c, b"b", [4, 6])], saves=[_unit(c, b"a", [4, 5])])
         assert c.get_block_ids_with_load_errors() == {4, 6}

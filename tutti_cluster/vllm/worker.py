@@ -296,6 +296,12 @@ class TuttiWorker:
             else:
                 self._stats.add("load_units", len(f.keys))
 
+    def _finish_step_loads(self) -> None:
+        """Finishes this step's (synchronous) loads, whose every layer the forward has waited for."""
+        if self._loads:
+            self._finish_loads(self._loads)
+            self._loads = []
+
     def _drop_saves_over(self, blocks: set[int]) -> None:
         """A failed load may have left wrong bytes in ``blocks``, some of which other requests share
         through vLLM's prefix cache: no save that has yet to write them commits (vLLM recomputes
@@ -346,9 +352,7 @@ class TuttiWorker:
             return
         if not self._saves_started:
             self._start_saves(meta)
-        if self._loads:  # after the saves begin, so that a failed load drops those over its blocks
-            self._finish_loads(self._loads)
-            self._loads = []
+        self._finish_step_loads()  # after the saves begin, so that a failed load drops those over its blocks
         # Earlier steps' saves, in a step that had no start_load_kv (no forward): written now.
         self._write_deferred()
         for f in self._saves:
@@ -451,9 +455,7 @@ class TuttiWorker:
         ``wait_for_save`` (which it defers past the draft model's forward): the loads, whose every
         layer the forward has waited for, are finished here, so that a failure is reported in the
         step whose output it would corrupt, never in a later one."""
-        if self._loads:
-            self._finish_loads(self._loads)
-            self._loads = []
+        self._finish_step_loads()
         out, self._invalid = self._invalid, set()
         return out
 
