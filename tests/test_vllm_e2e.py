@@ -18,7 +18,8 @@ core and worker inside the driver process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
      ``wait_for_save``;
   e. a model whose every layer has a sliding window: the engine refuses to start, saying why;
   f. one engine stepped by hand (``VLLM_MODEL_PLAN``): a failed load into blocks that a finished
-     request's pending save shares never lets that save commit the load's bytes.
+     request's pending save shares never lets that save commit the load's bytes; and a failed
+     load's blocks, left in vLLM's prefix cache by an aborted request, are never served.
 """
 
 from __future__ import annotations
@@ -245,6 +246,34 @@ def test_a_failed_load_never_lets_another_requests_save_commit_its_bytes(work: d
     a = run("restore_a", [[("A", "A", 8)]], cfg)
     assert a["metrics"].get("vllm:tutti_load_units", 0) >= 4, a["metrics"]
     assert a["outputs"] == reference["outputs"]
+
+
+def test_a_failed_loads_blocks_are_never_served_from_vllms_prefix_cache(work: dict[str, Any]) -> None:
+    """vLLM enters a loading request's blocks in its prefix cache when it schedules the load, and
+    with ``kv_load_failure_policy: recompute`` keeps them there when the load fails, trusting the
+    request to recompute them; a request aborted (or preempted) before that leaves blocks of wrong
+    KV under its prompt's hashes. One engine, step by step, on a copy of the store of (b) whose
+    every object is random bytes: A loads the second prompt (the load fails its checksums) and is
+    aborted; C asks for the same prompt and gets A's blocks from vLLM's prefix cache. C's outputs
+    must be those of the engine without a connector (a)."""
+    import json
+
+    from vllm_model import prompts
+
+    prompt = prompts()[1]
+    root = work["root"]
+    store = _copy_store(work, "store_poisoned")
+    assert corrupt_pool(store, UNIT_TOKENS, scramble=True) > 0
+    plan = [[{"id": "A", "prompt": prompt, "max_tokens": 8}],
+            [{"abort": "A"}, {"id": "C", "prompt": prompt, "max_tokens": 8}]]
+    (root / "poisoned.plan.json").write_text(json.dumps(plan))
+    d = _engine(work["model"], root / "poisoned.json", _kv_config(root, paths=[str(store)]),
+                VLLM_MODEL_PLAN=str(root / "poisoned.plan.json"))
+    m = d["metrics"]
+    assert m.get("vllm:tutti_load_failed_units", 0) >= 1, m
+    assert m.get("vllm:prefix_cache_hits", 0) > 0, m  # C was offered A's blocks
+    assert m.get("vllm:tutti_poisoned_block_reads", 0) > 0, m  # and they were reported failed
+    assert d["outputs"]["C"] == work["baseline"]["outputs"][1]
 
 
 def test_preemption_while_writes_run_keeps_outputs_and_stored_kv(work: dict[str, Any]) -> None:

@@ -138,9 +138,9 @@ def _metrics(llm: Any) -> dict[str, float]:
 
 
 def run_plan(llm: Any, plan: list[list[dict[str, Any]]]) -> dict[str, list[int]]:
-    """Steps the engine by hand (``VLLM_MODEL_PLAN``): before engine step *i* the requests of
-    ``plan[i]`` (``{"id", "prompt", "max_tokens"}``) are added, then it steps until all are done;
-    returns each request's greedy tokens."""
+    """Steps the engine by hand (``VLLM_MODEL_PLAN``): before engine step *i* the entries of
+    ``plan[i]`` are applied (``{"id", "prompt", "max_tokens"}`` adds a request, ``{"abort": id}``
+    aborts one), then it steps until all are done; returns each finished request's greedy tokens."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -153,6 +153,9 @@ def run_plan(llm: Any, plan: list[list[dict[str, Any]]]) -> dict[str, list[int]]
 
     for adds in plan:
         for r in adds:
+            if "abort" in r:
+                engine.abort_request([r["abort"]])
+                continue
             engine.add_request(r["id"], TokensPrompt(prompt_token_ids=r["prompt"]),
                                SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], detokenize=False))
         step()
@@ -214,9 +217,10 @@ def units_in_pool(path: Any, unit_tokens: int, rank: int = 0, tp: int = 1) -> in
         store.close()
 
 
-def corrupt_pool(path: Any, unit_tokens: int, rank: int = 0, tp: int = 1) -> int:
-    """Flips one byte inside the last layer's object of every slot of a rank's pool (headers stay
-    valid, so lookups still find the units); returns how many units were committed there."""
+def corrupt_pool(path: Any, unit_tokens: int, rank: int = 0, tp: int = 1, scramble: bool = False) -> int:
+    """Flips one byte inside the last layer's object of every slot of a rank's pool (``scramble``:
+    overwrites every object with random bytes instead); headers stay valid, so lookups still find
+    the units. Returns how many units were committed there."""
     store = _open_pool(path, f"default-r{rank}", unit_tokens, tp)
     try:
         g, present = store.geometry(), len(store.keys())
@@ -230,6 +234,10 @@ def corrupt_pool(path: Any, unit_tokens: int, rank: int = 0, tp: int = 1) -> int
         slots = os.path.getsize(pool) // g["slot_bytes"]
         with open(pool, "r+b") as f:
             for slot in range(slots):
+                if scramble:
+                    f.seek(slot * g["slot_bytes"] + g["header_bytes"])
+                    f.write(os.urandom(g["slot_bytes"] - g["header_bytes"]))
+                    continue
                 off = slot * g["slot_bytes"] + g["header_bytes"] + (LAYERS - 1) * g["obj_bytes"] + 123
                 f.seek(off)
                 byte = f.read(1)

@@ -52,6 +52,9 @@ class TuttiConnectorMetadata(KVConnectorMetadata):
     # Requests preempted in this step's scheduling: their blocks are free, so a write still
     # reading them completes before the forward reuses them (TuttiWorker.before_step).
     preempted: list[str] = field(default_factory=list)
+    # Blocks of a failed load still in vLLM's prefix cache that a request of this step reads as
+    # computed: reported as failed loads of this step (TuttiWorker.before_step).
+    invalid_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The connector's counters: :class:`TuttiConnectorStats` per interval, :class:`TuttiPromMetrics`.
 
 Each role counts what it does in its own :class:`TuttiConnectorStats` (the scheduler: units found,
-those found inside another prompt's unit, and saves deferred; each worker: units loaded, stored, skipped, failed, fetched from other nodes).
+those found inside another prompt's unit, saves deferred, and reads of a failed load's blocks; each worker: units loaded, stored, skipped, failed, fetched from other nodes).
 vLLM collects them with ``get_kv_connector_stats``, sums the workers' and the scheduler's with
 ``aggregate``, logs them in its "KV Transfer metrics" line and hands them to
 :class:`TuttiPromMetrics`, one Prometheus counter ``vllm:tutti_<stat>`` (units) per stat.
@@ -26,6 +26,7 @@ STAT_KEYS = (
     "store_failed_units",
     "store_deferred_units",
     "remote_units",
+    "poisoned_block_reads",
 )
 
 
@@ -77,6 +78,8 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
         "store_failed_units": "Cache units whose store failed (capacity or I/O).",
         "store_deferred_units": "Cache units whose save waited until a step that loaded KV was known good.",
         "remote_units": "Cache units fetched from other nodes' stores (cluster mode).",
+        "poisoned_block_reads": "KV blocks (not units) of a failed load, still in vLLM's prefix cache, that a "
+                                "request read; reported as failed loads and recomputed.",
     }
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],

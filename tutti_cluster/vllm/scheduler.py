@@ -34,6 +34,14 @@ units whose last token is computed in a step that loads KV wait until that step'
 and units on or after a failed unit or a block vLLM reports invalid are dropped and saved again once
 vLLM recomputes them. A request that finishes while such a save is pending keeps its blocks until
 the save is done (``request_finished`` returns true; the worker reports it in ``get_finished``).
+
+A failed load leaves wrong KV in blocks that vLLM has already entered in its prefix cache (it caches
+a synchronous load's blocks when it schedules it), and with ``kv_load_failure_policy: recompute`` it
+keeps them there, trusting the request to recompute them; a request aborted or preempted before
+that leaves them to be served to the next prompt that shares them. ``_PoisonedBlocks`` follows
+those blocks, and the blocks computed on top of them, until a forward writes them again; a
+request that reads one as computed is reported to vLLM as a failed load in that step (its output
+is dropped, it recomputes from there), and no save reads one.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +58,8 @@ from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiH
 from tutti_cluster.vllm.metrics import TuttiConnectorStats
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -89,6 +100,67 @@ class _InnerIndex:
 
     def unit_of(self, inner: int) -> int | None:
         return self._unit_of.get(inner)
+
+
+# A request's part in one step: (its block ids, tokens computed before the step, tokens scheduled).
+_Sched = tuple[list[int], int, int]
+
+
+class _PoisonedBlocks:
+    """Blocks of vLLM's KV cache that may hold wrong KV under a prompt's hash in its prefix cache
+    (module docs): those of failed loads and those computed on top of them, until a forward (or a
+    load) writes them whole again. ``keep_steps`` steps' schedules are kept, for failures reported
+    after a later step was scheduled (asynchronous scheduling)."""
+
+    def __init__(self, block_size: int, keep_steps: int) -> None:
+        self.block_size = block_size
+        self.blocks: set[int] = set()
+        self._steps: deque[list[_Sched]] = deque(maxlen=keep_steps)
+
+    def _span(self, c: int, n: int) -> tuple[int, int]:
+        """Block indices a request writes in a step: from the one holding token ``c`` to the one
+        holding token ``c + n - 1``."""
+        return c // self.block_size, -(-(c + n) // self.block_size)
+
+    def step(self, sched: list[_Sched], fresh: Iterable[int]) -> set[int]:
+        """A step is scheduled: drops the blocks its loads or forward write whole and those ``fresh``
+        (loaded, or newly allocated: vLLM dropped their hashes, only their new request reads them,
+        and only what it wrote), and returns the poisoned blocks a request reads as computed (fully
+        before the step; a block it is part-way through writing is its own). What such a request
+        writes is poisoned in turn."""
+        self._steps.append(sched)
+        if not self.blocks:
+            return set()
+        bs = self.block_size
+        tainted: set[int] = set()  # requests that read wrong KV: what they write is wrong too
+        while True:  # grows only: a tainted writer leaves more blocks poisoned, tainting more readers
+            whole = set(fresh)
+            for i, (ids, c, n) in enumerate(sched):
+                if i not in tainted:
+                    whole.update(ids[c // bs : (c + n) // bs])
+            left = self.blocks - whole
+            now = {i for i, (ids, c, _) in enumerate(sched) if not left.isdisjoint(ids[: c // bs])}
+            if now == tainted:
+                break
+            tainted = now
+        read: set[int] = set()
+        for i in tainted:
+            ids, c, n = sched[i]
+            read |= left.intersection(ids[: c // bs])
+            lo, hi = self._span(c, n)
+            left.update(ids[lo:hi])
+        self.blocks = left
+        return read
+
+    def failed(self, blocks: Iterable[int]) -> None:
+        """Blocks vLLM was told hold no valid KV after a step: poisoned, and with them what the
+        kept steps wrote on top of them."""
+        self.blocks.update(blocks)
+        for sched in self._steps:
+            for ids, c, n in sched:
+                lo, hi = self._span(c, n)
+                if not self.blocks.isdisjoint(ids[:hi]):
+                    self.blocks.update(ids[lo:hi])
 
 
 # (local units, all units, tail tokens, tail unit's hash, tail unit's key per rank): TuttiScheduler._lookup
@@ -138,6 +210,7 @@ class TuttiScheduler:
         # Steps whose outcome may still be unknown when the next one is scheduled (async scheduling,
         # pipeline parallelism): a load failure there is reported that many steps later.
         self._defer = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
+        self._poisoned = _PoisonedBlocks(setup.block_size, keep_steps=self._defer)
         self._directory: Any = None
         config = setup.config
         if self.options.load and config.etcd:
@@ -319,6 +392,24 @@ class TuttiScheduler:
             else:
                 st.block_ids.extend(new_ids[0])
 
+    def _fresh_blocks(self, scheduler_output: SchedulerOutput, meta: TuttiConnectorMetadata,
+                      computed: dict[str, int]) -> Iterable[int]:
+        """The blocks this step loads or newly allocates (those past a new or resumed request's
+        computed tokens, and a running request's new ones); only when a block is poisoned."""
+        if not self._poisoned.blocks:
+            return
+        for t in meta.loads + meta.async_loads:
+            yield from t.block_ids
+        bs = self.setup.block_size
+        for new in scheduler_output.scheduled_new_reqs:
+            yield from new.block_ids[0][computed[new.req_id] // bs :]
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+        for i, req_id in enumerate(cached.req_ids):
+            ids = cached.new_block_ids[i]
+            if ids is not None:
+                yield from ids[0][computed[req_id] // bs :] if req_id in resumed else ids[0]
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> TuttiConnectorMetadata:
         """Loads decided since the last step, and saves of units whose last token is computed.
 
@@ -339,6 +430,18 @@ class TuttiScheduler:
         meta = TuttiConnectorMetadata(loads=self._pending_loads, async_loads=self._pending_async,
                                       preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()))
         self._pending_loads, self._pending_async = [], []
+        computed: dict[str, int] = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            computed[req_id] = cached.num_computed_tokens[i]
+        sched = [(st.block_ids, computed[r], n) for r, n in scheduler_output.num_scheduled_tokens.items()
+                 if (st := self._reqs.get(r)) is not None and r in computed]
+        read = self._poisoned.step(sched, self._fresh_blocks(scheduler_output, meta, computed))
+        if read:
+            log.warning("Tutti: %d blocks of a failed load are in vLLM's prefix cache and were read by a "
+                        "request; reported as failed, vLLM recomputes them", len(read))
+            meta.invalid_blocks = sorted(read)
+            self._stats.add("poisoned_block_reads", len(read))
         if meta.loads:
             self._last_load_step = step
         if not self.options.save:
@@ -351,10 +454,6 @@ class TuttiScheduler:
                 units = sorted(st.pending)
                 st.pending.clear()
                 self._emit(meta, req_id, st, units, seen)
-        computed: dict[str, int] = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            computed[req_id] = cached.num_computed_tokens[i]
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None or req_id not in computed:
@@ -398,6 +497,9 @@ class TuttiScheduler:
         inner: list[list[bytes]] = []
         for u in units:
             span = self._span(st, u)
+            if span is not None and not self._poisoned.blocks.isdisjoint(span[1]):
+                st.save_next = min(st.save_next, u)  # computed on wrong KV: saved once recomputed
+                break
             if span is None or span[0] in seen or all(unit_key(p, span[0]) in self._present for p in self._prefixes):
                 continue
             seen.add(span[0])
@@ -432,6 +534,7 @@ class TuttiScheduler:
                 self._unclaim(req_id, unit)
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
+            self._poisoned.failed(invalid)
             # vLLM recomputes every request from its first invalid block (shared blocks included):
             # nothing computed on top of them may be saved; save the units again once recomputed.
             for req_id, st in self._reqs.items():

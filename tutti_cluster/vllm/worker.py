@@ -435,7 +435,9 @@ class TuttiWorker:
 
     def before_step(self, meta: TuttiConnectorMetadata) -> None:
         """Runs when the step's metadata is bound, before its forward: the writes of requests the
-        scheduler preempted (their blocks are free and may be reallocated in this step) complete now."""
+        scheduler preempted (their blocks are free and may be reallocated in this step) complete now;
+        blocks the scheduler found holding a failed load's KV are reported as this step's load errors."""
+        self._invalid.update(meta.invalid_blocks)
         if self.store is not None and meta.preempted and self._writing:
             self._settle_writes(wait=True, req_ids=set(meta.preempted))
 
