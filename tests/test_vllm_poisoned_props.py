@@ -1,18 +1,21 @@
 """Property test: no request's output is ever taken from wrong KV, under vLLM's real scheduler.
 
 vLLM's ``Scheduler`` (its KV cache manager, prefix cache, chunked prefill, preemption, aborts and
-its handling of failed loads) runs with the connector's scheduler role, as in the engine core. The
+its handling of failed loads), or its ``AsyncScheduler`` with two steps in flight as the engine core
+runs it on GPUs, runs with the connector's scheduler role. The
 model runner and the workers are simulated, because the faults under test are loads that fail at
 chosen steps: each step the simulation lands the step's loads (some fail and leave garbage), then
 writes every scheduled token's KV, and knows for each KV slot which prompt prefix it was computed
 for and whether it was computed from wrong KV. It reports what the real worker reports (the
-failed loads' blocks, the scheduler's own reported blocks, commits of the saves, none of which read
-a failed load's blocks), and samples a token for each request that computed its last token.
+failed loads' blocks, the units that failed as evicted, the scheduler's own reported blocks,
+commits of the saves, none of which read a failed load's blocks), and samples a token for each
+request that computed its last token.
 
 The property: vLLM accepts a sampled token only from a request that read, as computed, nothing but
 KV computed for its own prefix from right KV; a request that read wrong KV has its output dropped
 (vLLM then recomputes it). Without the connector's tracking of a failed load's blocks in vLLM's
-prefix cache, an abort or preemption right after a failed load breaks it.
+prefix cache, an abort or preemption right after a failed load breaks it; with synchronous loads
+under asynchronous scheduling, the step scheduled before a load's failure is known breaks it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 BLOCK, UNIT = 32, 128
 GARBAGE = -1  # the label of a slot a failed load wrote
+TOKEN = 7  # every sampled token
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +80,8 @@ class _Env(tuple):
 class _Engine:
     """vLLM's scheduler with the connector, and a simulated forward that tracks what each KV slot holds."""
 
-    def __init__(self, env, num_blocks: int, fail_rate: float, rng: random.Random) -> None:
-        self.env, self.num_blocks = env, num_blocks
+    def __init__(self, env, num_blocks: int, fail_rate: float, rng: random.Random, async_sched: bool = False) -> None:
+        self.env, self.num_blocks, self.async_sched = env, num_blocks, async_sched
         self.store: dict[int, list[tuple[int, bool]]] = {}  # unit key -> its slots, as saved
         self.inner: dict[int, int] = {}  # inner key -> unit key
         self.fail_rate, self.rng = fail_rate, rng
@@ -90,6 +94,7 @@ class _Engine:
 
     def restart(self) -> None:
         """A fresh engine (its KV cache garbage, its requests gone) on the same store."""
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
@@ -98,9 +103,15 @@ class _Engine:
 
         config, spec, self.hasher = self.env
         config.cache_config.num_gpu_blocks = self.num_blocks
+        # Asynchronous scheduling (vLLM's default on GPUs): step N + 1 is scheduled, and runs, before
+        # step N's output is processed (max_concurrent_batches 2), as in EngineCore.step_with_batch_queue.
+        config.scheduler_config.async_scheduling = self.async_sched
+        self.depth = config.max_concurrent_batches
+        self.queue: list[tuple] = []  # steps run whose output is not processed yet, oldest first
         kv = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
-        self.sched = Scheduler(config, kv, StructuredOutputManager(config), block_size=BLOCK, log_stats=True)
+        cls = AsyncScheduler if self.async_sched else Scheduler
+        self.sched = cls(config, kv, StructuredOutputManager(config), block_size=BLOCK, log_stats=True)
         self.tutti = self.sched.connector.connector_scheduler
         self.prefix = self.tutti._prefixes[0]
         self.tutti.set_xfer_handshake_metadata({0: TuttiHandshake(rank=0, keys=list(self.store), inner=dict(self.inner))})
@@ -108,11 +119,14 @@ class _Engine:
         self.kv: dict[int, list[tuple[int, bool]]] = {}  # block -> per slot (prefix label, computed from wrong KV)
 
     def label(self, req, p: int) -> int:
-        """Names the prefix of ``req``'s tokens up to position ``p``: equal labels, equal prefixes."""
+        """Names the prefix of ``req``'s tokens up to position ``p``: equal labels, equal prefixes.
+        Every sampled token is TOKEN, so a request's tokens are known before vLLM has them (its
+        scheduler holds placeholders for tokens still in flight under asynchronous scheduling)."""
         labels = self.labels.setdefault(req.request_id, [])
-        tokens = req.all_token_ids
+        prompt = req.prompt_token_ids
         while len(labels) <= p:
-            labels.append(hash((labels[-1] if labels else 0, tokens[len(labels)])))
+            i = len(labels)
+            labels.append(hash((labels[-1] if labels else 0, prompt[i] if i < len(prompt) else TOKEN)))
         return labels[p]
 
     def add(self, tokens: list[int], max_tokens: int, abort_after: int = 0) -> str:
@@ -131,7 +145,7 @@ class _Engine:
     def run(self) -> None:
         """Steps until every request is done."""
         for _ in range(400):
-            if not self.sched.has_unfinished_requests():
+            if not self.sched.has_unfinished_requests() and not self.queue:
                 return
             self.step()
         raise AssertionError("requests still unfinished after 400 steps")
@@ -148,32 +162,47 @@ class _Engine:
         return self.kv.setdefault(b, [(GARBAGE, True)] * BLOCK)[s]
 
     def step(self) -> None:
+        """One engine-core step: schedule and run a step, then (once ``depth`` steps are in flight,
+        or nothing is left to schedule) process the oldest step's output."""
+        if self.sched.has_requests():
+            self.queue.append(self._run(self.sched.schedule()))
+            if len(self.queue) < self.depth and self.sched.has_requests():
+                return
+        if self.queue:
+            self._update(*self.queue.pop(0))
+
+    def _run(self, out) -> tuple:
+        """The step's loads and forward, and what the workers report of it."""
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorOutput
         from vllm.v1.outputs import ModelRunnerOutput
-        from vllm.v1.request import RequestStatus
 
         from tutti_cluster.vllm.config import unit_key
         from tutti_cluster.vllm.metadata import TuttiWorkerMetadata
 
-        out = self.sched.schedule()
         meta = out.kv_connector_metadata
         self.reported += len(meta.invalid_blocks)
         ub = UNIT // BLOCK
         # The loads land first; a failed one leaves garbage and is reported from its first unit.
         failed_blocks: set[int] = set()
         failed: dict[str, int] = {}
-        for t in meta.loads:
+        evicted: list[int] = []
+        recving = {t.req_id for t in meta.async_loads}  # done in this step (get_finished)
+        for t in meta.loads + meta.async_loads:
             keys = [unit_key(self.prefix, h) for h in t.hashes]
             if t.tail_keys:
                 keys[-1] = t.tail_keys[0]
-            fail = self.rng.random() < self.fail_rate
+            # A unit dropped since the lookup (by another load of this step) is a miss: it fails too.
+            fail = self.rng.random() < self.fail_rate or any(k not in self.store for k in keys)
             for i, key in enumerate(keys):
-                unit = self.store[key]
                 for j, b in enumerate(t.block_ids[i * ub : (i + 1) * ub]):
-                    self.kv[b] = [(GARBAGE, True)] * BLOCK if fail else unit[j * BLOCK : (j + 1) * BLOCK]
-            if fail:
+                    self.kv[b] = [(GARBAGE, True)] * BLOCK if fail else self.store[key][j * BLOCK : (j + 1) * BLOCK]
+            if fail:  # the store drops a unit that fails its checksum, and reports it evicted
                 failed_blocks.update(t.block_ids)
                 failed[t.req_id] = t.first_unit
+                for key in keys:
+                    if self.store.pop(key, None) is not None:
+                        evicted.append(key)
+                self.inner = {k: u for k, u in self.inner.items() if u not in keys}
         # The forward: every layer writes the scheduled tokens' KV, then attends to all of them; a
         # request that reads wrong KV writes wrong KV, which others may read in the same step.
         computed = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
@@ -209,17 +238,24 @@ class _Engine:
                 if t.inner and t.inner[i]:
                     inner[key] = [unit_key(self.prefix, x) for x in t.inner[i]]
                     self.inner.update(dict.fromkeys(inner[key], key))
-        sampled = {req.request_id: [1 + self.label(req, c + n - 1) % 50] if c + n >= req.num_tokens else []
-                   for req, _, c, n in work}
-        before = {req.request_id: req.num_output_tokens for req, *_ in work}
+        # A token for each request whose scheduled tokens reach its end (prompt, or last token).
+        sampled = {req.request_id: [TOKEN] if c + n >= req.num_tokens else [] for req, _, c, n in work}
         ids = list(sampled)
-        kv_out = KVConnectorOutput(finished_sending=sending or None,
+        kv_out = KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
                                    invalid_block_ids=failed_blocks | set(meta.invalid_blocks),
-                                   kv_connector_worker_meta=TuttiWorkerMetadata(committed, [], failed, inner))
-        self.sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                                             sampled_token_ids=[sampled[r] for r in ids],
-                                                             kv_connector_output=kv_out))
-        for req, *_ in work:
+                                   kv_connector_worker_meta=TuttiWorkerMetadata(committed, evicted, failed, inner))
+        result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                   sampled_token_ids=[sampled[r] for r in ids], kv_connector_output=kv_out)
+        return out, result, [req for req, *_ in work], wrong
+
+    def _update(self, out, result, reqs, wrong: set[str]) -> None:
+        """vLLM processes a step's output; a token it takes from a request that read wrong KV in
+        that step is the failure this test looks for."""
+        from vllm.v1.request import RequestStatus
+
+        before = {req.request_id: req.num_output_tokens for req in reqs}
+        self.sched.update_from_output(out, result)
+        for req in reqs:
             if req.request_id in wrong and req.num_output_tokens > before[req.request_id]:
                 self.accepted_wrong.append(req.request_id)
         for rid in list(self.aborts):
@@ -239,14 +275,16 @@ _action = st.one_of(_add, _add, _add, _step, _step, st.tuples(st.just("abort"), 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(24, 60), fail_rate=st.sampled_from([0.3, 0.6, 1.0]),
        actions=st.lists(_action, min_size=12, max_size=50))
-def test_no_output_is_taken_from_wrong_kv(env, seed, num_blocks, fail_rate, actions) -> None:
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async scheduling"])
+def test_no_output_is_taken_from_wrong_kv(env, async_sched, seed, num_blocks, fail_rate, actions) -> None:
     """A first engine stores four texts; then prompts cut from them (so they share prefixes in
     vLLM's prefix cache and in the store) are added, aborted and stepped in a random order, in a
     KV cache small enough to preempt, with engine restarts on the same store; loads fail at the
-    given rate. Then the engine steps until every request is done."""
+    given rate. Then the engine steps until every request is done. With asynchronous scheduling a
+    step is scheduled before the previous one's output (and its failed loads) is known."""
     rng = random.Random(seed)
     texts = [[random.Random(k).randrange(1, 50) for _ in range(330)] for k in range(4)]
-    e = _Engine(env, num_blocks, 0.0, rng)
+    e = _Engine(env, num_blocks, 0.0, rng, async_sched)
     for text in texts:  # a first engine stores every text
         e.add(text, 1)
         e.run()

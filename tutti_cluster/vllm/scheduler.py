@@ -211,6 +211,15 @@ class TuttiScheduler:
         # pipeline parallelism): a load failure there is reported that many steps later.
         self._defer = max(1, int(getattr(vllm_config, "max_concurrent_batches", 1) or 1))
         self._poisoned = _PoisonedBlocks(setup.block_size, keep_steps=self._defer)
+        # Under asynchronous scheduling (vLLM's default on GPUs) the next step is scheduled, and
+        # runs, before a step's output is processed: a request whose load failed would compute its
+        # next token over the failed blocks, and vLLM, which has rewound the request by then,
+        # keeps that token. So loads go through vLLM's asynchronous path (the request joins a
+        # later step, once its load is known good).
+        self._load_async = self.options.load_async or self._defer > 1
+        if self._load_async and not self.options.load_async and self.options.load:
+            log.info("Tutti connector: vLLM schedules asynchronously, so loads are asynchronous "
+                     "(a request joins the batch once its units are loaded and verified)")
         self._directory: Any = None
         config = setup.config
         if self.options.load and config.etcd:
@@ -341,7 +350,7 @@ class TuttiScheduler:
         ext = hits * self.unit_tokens + tail - num_computed_tokens
         if ext <= 0:
             return 0, False
-        return ext, self.options.load_async
+        return ext, self._load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -372,7 +381,7 @@ class TuttiScheduler:
         self._stats.add("lookup_hit_units", len(hashes))
         remote_from = max(local - first, 0) if hits > local else None
         t = Transfer(req_id, hashes, ids, first, remote_from, tail_keys=tail_keys)
-        (self._pending_async if self.options.load_async else self._pending_loads).append(t)
+        (self._pending_async if self._load_async else self._pending_loads).append(t)
 
     # ---- each step ------------------------------------------------------------------------------
     def _track_blocks(self, scheduler_output: SchedulerOutput) -> None:
