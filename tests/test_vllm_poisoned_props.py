@@ -80,8 +80,9 @@ class _Env(tuple):
 class _Engine:
     """vLLM's scheduler with the connector, and a simulated forward that tracks what each KV slot holds."""
 
-    def __init__(self, env, num_blocks: int, fail_rate: float, rng: random.Random, async_sched: bool = False) -> None:
-        self.env, self.num_blocks, self.async_sched = env, num_blocks, async_sched
+    def __init__(self, env, num_blocks: int, fail_rate: float, rng: random.Random, async_sched: bool = False,
+                 budget: int = 160) -> None:
+        self.env, self.num_blocks, self.async_sched, self.budget = env, num_blocks, async_sched, budget
         self.store: dict[int, list[tuple[int, bool]]] = {}  # unit key -> its slots, as saved
         self.inner: dict[int, int] = {}  # inner key -> unit key
         self.fail_rate, self.rng = fail_rate, rng
@@ -106,6 +107,7 @@ class _Engine:
         # Asynchronous scheduling (vLLM's default on GPUs): step N + 1 is scheduled, and runs, before
         # step N's output is processed (max_concurrent_batches 2), as in EngineCore.step_with_batch_queue.
         config.scheduler_config.async_scheduling = self.async_sched
+        config.scheduler_config.max_num_batched_tokens = self.budget  # tokens per step: chunked prefill
         self.depth = config.max_concurrent_batches
         self.queue: list[tuple] = []  # steps run whose output is not processed yet, oldest first
         kv = KVCacheConfig(num_blocks=self.num_blocks, kv_cache_tensors=[],
@@ -274,9 +276,9 @@ _action = st.one_of(_add, _add, _add, _step, _step, st.tuples(st.just("abort"), 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(24, 60), fail_rate=st.sampled_from([0.3, 0.6, 1.0]),
-       actions=st.lists(_action, min_size=12, max_size=50))
+       budget=st.sampled_from([48, 160]), actions=st.lists(_action, min_size=12, max_size=50))
 @pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async scheduling"])
-def test_no_output_is_taken_from_wrong_kv(env, async_sched, seed, num_blocks, fail_rate, actions) -> None:
+def test_no_output_is_taken_from_wrong_kv(env, async_sched, seed, num_blocks, fail_rate, budget, actions) -> None:
     """A first engine stores four texts; then prompts cut from them (so they share prefixes in
     vLLM's prefix cache and in the store) are added, aborted and stepped in a random order, in a
     KV cache small enough to preempt, with engine restarts on the same store; loads fail at the
@@ -284,7 +286,7 @@ def test_no_output_is_taken_from_wrong_kv(env, async_sched, seed, num_blocks, fa
     step is scheduled before the previous one's output (and its failed loads) is known."""
     rng = random.Random(seed)
     texts = [[random.Random(k).randrange(1, 50) for _ in range(330)] for k in range(4)]
-    e = _Engine(env, num_blocks, 0.0, rng, async_sched)
+    e = _Engine(env, num_blocks, 0.0, rng, async_sched, budget)
     for text in texts:  # a first engine stores every text
         e.add(text, 1)
         e.run()
@@ -325,3 +327,56 @@ def test_a_unit_computed_on_a_failed_loads_blocks_is_never_stored(env) -> None:
     e.add(text, 3)
     e.run()
     assert not e.accepted_wrong, f"outputs taken from wrong KV: {e.accepted_wrong}"
+
+
+@pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async scheduling"])
+def test_a_load_inside_a_unit_a_running_request_reads_never_serves_its_failure(env, async_sched) -> None:
+    """Q (70 tokens) restores two blocks of a stored unit and decodes; R, the same text 300 tokens
+    long, finds Q's two blocks in vLLM's prefix cache and loads from the unit's first block, over
+    them, and the load fails while Q still runs. Under asynchronous scheduling Q's next step runs
+    before the failure is known, so such a load is not made at all; synchronously, vLLM hears of
+    it in that step and recomputes Q. No output is taken from the failed load's bytes."""
+    text = [random.Random(0).randrange(1, 50) for _ in range(330)]
+    e = _Engine(env, 40, 0.0, random.Random(0), async_sched)
+    e.add(text, 1)
+    e.run()
+    e.restart()
+    e.add(text[:70], 30)
+    for _ in range(6):
+        e.step()
+    e.fail_rate = 1.0
+    e.add(text[:300], 3)
+    e.step()
+    e.fail_rate = 0.0
+    e.run()
+    assert not e.accepted_wrong, f"outputs taken from wrong KV: {e.accepted_wrong}"
+
+
+def test_its_own_reported_reads_coming_back_poison_nothing_written_whole_since() -> None:
+    """Asynchronous scheduling, two steps kept: in step 1 R reads poisoned block 3 (reported; R's
+    write of block 5 is poisoned); step 2, scheduled before step 1's output, has R (rewound)
+    write blocks 3-5 whole. Step 1's output then lists block 3 (the tracker's own report): it must
+    not poison block 3 again, nor what R wrote since, or R would recompute for ever."""
+    from tutti_cluster.vllm.scheduler import _PoisonedBlocks
+
+    p = _PoisonedBlocks(BLOCK, keep_steps=2)
+    p.blocks = {3}
+    assert p.step([([3, 4, 5], 64, 10)], ()) == {3} and p.blocks == {3, 5}
+    assert p.step([([3, 4, 5], 0, 96)], ()) == set() and not p.blocks
+    p.failed({3})
+    assert not p.blocks
+    p.failed({4})  # a block that did fail: poisoned, with what the kept steps computed over it
+    assert p.blocks == {4, 5}
+
+
+def test_blocks_written_whole_in_a_step_are_clean_for_every_reader_of_it() -> None:
+    """Request A reads poisoned block 9 (so what it writes, block 2, is poisoned); B's load lands
+    block 5, which B reads: block 5 is clean, and only block 9 is reported (the fresh blocks are
+    taken once, however often the tracker's fixpoint loops)."""
+    from tutti_cluster.vllm.scheduler import _PoisonedBlocks
+
+    p = _PoisonedBlocks(BLOCK, keep_steps=1)
+    p.blocks = {5, 9}
+    read = p.step([([9, 1, 2], 64, 1), ([5, 6], 32, 10)], iter([5]))
+    assert read == {9}
+    assert p.blocks == {9, 2}  # A's write of block 2 was computed over block 9

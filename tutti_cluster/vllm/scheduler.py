@@ -42,6 +42,12 @@ that leaves them to be served to the next prompt that shares them. ``_PoisonedBl
 those blocks, and the blocks computed on top of them, until a forward writes them again; a
 request that reads one as computed is reported to vLLM as a failed load in that step (its output
 is dropped, it recomputes from there), and no save reads one.
+
+Under vLLM's asynchronous scheduling (``max_concurrent_batches`` > 1) the next step is scheduled and
+run before a step's failed loads are known, and vLLM keeps the token that a request it has rewound
+computed there. So loads are asynchronous (the request waits outside the batch until its units are
+verified), and a load that would start inside a unit whose leading blocks vLLM's prefix cache
+already holds, which running requests read, is not made.
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ class _PoisonedBlocks:
         self.block_size = block_size
         self.blocks: set[int] = set()
         self._steps: deque[list[_Sched]] = deque(maxlen=keep_steps)
+        self._reported: deque[set[int]] = deque(maxlen=keep_steps)  # each kept step's reported reads
 
     def _span(self, c: int, n: int) -> tuple[int, int]:
         """Block indices a request writes in a step: from the one holding token ``c`` to the one
@@ -130,8 +137,10 @@ class _PoisonedBlocks:
         writes is poisoned in turn."""
         self._steps.append(sched)
         if not self.blocks:
+            self._reported.append(set())
             return set()
         bs = self.block_size
+        fresh = set(fresh)
         tainted: set[int] = set()  # requests that read wrong KV: what they write is wrong too
         while True:  # grows only: a tainted writer leaves more blocks poisoned, tainting more readers
             whole = set(fresh)
@@ -150,17 +159,23 @@ class _PoisonedBlocks:
             lo, hi = self._span(c, n)
             left.update(ids[lo:hi])
         self.blocks = left
+        self._reported.append(read)
         return read
 
     def failed(self, blocks: Iterable[int]) -> None:
         """Blocks vLLM was told hold no valid KV after a step: poisoned, and with them what the
-        kept steps wrote on top of them."""
-        self.blocks.update(blocks)
+        kept steps, in order, wrote after reading one of them. The reads this tracker reported
+        itself are left out: already followed, and perhaps written whole again since."""
+        bad = set(blocks).difference(*self._reported)
+        if not bad:
+            return
+        bs = self.block_size
         for sched in self._steps:
             for ids, c, n in sched:
-                lo, hi = self._span(c, n)
-                if not self.blocks.isdisjoint(ids[:hi]):
-                    self.blocks.update(ids[lo:hi])
+                if not bad.isdisjoint(ids[: -(-c // bs)]):  # read as computed (its own partial block too)
+                    lo, hi = self._span(c, n)
+                    bad.update(ids[lo:hi])
+        self.blocks |= bad
 
 
 # (local units, all units, tail tokens, tail unit's hash, tail unit's key per rank): TuttiScheduler._lookup
@@ -349,6 +364,12 @@ class TuttiScheduler:
         _, hits, tail, _, _ = looked
         ext = hits * self.unit_tokens + tail - num_computed_tokens
         if ext <= 0:
+            return 0, False
+        if self._defer > 1 and num_computed_tokens % self.unit_tokens:
+            # The load would start at the unit's first block, below the tokens vLLM's prefix cache
+            # already holds, and write blocks that running requests read. Asynchronously, they
+            # would keep a token computed over a failed load's bytes there (module docs): no load.
+            self._stats.add("lookup_declined_units", -(-ext // self.unit_tokens))
             return 0, False
         return ext, self._load_async
 
