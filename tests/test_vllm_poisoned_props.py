@@ -344,12 +344,17 @@ def test_a_load_inside_a_unit_a_running_request_reads_never_serves_its_failure(e
     e.add(text[:70], 30)
     for _ in range(6):
         e.step()
+    declined: list[int] = []
+    count = e.tutti._stats.add
+    e.tutti._stats.add = lambda name, n: (declined.append(n) if name == "lookup_declined_units" else None,
+                                          count(name, n))
     e.fail_rate = 1.0
     e.add(text[:300], 3)
     e.step()
     e.fail_rate = 0.0
     e.run()
     assert not e.accepted_wrong, f"outputs taken from wrong KV: {e.accepted_wrong}"
+    assert (sum(declined) > 0) == async_sched  # asynchronously, R's load was not made
 
 
 def test_its_own_reported_reads_coming_back_poison_nothing_written_whole_since() -> None:

@@ -217,6 +217,7 @@ class TuttiScheduler:
         self._inner = _InnerIndex(max_units=(1 << 15) * setup.world)
         self._reqs: dict[str, _ReqState] = {}
         self._lookups: dict[str, _Lookup] = {}  # req_id -> the latest _lookup
+        self._declined: dict[str, int] = {}  # req_id -> units its latest lookup found but did not load
         self._pending_loads: list[Transfer] = []
         self._pending_async: list[Transfer] = []
         self._lookups_at: dict[str, tuple[float, int, int, int]] = {}  # req_id -> (time, units asked, local, all)
@@ -361,6 +362,7 @@ class TuttiScheduler:
             return 0, False
         looked = self._lookup(request)
         self._lookups[request.request_id] = looked
+        self._declined.pop(request.request_id, None)
         _, hits, tail, _, _ = looked
         ext = hits * self.unit_tokens + tail - num_computed_tokens
         if ext <= 0:
@@ -369,13 +371,14 @@ class TuttiScheduler:
             # The load would start at the unit's first block, below the tokens vLLM's prefix cache
             # already holds, and write blocks that running requests read. Asynchronously, they
             # would keep a token computed over a failed load's bytes there (module docs): no load.
-            self._stats.add("lookup_declined_units", -(-ext // self.unit_tokens))
+            self._declined[request.request_id] = -(-ext // self.unit_tokens)  # counted once allocated
             return 0, False
         return ext, self._load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         looked = self._lookups.pop(req_id, None)
+        self._stats.add("lookup_declined_units", self._declined.pop(req_id, 0))
         local, hits, tail, tail_h, tail_keys = looked if looked is not None else self._lookup(request)
         state = self._reqs.get(req_id)
         if state is None or num_external_tokens > 0:
@@ -591,6 +594,7 @@ class TuttiScheduler:
         load is known good, or writes running on past their step); then the workers report the
         request (``get_finished``) once that is done."""
         self._lookups.pop(request.request_id, None)
+        self._declined.pop(request.request_id, None)
         self._lookups_at.pop(request.request_id, None)
         st = self._reqs.get(request.request_id)
         if st is not None and (st.pending or st.writing):
