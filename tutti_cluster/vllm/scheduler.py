@@ -428,9 +428,7 @@ class TuttiScheduler:
     def _fresh_blocks(self, scheduler_output: SchedulerOutput, meta: TuttiConnectorMetadata,
                       computed: dict[str, int]) -> Iterable[int]:
         """The blocks this step loads or newly allocates (those past a new or resumed request's
-        computed tokens, and a running request's new ones); only when a block is poisoned."""
-        if not self._poisoned.blocks:
-            return
+        computed tokens, and a running request's new ones); read only while a block is poisoned."""
         for t in meta.loads + meta.async_loads:
             yield from t.block_ids
         bs = self.setup.block_size
