@@ -16,6 +16,7 @@ from tutti_cluster import TuttiConfig, TuttiStore
 # A small model shape: 4 layers, 16-token blocks, 2 heads of 32 (uint16 stands in for bf16).
 LAYERS, BLOCKS, BLOCK_TOKENS, HEADS, HEAD = 4, 96, 16, 2, 32
 UNIT_TOKENS = 64  # 4 blocks per unit
+LAYOUTS = ["kv_first", "block_first", "kv_tuple", "interleaved", "mla"]
 
 
 def make_kv(layout: str = "kv_first", layers: int = LAYERS, blocks: int = BLOCKS, seed: int = 0) -> list:

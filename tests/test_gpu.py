@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from conftest import LAYOUTS
 from tutti_cluster import TuttiConfig, TuttiStore, _native
 from tutti_cluster.errors import DeviceError
 from tutti_cluster.kv_layout import LayerKV
@@ -31,7 +32,6 @@ except ImportError:  # the CI image may lack torch entirely
     torch = None  # type: ignore[assignment]
     HAVE_GPU = False
 
-LAYOUTS = ["kv_first", "block_first", "kv_tuple", "interleaved", "mla"]
 
 needs_gpu = [
     pytest.mark.gpu,
@@ -473,6 +473,83 @@ def test_corrupt_object_is_a_miss(dirs: list[Path]) -> None:
         assert len(res.failed_units) == 1, res
         assert s.stats()["checksum_failures"] == 1
         assert s.lookup(keys) < len(keys)  # the damaged unit was dropped
+
+
+def moved(before: list, want: list, src_blocks: Any, dst_blocks: Any, layout: str) -> list:
+    """``before`` with block ``dst[i]`` of every object replaced by ``want``'s block ``src[i]``, for
+    every i whose dst is not SKIP_BLOCK."""
+    from tutti_cluster.store import SKIP_BLOCK
+
+    out = clone(before)
+    pairs = [(s, d) for s, d in zip(np.asarray(src_blocks).tolist(), np.asarray(dst_blocks).tolist()) if d != SKIP_BLOCK]
+    src = torch.as_tensor([s for s, _ in pairs], device="cuda")
+    dst = torch.as_tensor([d for _, d in pairs], device="cuda")
+    for l in range(len(out)):
+        for a, b in zip(objects(want[l], layout), objects(out[l], layout)):
+            b.index_copy_(0, dst, a.index_select(0, src))
+    return out
+
+
+def assert_same(got: list, want: list) -> None:
+    for l, (a, b) in enumerate(zip(got, want)):
+        for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+            assert torch.equal(_bits(x), _bits(y)), f"layer {l} differs"
+
+
+@gpu
+@pytest.mark.parametrize("mapped", [False, True], ids=["io_uring", "mapped"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_skipped_blocks_are_checked_and_left_alone(shm_dirs: list[Path], dirs: list[Path], mapped: bool,
+                                                   layout: str) -> None:
+    """A retrieve's SKIP_BLOCK ids (the leading blocks of a unit an engine's prefix cache holds): the
+    I/O kernel sums those blocks' bytes with their object and writes them nowhere, from staging and
+    from mapped pool files, and on the remote path's scatter; damage inside them fails the unit."""
+    from tutti_cluster.errors import NotFound
+    from tutti_cluster.store import SKIP_BLOCK
+
+    kv = make_gpu_kv(layout, layers=3, blocks=128, seed=21)
+    rng = np.random.default_rng(23)
+    paths = [shm_dirs[0], dirs[0]]
+    with open_gpu_store(paths, kv, layout, map_memory_paths=mapped) as s:
+        ub = s.unit_blocks
+        keys = [int(k) for k in rng.integers(1, 1 << 62, 8)]
+        n = 8 * ub - 1  # the last unit partial
+        src = rng.permutation(128)[:n]
+        assert s.store(keys, src).ok
+        want = clone(kv)
+        for trial in range(6):
+            poison(kv, 0x1111 * (trial + 1))
+            before = clone(kv)
+            mask = rng.random(n) < (0.5 if trial % 2 else 0.2)
+            mask[:ub - 1] = trial < 3  # leading blocks of the first unit, as the connector skips them
+            ids = np.where(mask, SKIP_BLOCK, rng.permutation(128)[:n])
+            res = s.retrieve(keys, ids)
+            torch.cuda.synchronize()
+            assert res.ok, res
+            assert_same(kv, moved(before, want, src, ids, layout))
+        data = s.read_unit(keys[0])
+        poison(kv)
+        before = clone(kv)
+        ids = np.array([SKIP_BLOCK, SKIP_BLOCK] + list(range(100, 100 + ub - 2)))
+        s.scatter_unit(data, ids)
+        torch.cuda.synchronize()
+        assert_same(kv, moved(before, want, src[:ub], ids, layout))
+        bad = bytearray(data)
+        bad[s.geometry()["header_bytes"] + 8] ^= 0x01  # object 0, in block 0: skipped
+        with pytest.raises(NotFound, match="checksum"):
+            s.scatter_unit(bad, ids)
+        g = s.geometry()
+    pool = paths[0] / "tutti-gpu.pool"  # slot 0 of the first file: the first unit
+    with open(pool, "r+b") as f:
+        at = g["header_bytes"] + g["obj_bytes"] + 64  # object 1, in block 0
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with open_gpu_store(paths, kv, layout, map_memory_paths=mapped) as s:
+        res = s.retrieve(keys[:1], [SKIP_BLOCK] + list(range(1, ub)))
+        assert res.failed_units == [0], res
+        assert s.lookup(keys[:1]) == 0
 
 
 @gpu

@@ -16,12 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import BLOCKS, assert_units_equal, make_kv, objects, open_store, snapshot, zero
+from conftest import BLOCKS, LAYOUTS, assert_units_equal, make_kv, objects, open_store, snapshot, zero
 from test_integrity import find_slots, header_format
 from tutti_cluster import _native
 
 PATHS = ["disk", "tmpfs-io_uring", "tmpfs-mapped"]
-LAYOUTS = ["kv_first", "block_first", "kv_tuple", "interleaved", "mla"]
 
 
 @pytest.fixture(params=PATHS)

@@ -7,12 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import (BLOCKS, UNIT_TOKENS, assert_units_equal, make_kv, open_store, snapshot, zero)
+from conftest import BLOCKS, LAYOUTS, UNIT_TOKENS, assert_units_equal, make_kv, open_store, snapshot, zero
 from tutti_cluster import TuttiConfig, TuttiStore
 from tutti_cluster.keys import chain_keys, to_key
 from tutti_cluster.kv_layout import layers_from_cross_layer_tensor
 
-LAYOUTS = ["kv_first", "block_first", "kv_tuple", "interleaved", "mla"]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -179,7 +179,7 @@ class _Engine:
         from vllm.v1.outputs import ModelRunnerOutput
 
         from tutti_cluster.vllm.config import unit_key
-        from tutti_cluster.vllm.metadata import TuttiWorkerMetadata
+        from tutti_cluster.vllm.metadata import SKIP_BLOCK, TuttiWorkerMetadata
 
         meta = out.kv_connector_metadata
         self.reported += len(meta.invalid_blocks)
@@ -197,9 +197,10 @@ class _Engine:
             fail = self.rng.random() < self.fail_rate or any(k not in self.store for k in keys)
             for i, key in enumerate(keys):
                 for j, b in enumerate(t.block_ids[i * ub : (i + 1) * ub]):
-                    self.kv[b] = [(GARBAGE, True)] * BLOCK if fail else self.store[key][j * BLOCK : (j + 1) * BLOCK]
+                    if b != SKIP_BLOCK:  # a skipped block (vLLM's prefix cache holds it) is left alone
+                        self.kv[b] = [(GARBAGE, True)] * BLOCK if fail else self.store[key][j * BLOCK : (j + 1) * BLOCK]
             if fail:  # the store drops a unit that fails its checksum, and reports it evicted
-                failed_blocks.update(t.block_ids)
+                failed_blocks.update(t.written())
                 failed[t.req_id] = t.first_unit
                 for key in keys:
                     if self.store.pop(key, None) is not None:
@@ -330,31 +331,40 @@ def test_a_unit_computed_on_a_failed_loads_blocks_is_never_stored(env) -> None:
 
 
 @pytest.mark.parametrize("async_sched", [False, True], ids=["sync", "async scheduling"])
-def test_a_load_inside_a_unit_a_running_request_reads_never_serves_its_failure(env, async_sched) -> None:
+def test_a_load_inside_a_unit_leaves_the_blocks_a_running_request_reads(env, async_sched) -> None:
     """Q (70 tokens) restores two blocks of a stored unit and decodes; R, the same text 300 tokens
-    long, finds Q's two blocks in vLLM's prefix cache and loads from the unit's first block, over
-    them, and the load fails while Q still runs. Under asynchronous scheduling Q's next step runs
-    before the failure is known, so such a load is not made at all; synchronously, vLLM hears of
-    it in that step and recomputes Q. No output is taken from the failed load's bytes."""
+    long, finds Q's two blocks in vLLM's prefix cache and loads the rest of the unit, those two
+    blocks skipped, and the load fails while Q still runs. Q's blocks keep Q's KV (under
+    asynchronous scheduling Q's next step runs before the failure is known); R recomputes from its
+    first loaded block. No output is taken from the failed load's bytes."""
     text = [random.Random(0).randrange(1, 50) for _ in range(330)]
     e = _Engine(env, 40, 0.0, random.Random(0), async_sched)
     e.add(text, 1)
     e.run()
     e.restart()
-    e.add(text[:70], 30)
+    q = e.add(text[:70], 30)
     for _ in range(6):
         e.step()
-    declined: list[int] = []
-    count = e.tutti._stats.add
-    e.tutti._stats.add = lambda name, n: (declined.append(n) if name == "lookup_declined_units" else None,
-                                          count(name, n))
+    (q_blocks,) = e.sched.kv_cache_manager.get_block_ids(q)
+    held = [e.kv[b] for b in q_blocks[:2]]
+    loads: list[list[int]] = []
+    emit = e.tutti.build_connector_meta
+
+    def build(out):
+        meta = emit(out)
+        loads.extend(t.block_ids for t in meta.loads + meta.async_loads)
+        return meta
+
+    e.tutti.build_connector_meta = build
     e.fail_rate = 1.0
-    e.add(text[:300], 3)
+    r = e.add(text[:300], 3)
     e.step()
     e.fail_rate = 0.0
+    assert [e.kv[b] for b in q_blocks[:2]] == held  # the failed load left them alone
     e.run()
     assert not e.accepted_wrong, f"outputs taken from wrong KV: {e.accepted_wrong}"
-    assert (sum(declined) > 0) == async_sched  # asynchronously, R's load was not made
+    assert loads and loads[0][:2] == [-1, -1], loads  # R's load was made, Q's blocks skipped
+    assert r not in e.sched.requests
 
 
 def test_its_own_reported_reads_coming_back_poison_nothing_written_whole_since() -> None:

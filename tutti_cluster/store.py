@@ -36,6 +36,9 @@ from tutti_cluster.kv_layout import Layout, LayerKV, describe, describe_block, l
 log = logging.getLogger(__name__)
 
 _RETRIEVE, _STORE = _native.ReqOp.RETRIEVE, _native.ReqOp.STORE
+# A retrieve's (or scatter's) block id for a block of a unit that is checked with the rest of its
+# object but written nowhere: the engine holds it already (a prefix cache hit ending inside the unit).
+SKIP_BLOCK = -1
 _DIRECT = {"auto": _native.DirectMode.AUTO, "on": _native.DirectMode.ON, "off": _native.DirectMode.OFF}
 
 
@@ -282,7 +285,11 @@ class TuttiStore:
 
     # ---- engine API ----------------------------------------------------------------------------
     def begin_retrieve(self, keys: Sequence[Key], block_ids: Any) -> int:
-        """Hands a request's unit keys and destination block ids over once; returns its handle."""
+        """Hands a request's unit keys and destination block ids over once; returns its handle.
+
+        A block id of :data:`SKIP_BLOCK` leaves that block as it is: the unit's bytes for it are
+        read and checked with the rest of the unit, and placed nowhere.
+        """
         return self._begin(_RETRIEVE, keys, block_ids)
 
     def begin_store(self, keys: Sequence[Key], block_ids: Any,
@@ -455,7 +462,8 @@ class TuttiStore:
         Works on every backend: on CUDA a kernel reads the unit from host memory in place when it is
         in memory given to :meth:`register_host` (else from a pinned copy) and returns once the
         blocks are written. Raises NotFound (a miss) when the header or an object fails its
-        checksum (the blocks then hold no valid KV), DeviceError when the device fails.
+        checksum (the blocks then hold no valid KV), DeviceError when the device fails. Block ids of
+        :data:`SKIP_BLOCK` are checked and not written, as in :meth:`begin_retrieve`.
         """
         self._e.scatter_unit(data, _block_array(block_ids))
 

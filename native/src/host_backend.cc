@@ -73,9 +73,11 @@ class HostBackend final : public Backend {
     for (uint32_t o = 0; o < g.num_objs(); ++o) {
       const uint8_t* src = unit + g.header_bytes + static_cast<uint64_t>(o) * g.obj_bytes;
       uint32_t sum = 0;
-      for (uint32_t b = 0; b < g.unit_blocks; ++b)
-        sum = crc32c_copy(sum, reinterpret_cast<uint8_t*>(dst[static_cast<uint64_t>(o) * g.unit_blocks + b]),
-                          src + b * g.block_bytes, g.block_bytes);
+      for (uint32_t b = 0; b < g.unit_blocks; ++b) {
+        auto* d = reinterpret_cast<uint8_t*>(dst[static_cast<uint64_t>(o) * g.unit_blocks + b]);
+        const uint8_t* s = src + b * g.block_bytes;
+        sum = d ? crc32c_copy(sum, d, s, g.block_bytes) : crc32c_extend(sum, s, g.block_bytes);  // 0: skipped
+      }
       if (crc32c_extend(sum, src + payload, g.obj_bytes - payload) != sums[o]) {
         bad = o;
         break;
@@ -232,7 +234,7 @@ uint32_t HostBackend::group_size(const Iocb& b, const RequestView& r, uint32_t o
 }
 
 // Calls f(block_bytes_ptr, offset_in_object, length) for every run of the object's bytes that sits in
-// the KV blocks, in object order.
+// the KV blocks, in object order; block_bytes_ptr is null for a retrieve's skipped blocks.
 template <typename F>
 void HostBackend::for_each_piece(uint32_t layer, const RequestView& r, const Ioctx& x, F f) const {
   const Geometry& g = k_->geom;
@@ -240,7 +242,9 @@ void HostBackend::for_each_piece(uint32_t layer, const RequestView& r, const Ioc
   for (uint32_t e = 0; e < x.extent_count; ++e) {
     const Extent& ext = r.extents[x.extent_first + e];
     const uint64_t at = static_cast<uint64_t>(ext.unit_offset_blocks) * g.block_bytes;
-    if (l.block_stride == g.block_bytes) {
+    if (ext.skip()) {
+      f(nullptr, at, ext.num_blocks * g.block_bytes);
+    } else if (l.block_stride == g.block_bytes) {
       f(k_->extents->addr(layer, x.obj, ext.first_block), at, ext.num_blocks * g.block_bytes);
     } else {
       for (uint32_t j = 0; j < ext.num_blocks; ++j)
@@ -250,12 +254,13 @@ void HostBackend::for_each_piece(uint32_t layer, const RequestView& r, const Ioc
 }
 
 // Moves one object between staging and its KV blocks (`to_blocks`: retrieve) in one pass that also
-// sums the staging-side bytes; returns the object's checksum.
+// sums the staging-side bytes; returns the object's checksum. Skipped blocks (retrieve) are summed only.
 uint64_t HostBackend::move_object(uint32_t layer, const RequestView& r, const Ioctx& x, uint8_t* obj, bool to_blocks) {
   const Geometry& g = k_->geom;
   uint32_t crc = 0;
   for_each_piece(layer, r, x, [&](uint8_t* blocks, uint64_t at, uint64_t n) {
-    crc = to_blocks ? crc32c_copy(crc, blocks, obj + at, n) : crc32c_copy(crc, obj + at, blocks, n);
+    if (!blocks) crc = crc32c_extend(crc, obj + at, n);
+    else crc = to_blocks ? crc32c_copy(crc, blocks, obj + at, n) : crc32c_copy(crc, obj + at, blocks, n);
   });
   const uint64_t payload = payload_of(r, x);
   if (payload < g.obj_bytes) {  // padding, or a partial unit's missing blocks: zero on store, checked on retrieve
@@ -276,7 +281,8 @@ uint64_t HostBackend::sum_in_place(uint32_t layer, const RequestView& r, const I
 }
 
 // Scatter-gather list of `n` adjacent objects straight in the KV blocks, padding in `pad` (the
-// slot's staging chunks). False when the list would be too long for one I/O.
+// slot's staging chunks). False when the list would be too long for one I/O, or an object skips
+// blocks (their bytes need a place to be summed: staging).
 bool HostBackend::build_iov(uint32_t layer, const RequestView& r, const Ioctx* xs, uint32_t n, uint8_t* pad,
                             std::vector<struct iovec>* iov) const {
   const Geometry& g = k_->geom;
@@ -285,7 +291,7 @@ bool HostBackend::build_iov(uint32_t layer, const RequestView& r, const Ioctx* x
     uint64_t next = 0;
     bool ordered = true;
     for_each_piece(layer, r, xs[k], [&](uint8_t* blocks, uint64_t at, uint64_t len) {
-      ordered = ordered && at == next;
+      ordered = ordered && at == next && blocks;
       next = at + len;
       iov->push_back({blocks, len});
     });

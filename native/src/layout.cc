@@ -198,13 +198,20 @@ Status ExtentMap::init(const std::vector<LayerKV>& layers) {
   return Status::Ok();
 }
 
-Status ExtentMap::build(const int64_t* block_ids, uint32_t n, std::vector<Extent>* out) const {
+Status ExtentMap::build(const int64_t* block_ids, uint32_t n, std::vector<Extent>* out, bool skip) const {
   uint32_t i = 0;
   while (i < n) {
     int64_t b = block_ids[i];
-    if (b < 0 || static_cast<uint64_t>(b) >= num_blocks_)
-      return {Code::kLayout, "block id " + std::to_string(b) + " out of range [0, " + std::to_string(num_blocks_) + ")"};
     uint32_t j = i + 1;
+    if (b == kSkipBlockId && skip) {
+      while (j < n && block_ids[j] == kSkipBlockId) ++j;
+      out->push_back(Extent{kSkipBlock, j - i, i});
+      i = j;
+      continue;
+    }
+    if (b < 0 || static_cast<uint64_t>(b) >= num_blocks_)
+      return {Code::kLayout, "block id " + std::to_string(b) + " out of range [0, " + std::to_string(num_blocks_) + ")" +
+                                 (b == kSkipBlockId ? " (-1, skip the block, is for retrieves only)" : "")};
     while (j < n && block_ids[j] == block_ids[j - 1] + 1 && static_cast<uint64_t>(block_ids[j]) < num_blocks_) ++j;
     out->push_back(Extent{static_cast<uint64_t>(b), j - i, i});
     i = j;

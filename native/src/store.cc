@@ -196,7 +196,8 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   std::vector<std::pair<uint32_t, uint32_t>> unit_ext(n_units);
   for (uint32_t u = 0; u < n_units; ++u) {
     uint32_t first = static_cast<uint32_t>(r.extents.size());
-    Status st = extents_.build(block_ids + static_cast<uint64_t>(u) * g.unit_blocks, r.unit_blocks[u], &r.extents);
+    Status st = extents_.build(block_ids + static_cast<uint64_t>(u) * g.unit_blocks, r.unit_blocks[u], &r.extents,
+                               op == ReqOp::kRetrieve);
     if (!st.ok()) return st;
     unit_ext[u] = {first, static_cast<uint32_t>(r.extents.size()) - first};
   }
@@ -664,14 +665,14 @@ Status Store::scatter_unit_async(const uint8_t* data, uint64_t n, const int64_t*
     return {Code::kLayout, "scatter_unit moves whole units; this one holds " + std::to_string(blocks) + " of " +
                                std::to_string(g.unit_blocks) + " blocks (a prefix's partial tail)"};
   std::vector<Extent> ext;
-  st = extents_.build(block_ids, g.unit_blocks, &ext);
+  st = extents_.build(block_ids, g.unit_blocks, &ext, true);
   if (!st.ok()) return st;
-  std::vector<uint64_t> dst(static_cast<uint64_t>(g.num_objs()) * g.unit_blocks);
+  std::vector<uint64_t> dst(static_cast<uint64_t>(g.num_objs()) * g.unit_blocks);  // 0: a skipped block
   for (uint32_t l = 0; l < g.num_layers; ++l)
     for (uint32_t o = 0; o < g.objs_per_layer; ++o) {
       uint64_t* d = dst.data() + (static_cast<uint64_t>(l) * g.objs_per_layer + o) * g.unit_blocks;
       for (const Extent& e : ext)
-        for (uint32_t j = 0; j < e.num_blocks; ++j)
+        for (uint32_t j = 0; j < e.num_blocks && !e.skip(); ++j)
           d[e.unit_offset_blocks + j] = reinterpret_cast<uint64_t>(extents_.addr(l, o, e.first_block + j));
     }
   uint32_t slot = 0;

@@ -201,6 +201,20 @@ static void test_extents() {
   int64_t bad[] = {99, 100};
   out.clear();
   CHECK(m.build(bad, 2, &out).code() == Code::kLayout);
+  // A retrieve's skipped blocks (-1) form runs of their own; elsewhere -1 is out of range.
+  int64_t skip[] = {-1, -1, 7, 8, -1, 3};
+  out.clear();
+  CHECK(m.build(skip, 6, &out).code() == Code::kLayout);
+  out.clear();
+  CHECK(m.build(skip, 6, &out, true).ok());
+  CHECK(out.size() == 4);
+  CHECK(out[0].skip() && out[0].num_blocks == 2 && out[0].unit_offset_blocks == 0);
+  CHECK(out[1].first_block == 7 && out[1].num_blocks == 2 && out[1].unit_offset_blocks == 2);
+  CHECK(out[2].skip() && out[2].num_blocks == 1 && out[2].unit_offset_blocks == 4);
+  CHECK(out[3].first_block == 3 && out[3].num_blocks == 1);
+  int64_t neg[] = {-2};
+  out.clear();
+  CHECK(m.build(neg, 1, &out, true).code() == Code::kLayout);
   CHECK(m.addr(1, 1, 3) == reinterpret_cast<uint8_t*>(0x100000 + 3 * 64));
 }
 

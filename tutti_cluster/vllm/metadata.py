@@ -20,14 +20,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-__all__ = ["Transfer", "TuttiConnectorMetadata", "TuttiHandshake", "TuttiWorkerMetadata"]
+# A load's block id for a block the store checks with its unit and leaves as it is (the value of
+# tutti_cluster.store.SKIP_BLOCK, which this module does not import: the scheduler process has no store).
+SKIP_BLOCK = -1
+
+__all__ = ["SKIP_BLOCK", "Transfer", "TuttiConnectorMetadata", "TuttiHandshake", "TuttiWorkerMetadata"]
 
 
 @dataclass
 class Transfer:
     """One request's units to move this step: ``hashes[i]`` names unit ``i``; its blocks are
     ``block_ids[i * unit_blocks : (i + 1) * unit_blocks]``, except that the last unit may hold fewer
-    (a prompt's partial last unit)."""
+    (a prompt's partial last unit). A load's first unit may name its leading blocks
+    :data:`SKIP_BLOCK`: vLLM's prefix cache holds them, so they are checked and not written."""
 
     req_id: str
     hashes: list[bytes]
@@ -40,6 +45,10 @@ class Transfer:
     # Loads: per rank, the store key of the last unit, when it is found by an inner key (another
     # prompt's unit, whose own hash the scheduler does not know); its entry in ``hashes`` is unused.
     tail_keys: list[int] | None = None
+
+    def written(self, start: int = 0) -> list[int]:
+        """The block ids from index ``start`` on that the transfer writes (not :data:`SKIP_BLOCK`)."""
+        return [b for b in self.block_ids[start:] if b != SKIP_BLOCK]
 
 
 @dataclass

@@ -27,7 +27,6 @@ STAT_KEYS = (
     "store_deferred_units",
     "remote_units",
     "poisoned_block_reads",
-    "lookup_declined_units",
 )
 
 
@@ -81,8 +80,6 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
         "remote_units": "Cache units fetched from other nodes' stores (cluster mode).",
         "poisoned_block_reads": "KV blocks (not units) of a failed load, still in vLLM's prefix cache, that a "
                                 "request read; reported as failed loads and recomputed.",
-        "lookup_declined_units": "Cache units found but not loaded: under asynchronous scheduling, a load that "
-                                 "would start inside a unit whose leading blocks vLLM's prefix cache holds.",
     }
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],

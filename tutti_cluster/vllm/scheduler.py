@@ -43,11 +43,15 @@ those blocks, and the blocks computed on top of them, until a forward writes the
 request that reads one as computed is reported to vLLM as a failed load in that step (its output
 is dropped, it recomputes from there), and no save reads one.
 
+A load that starts inside a unit (vLLM's prefix cache holds its leading blocks, which running
+requests may read) names those blocks ``SKIP_BLOCK``: the store reads and checks them with the rest
+of the unit and writes only the blocks the request allocated, so a failed load never touches KV
+that another request reads.
+
 Under vLLM's asynchronous scheduling (``max_concurrent_batches`` > 1) the next step is scheduled and
 run before a step's failed loads are known, and vLLM keeps the token that a request it has rewound
 computed there. So loads are asynchronous (the request waits outside the batch until its units are
-verified), and a load that would start inside a unit whose leading blocks vLLM's prefix cache
-already holds, which running requests read, is not made.
+verified).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tutti_cluster.vllm.config import ConnectorSetup, prefix_hash, unit_hashes, unit_key
-from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
+from tutti_cluster.vllm.metadata import SKIP_BLOCK, Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
 from tutti_cluster.vllm.metrics import TuttiConnectorStats
 
 if TYPE_CHECKING:
@@ -217,7 +221,6 @@ class TuttiScheduler:
         self._inner = _InnerIndex(max_units=(1 << 15) * setup.world)
         self._reqs: dict[str, _ReqState] = {}
         self._lookups: dict[str, _Lookup] = {}  # req_id -> the latest _lookup
-        self._declined: dict[str, int] = {}  # req_id -> units its latest lookup found but did not load
         self._pending_loads: list[Transfer] = []
         self._pending_async: list[Transfer] = []
         self._lookups_at: dict[str, tuple[float, int, int, int]] = {}  # req_id -> (time, units asked, local, all)
@@ -362,23 +365,15 @@ class TuttiScheduler:
             return 0, False
         looked = self._lookup(request)
         self._lookups[request.request_id] = looked
-        self._declined.pop(request.request_id, None)
         _, hits, tail, _, _ = looked
         ext = hits * self.unit_tokens + tail - num_computed_tokens
         if ext <= 0:
-            return 0, False
-        if self._defer > 1 and num_computed_tokens % self.unit_tokens:
-            # The load would start at the unit's first block, below the tokens vLLM's prefix cache
-            # already holds, and write blocks that running requests read. Asynchronously, they
-            # would keep a token computed over a failed load's bytes there (module docs): no load.
-            self._declined[request.request_id] = -(-ext // self.unit_tokens)  # counted once allocated
             return 0, False
         return ext, self._load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         looked = self._lookups.pop(req_id, None)
-        self._stats.add("lookup_declined_units", self._declined.pop(req_id, 0))
         local, hits, tail, tail_h, tail_keys = looked if looked is not None else self._lookup(request)
         state = self._reqs.get(req_id)
         if state is None or num_external_tokens > 0:
@@ -402,6 +397,10 @@ class TuttiScheduler:
         if len(ids) != want:
             log.warning("request %s: %d blocks allocated for %d units; not loading", req_id, len(ids), len(hashes))
             return
+        # A load starting inside a unit: vLLM's prefix cache holds the unit's leading blocks, which
+        # running requests may read. The store checks them with the unit and leaves them as they are.
+        held = (end - num_external_tokens - first * self.unit_tokens) // self.setup.block_size
+        ids[:held] = [SKIP_BLOCK] * held
         self._stats.add("lookup_hit_units", len(hashes))
         remote_from = max(local - first, 0) if hits > local else None
         t = Transfer(req_id, hashes, ids, first, remote_from, tail_keys=tail_keys)
@@ -430,7 +429,7 @@ class TuttiScheduler:
         """The blocks this step loads or newly allocates (those past a new or resumed request's
         computed tokens, and a running request's new ones); read only while a block is poisoned."""
         for t in meta.loads + meta.async_loads:
-            yield from t.block_ids
+            yield from t.written()
         bs = self.setup.block_size
         for new in scheduler_output.scheduled_new_reqs:
             yield from new.block_ids[0][computed[new.req_id] // bs :]
@@ -592,7 +591,6 @@ class TuttiScheduler:
         load is known good, or writes running on past their step); then the workers report the
         request (``get_finished``) once that is done."""
         self._lookups.pop(request.request_id, None)
-        self._declined.pop(request.request_id, None)
         self._lookups_at.pop(request.request_id, None)
         st = self._reqs.get(request.request_id)
         if st is not None and (st.pending or st.writing):

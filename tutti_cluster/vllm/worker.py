@@ -202,7 +202,7 @@ class TuttiWorker:
         except TuttiError as e:
             log.warning("Tutti %s of request %s not started: %s", "load" if load else "store", t.req_id, e)
             if load:
-                self._invalid.update(t.block_ids)
+                self._invalid.update(t.written())
                 self._failed[t.req_id] = min(t.first_unit, self._failed.get(t.req_id, t.first_unit))
                 self._stats.add("load_failed_units", len(keys))
             else:
@@ -223,10 +223,6 @@ class TuttiWorker:
                         if sink is self._async:
                             self._finished_recving.add(t.req_id)
                         continue
-                if self._writing:
-                    # A load can start inside blocks vLLM's prefix cache shares (its first unit's
-                    # first block): writes still reading them end first, before it lands there.
-                    self._settle_writes(wait=True, blocks=set(t.block_ids))
                 f = self._begin(t, load=True)
                 if f is None:
                     if sink is self._async:
@@ -254,7 +250,7 @@ class TuttiWorker:
                 log.warning("Tutti remote fetch for request %s failed: %s", t.req_id, e)
         self._stats.add("remote_units", placed)
         if placed < len(keys):
-            self._invalid.update(t.block_ids[(r + placed) * ub :])
+            self._invalid.update(t.written((r + placed) * ub))
             unit = t.first_unit + r + placed
             self._failed[t.req_id] = min(unit, self._failed.get(t.req_id, unit))
             self._stats.add("load_failed_units", len(keys) - placed)
@@ -284,7 +280,7 @@ class TuttiWorker:
             if failed:
                 # vLLM keeps the prefix before the first invalid block and recomputes the rest.
                 first = failed[0]
-                bad = f.transfer.block_ids[first * self.unit_blocks :]
+                bad = f.transfer.written(first * self.unit_blocks)
                 self._invalid.update(bad)
                 self._drop_saves_over(set(bad))
                 req_id, unit = f.transfer.req_id, f.transfer.first_unit + first
@@ -305,7 +301,8 @@ class TuttiWorker:
     def _drop_saves_over(self, blocks: set[int]) -> None:
         """A failed load may have left wrong bytes in ``blocks``, some of which other requests share
         through vLLM's prefix cache: no save that has yet to write them commits (vLLM recomputes
-        them; the units are later misses). Saves already writing them ended before the load began."""
+        them; the units are later misses). No save was writing them when the load began: a load writes
+        only blocks newly allocated to its request (those vLLM's prefix cache holds are skipped)."""
         for f in self._saves + self._writing:
             if not f.error and blocks.intersection(f.transfer.block_ids):
                 log.info("Tutti: the save of request %s is dropped: a failed load shares its blocks",
@@ -405,15 +402,13 @@ class TuttiWorker:
         self._stats.add("store_skipped_units", skipped)
         self._stats.add("store_failed_units", failed)
 
-    def _settle_writes(self, wait: bool, req_ids: set[str] | None = None, blocks: set[int] | None = None) -> None:
+    def _settle_writes(self, wait: bool, req_ids: set[str] | None = None) -> None:
         """Finishes the saves whose writes are all issued and done (``wait``: all of them, writing
-        what is left and waiting), or only those of ``req_ids`` or over ``blocks``, waiting."""
+        what is left and waiting), or only those of ``req_ids``, waiting."""
         keep: list[_InFlight] = []
         for f in self._writing:
             if req_ids is not None:
                 ready = f.transfer.req_id in req_ids
-            elif blocks is not None:
-                ready = not blocks.isdisjoint(f.transfer.block_ids)
             elif wait or f.error or f.sched is None:
                 ready = True
             else:

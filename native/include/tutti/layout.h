@@ -113,11 +113,17 @@ enum class HeaderState {
 HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint32_t* blocks,
                           uint64_t* obj_crcs, std::string* other = nullptr, std::vector<uint64_t>* inner = nullptr);
 
+// A retrieve's block id -1 (kSkipBlockId): the unit's block at that place is read and checked with
+// the rest of its object but written nowhere (the engine holds it already, and others may read it).
+constexpr int64_t kSkipBlockId = -1;
+constexpr uint64_t kSkipBlock = ~0ull;
+
 // Extent: a run of consecutive KV blocks of one cache unit (16 bytes, as in the paper).
 struct Extent {
-  uint64_t first_block;
+  uint64_t first_block;  // kSkipBlock: a retrieve verifies these blocks' bytes and places none
   uint32_t num_blocks;
   uint32_t unit_offset_blocks;  // where the run starts inside the unit's object
+  bool skip() const { return first_block == kSkipBlock; }
 };
 
 // The registered KV cache: per-layer descriptors plus the request-independent part of the map.
@@ -126,8 +132,9 @@ class ExtentMap {
   Status init(const std::vector<LayerKV>& layers);
   const std::vector<LayerKV>& layers() const { return layers_; }
   uint64_t num_blocks() const { return num_blocks_; }
-  // Splits one unit's block ids into runs of consecutive ids. O(blocks), done once per request.
-  Status build(const int64_t* block_ids, uint32_t n, std::vector<Extent>* out) const;
+  // Splits one unit's block ids into runs of consecutive ids (and runs of kSkipBlockId, when
+  // `skip` allows them: retrieves only). O(blocks), done once per request.
+  Status build(const int64_t* block_ids, uint32_t n, std::vector<Extent>* out, bool skip = false) const;
   // Address of block `block` of object `kv` of `layer`.
   uint8_t* addr(uint32_t layer, uint32_t kv, uint64_t block) const {
     const LayerKV& l = layers_[layer];

@@ -242,20 +242,28 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
   // Bytes in KV blocks: the unit's blocks, fewer for a partial unit (whose other bytes are zeros on
   // store and only summed on retrieve, like alignment padding).
   uint64_t blocks = 0;
-  for (uint32_t e = 0; e < x.extent_count; ++e) blocks += B.extents[x.extent_first + e].num_blocks;
+  bool skips = false;  // a retrieve's skipped blocks (kSkipBlock): summed from the chunk, written nowhere
+  for (uint32_t e = 0; e < x.extent_count; ++e) {
+    blocks += B.extents[x.extent_first + e].num_blocks;
+    skips = skips || B.extents[x.extent_first + e].first_block == kSkipBlock;
+  }
   const uint64_t payload = blocks * p.block_bytes;
   // A retrieve from staging copies first and hands the chunk back, then sums the blocks it wrote
   // (device memory, its own writes): the chunk's next I/O does not wait for the checksum, which
   // costs table lookups per byte. The unit is still failed, a miss, when the sum does not match.
-  const bool early = read && !m && payload == p.obj_bytes;
+  const bool early = read && !m && payload == p.obj_bytes && !skips;
   uint32_t acc = 0;
   for (uint32_t e = 0; e < x.extent_count; ++e) {
     const Extent ext = B.extents[x.extent_first + e];
     for (uint32_t j = 0; j < ext.num_blocks; ++j) {
       const uint64_t ub = ext.unit_offset_blocks + j;
-      uint8_t* kv = reinterpret_cast<uint8_t*>(B.kv[x.obj] + (ext.first_block + j) * B.block_stride);
       uint8_t* st = chunk + ub * p.block_bytes;
       const uint64_t o = ub * p.block_bytes;
+      if (ext.first_block == kSkipBlock) {
+        warp_move<false, true>(p.vec16, st, nullptr, p.block_bytes, o, t, acc, lane);
+        continue;
+      }
+      uint8_t* kv = reinterpret_cast<uint8_t*>(B.kv[x.obj] + (ext.first_block + j) * B.block_stride);
       if (early) warp_move<true, true, false>(p.vec16, st, kv, p.block_bytes, o, t, acc, lane);
       else if (read) warp_move<true, true>(p.vec16, st, kv, p.block_bytes, o, t, acc, lane);
       else warp_move<true, false>(p.vec16, kv, st, p.block_bytes, o, t, acc, lane);
@@ -593,7 +601,8 @@ __global__ void __launch_bounds__(32 * kScatterWarps) scatter_kernel(const __gri
   uint32_t acc = 0;
   for (uint32_t b = 0; b < p.unit_blocks; ++b) {
     uint8_t* kv = reinterpret_cast<uint8_t*>(p.dst[static_cast<uint64_t>(o) * p.unit_blocks + b]);
-    warp_move<true, true>(p.vec16, src + b * p.block_bytes, kv, p.block_bytes, b * p.block_bytes, t, acc, lane);
+    if (kv) warp_move<true, true>(p.vec16, src + b * p.block_bytes, kv, p.block_bytes, b * p.block_bytes, t, acc, lane);
+    else warp_move<false, true>(p.vec16, src + b * p.block_bytes, nullptr, p.block_bytes, b * p.block_bytes, t, acc, lane);  // skipped
   }
   if (payload < p.obj_bytes) warp_move<false, true>(p.vec16, src + payload, nullptr, p.obj_bytes - payload, payload, t, acc, lane);
   const uint64_t sum = warp_crc(p.vec16, crc_shift, crc_shift + 32, acc, p.crc_xor, lane);
