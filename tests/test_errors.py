@@ -44,7 +44,8 @@ def test_unknown_keys_are_misses(live):
     "blocks, match",
     [
         (lambda ub: np.arange(ub) + BLOCKS, "out of range"),
-        (lambda ub: np.arange(ub) - 1, "out of range"),
+        (lambda ub: np.arange(ub) - 2, "out of range"),  # -1 alone is SKIP_BLOCK on a retrieve
+        (lambda ub: np.arange(ub, dtype=np.uint64) - np.uint64(1), "out of range"),  # 2**64 - 1 is not -1
         (lambda ub: np.arange(ub + 1), "block ids for"),  # one unit holds at most unit_blocks
         (lambda ub: np.arange(ub, dtype=np.float32), "integers"),
         (lambda ub: np.arange(ub).reshape(1, ub), "one-dimensional"),
@@ -55,6 +56,17 @@ def test_bad_block_ids(live, blocks, match):
     for begin in (s.begin_retrieve, s.begin_store):
         with pytest.raises(errors.LayoutError, match=match):
             begin([2], blocks(s.unit_blocks))
+    intact()
+
+
+def test_a_block_named_twice_in_one_retrieve_is_refused(live):
+    """Two units (or one) writing one block would leave it torn, each source passing its checksum."""
+    s, intact = live
+    ub = s.unit_blocks
+    for ids in (np.r_[np.arange(ub), np.arange(ub)], np.r_[[-1], np.arange(ub - 1), np.arange(ub - 1, 2 * ub - 1)]):
+        ids[-1] = ids[1 if ids[0] >= 0 else 2]
+        with pytest.raises(errors.LayoutError, match="appears twice"):
+            s.begin_retrieve([1, 2], ids)
     intact()
 
 

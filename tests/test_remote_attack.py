@@ -895,6 +895,28 @@ def test_retrieve_remote_through_a_real_owner_is_byte_exact(etcd, engines, unit_
         assert wait_slots_free(owner, 4)
 
 
+def test_retrieve_remote_skips_blocks_and_refuses_a_block_named_twice(etcd, engines, unit_stores):
+    """A remote fetch's leading blocks named SKIP_BLOCK (the engine holds them) are checked with
+    their unit and left alone; a block named twice (two units' scatters run at once, and could tear
+    it) is refused before anything is fetched."""
+    from tutti_cluster.store import SKIP_BLOCK
+
+    kv, units, b, kv2 = unit_stores
+    with real_owner(etcd, "O4", units, len(units[11])) as owner:
+        with requester(etcd, b, name="R4") as client:
+            ub = b.unit_blocks
+            with pytest.raises(LayoutError, match="appears twice"):
+                client.retrieve_remote([11, 12], list(range(60, 60 + ub)) * 2, owners=[["O4"]] * 2)  # each unit alone is fine
+            before = snapshot(kv2)
+            ids = [SKIP_BLOCK] + list(range(61, 60 + 2 * ub))
+            assert client.retrieve_remote([11, 12], ids, owners=[["O4"]] * 2) == 2
+            for l in range(len(kv)):
+                np.testing.assert_array_equal(kv2[l][:, 60], before[l][:, 60])
+                np.testing.assert_array_equal(kv2[l][:, 61:60 + 2 * ub], kv[l][:, 1:2 * ub])
+            assert wait_slots_free(client.transfer, client.transfer.num_slots)
+        assert wait_slots_free(owner, 4)
+
+
 # ==== 5. the directory: node ids and records ===============================================================
 
 @pytest.mark.parametrize("node_id", ["n" * 300, "node\ufffd"], ids=["300-chars", "U+FFFD"])

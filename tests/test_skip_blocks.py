@@ -145,6 +145,8 @@ def test_scatter_skips_blocks_and_checks_them(tmp_path, store_at):
         bad[s.geometry()["header_bytes"] + 8] ^= 0x01  # object 0, block 0: a skipped block
         with pytest.raises(NotFound, match="checksum"):
             s.scatter_unit(bad, ids)
+        with pytest.raises(LayoutError, match="appears twice"):  # it would be written twice
+            s.scatter_unit(data, [SKIP_BLOCK] + [60] * (ub - 1))
 
 
 def test_the_connector_names_skipped_blocks_as_the_store_does():

@@ -112,6 +112,8 @@ def _block_array(block_ids: Any) -> np.ndarray:
         raise LayoutError(f"block_ids must be one-dimensional, got shape {a.shape}")
     if a.size and a.dtype.kind not in "iu":
         raise LayoutError(f"block_ids must be integers, got {a.dtype}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:  # would wrap to SKIP_BLOCK and below
+        raise LayoutError(f"block id {int(a.max())} out of range")
     return np.ascontiguousarray(a, dtype=np.int64)
 
 

@@ -219,4 +219,17 @@ Status ExtentMap::build(const int64_t* block_ids, uint32_t n, std::vector<Extent
   return Status::Ok();
 }
 
+Status ExtentMap::check_distinct(const std::vector<Extent>& extents) const {
+  std::vector<uint64_t> seen((num_blocks_ + 63) / 64);
+  for (const Extent& e : extents) {
+    for (uint32_t j = 0; j < e.num_blocks && !e.skip(); ++j) {
+      const uint64_t b = e.first_block + j;
+      if (seen[b / 64] >> (b % 64) & 1)
+        return {Code::kLayout, "block id " + std::to_string(b) + " appears twice: a retrieve writes each block once"};
+      seen[b / 64] |= 1ull << (b % 64);
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace tutti

@@ -201,6 +201,10 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
     if (!st.ok()) return st;
     unit_ext[u] = {first, static_cast<uint32_t>(r.extents.size()) - first};
   }
+  if (op == ReqOp::kRetrieve) {
+    Status st = extents_.check_distinct(r.extents);
+    if (!st.ok()) return st;
+  }
   for (uint32_t u = 0; u < n_units; ++u) {
     if (op == ReqOp::kRetrieve) {
       uint32_t held = 0;
@@ -666,6 +670,7 @@ Status Store::scatter_unit_async(const uint8_t* data, uint64_t n, const int64_t*
                                std::to_string(g.unit_blocks) + " blocks (a prefix's partial tail)"};
   std::vector<Extent> ext;
   st = extents_.build(block_ids, g.unit_blocks, &ext, true);
+  if (st.ok()) st = extents_.check_distinct(ext);
   if (!st.ok()) return st;
   std::vector<uint64_t> dst(static_cast<uint64_t>(g.num_objs()) * g.unit_blocks);  // 0: a skipped block
   for (uint32_t l = 0; l < g.num_layers; ++l)

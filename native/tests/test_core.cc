@@ -215,6 +215,13 @@ static void test_extents() {
   int64_t neg[] = {-2};
   out.clear();
   CHECK(m.build(neg, 1, &out, true).code() == Code::kLayout);
+  // A block named twice, in one run or in two (skips aside), is refused.
+  out.clear();
+  CHECK(m.build(skip, 6, &out, true).ok() && m.check_distinct(out).ok());
+  int64_t twice[] = {-1, 7, 8, -1, 6, 7};
+  out.clear();
+  CHECK(m.build(twice, 6, &out, true).ok());
+  CHECK(m.check_distinct(out).code() == Code::kLayout);
   CHECK(m.addr(1, 1, 3) == reinterpret_cast<uint8_t*>(0x100000 + 3 * 64));
 }
 

@@ -31,7 +31,8 @@ from collections import OrderedDict, deque
 from typing import Any, Sequence
 
 from tutti_cluster.cluster.directory import EtcdDirectory, advertised_host, local_address_towards
-from tutti_cluster.errors import ConfigError, NotFound, TuttiError
+from tutti_cluster.errors import ConfigError, LayoutError, NotFound, TuttiError
+from tutti_cluster.store import SKIP_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,9 @@ class ClusterClient:
         ub = int(self.store.unit_blocks)
         if len(block_ids) != len(ks) * ub:
             raise ConfigError(f"{len(block_ids)} block ids for {len(ks)} units of {ub} blocks")
+        written = [int(b) for b in block_ids if int(b) != SKIP_BLOCK]  # checked and not written
+        if len(set(written)) != len(written):  # units scatter concurrently: one block written twice could tear
+            raise LayoutError("a block id appears twice: each block is written once")
         if owners is not None:
             for k, o in zip(ks, owners):
                 self._owners[k] = list(o)

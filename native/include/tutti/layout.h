@@ -135,6 +135,9 @@ class ExtentMap {
   // Splits one unit's block ids into runs of consecutive ids (and runs of kSkipBlockId, when
   // `skip` allows them: retrieves only). O(blocks), done once per request.
   Status build(const int64_t* block_ids, uint32_t n, std::vector<Extent>* out, bool skip = false) const;
+  // Fails when two extents (skips aside) name one block: a retrieve would write it twice, from two
+  // places, and could leave it torn while each source passes its checksum. O(blocks + num_blocks / 64).
+  Status check_distinct(const std::vector<Extent>& extents) const;
   // Address of block `block` of object `kv` of `layer`.
   uint8_t* addr(uint32_t layer, uint32_t kv, uint64_t block) const {
     const LayerKV& l = layers_[layer];
