@@ -8,7 +8,8 @@
 # this host's disk and on /dev/shm), cluster (the cluster benchmark; needs .cdeb/ with etcd-server
 # and the Mooncake and python3-etcd3 wheels in .cwhl/ or .whl/; CLUSTER_DEVICE=cuda: the requesting
 # engine on the GPU, after the GPU cluster tests; CLUSTER_RUNS: owner store and units, default "shm:16 shm:64 tmp:16"),
-# none (build only). The native module is built first (CUDA on, sm_90; CUDA off when the only step
+# memcheck (GPU tests selected by MEMCHECK_K, default "skipped or scatter", under compute-sanitizer's
+# memcheck; $OUT/memcheck.log), none (build only). The native module is built first (CUDA on, sm_90; CUDA off when the only step
 # is cluster), with liburing from the Debian packages in .deb/ and the wheels the image lacks in
 # .whl/. Logs and JSON go to $OUT (or ./gpu-out). Environment: STAGING_MB and QD for the /dev/shm
 # bench (default 2048 and 64), REPEAT (rounds per /dev/shm cell, default 3), SHM_SYSTEMS (default:
@@ -147,6 +148,12 @@ for step in "$@"; do
         --json "$OUT/pipeline_disk.json" --plot "$OUT/pipeline_disk.png" | grep -v "step/s\]" | tail -40
       rm -rf /var/tmp/tutti-pipe
     fi ;;
+  memcheck)
+    log "compute-sanitizer memcheck: GPU tests -k '${MEMCHECK_K:-skipped or scatter}'"
+    CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+    timeout "$(left)" "$CS" --tool memcheck --error-exitcode 9 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_gpu.py -k "${MEMCHECK_K:-skipped or scatter}" > "$OUT/memcheck.log" 2>&1
+    echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" ;;
   none) ;;
   esac
 done
