@@ -425,13 +425,11 @@ def test_scatter_unit_block_id_forms(stored):
         for l in range(len(kv)):
             for j in range(ub):
                 np.testing.assert_array_equal(kv[l][:, int(b[j])], want[l][:, j])
-    # duplicate ids: each listed block gets its part; the repeated one the last part that names it
+    # duplicate ids: refused (a block written from two places could be left torn), nothing written
     zero(kv)
-    dup = np.array([33] * (ub - 1) + [34])
-    s.scatter_unit(data, dup)
-    for l in range(len(kv)):
-        np.testing.assert_array_equal(kv[l][:, 33], want[l][:, ub - 2])
-        np.testing.assert_array_equal(kv[l][:, 34], want[l][:, ub - 1])
+    with pytest.raises(LayoutError, match="appears twice"):
+        s.scatter_unit(data, np.array([33] * (ub - 1) + [34]))
+    assert all(not layer.any() for layer in kv)
 
 
 def test_scatter_unit_of_another_layout_is_not_found(stored, tmp_path):
