@@ -18,8 +18,9 @@ core and worker inside the driver process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
      ``wait_for_save``;
   e. a model whose every layer has a sliding window: the engine refuses to start, saying why;
   f. one engine stepped by hand (``VLLM_MODEL_PLAN``): a failed load into blocks that a finished
-     request's pending save shares never lets that save commit the load's bytes; and a failed
-     load's blocks, left in vLLM's prefix cache by an aborted request, are never served.
+     request's pending save shares never lets that save commit the load's bytes; a failed load's
+     blocks, left in vLLM's prefix cache by an aborted request, are never served; and a load that
+     starts inside a unit vLLM's prefix cache partly holds restores the rest, those blocks skipped.
 """
 
 from __future__ import annotations
@@ -246,6 +247,33 @@ def test_a_failed_load_never_lets_another_requests_save_commit_its_bytes(work: d
     a = run("restore_a", [[("A", "A", 8)]], cfg)
     assert a["metrics"].get("vllm:tutti_load_units", 0) >= 4, a["metrics"]
     assert a["outputs"] == reference["outputs"]
+
+
+def test_a_load_inside_a_unit_skips_the_blocks_vllm_holds(work: dict[str, Any]) -> None:
+    """One engine, step by step, on a copy of the store of (b): Q, the first 592 tokens of the
+    second prompt, restores 576 of them (4 units and two blocks of the fifth) and decodes; then the
+    whole prompt R finds Q's 18 blocks in vLLM's prefix cache, inside its fifth unit, and loads that
+    unit's next block, the two blocks vLLM holds (Q's, which Q reads) named ``SKIP_BLOCK``: checked
+    and not written. Both outputs equal the same plan without a connector. (vLLM's CPU platform
+    turns asynchronous scheduling off; the property test runs that mode with vLLM's AsyncScheduler.)"""
+    import json
+
+    from vllm_model import prompts
+
+    prompt = prompts()[1]
+    root = work["root"]
+    plan = [[{"id": "Q", "prompt": prompt[:592], "max_tokens": 8}], [], [], [],
+            [{"id": "R", "prompt": prompt, "max_tokens": 8}]]
+    (root / "inside.plan.json").write_text(json.dumps(plan))
+    reference = _engine(work["model"], root / "inside_ref.json", VLLM_MODEL_PLAN=str(root / "inside.plan.json"))
+    store = _copy_store(work, "store_inside")
+    d = _engine(work["model"], root / "inside.json", _kv_config(root, paths=[str(store)]),
+                VLLM_MODEL_PLAN=str(root / "inside.plan.json"))
+    m = d["metrics"]
+    assert m.get("vllm:external_prefix_cache_hits", 0) == 576 + 32, m  # Q's 576, then R's one block
+    assert m.get("vllm:prefix_cache_hits", 0) >= 576, m  # R was given Q's blocks
+    assert m.get("vllm:tutti_load_failed_units", 0) == 0, m
+    assert d["outputs"] == reference["outputs"]
 
 
 def test_a_failed_loads_blocks_are_never_served_from_vllms_prefix_cache(work: dict[str, Any]) -> None:
