@@ -254,7 +254,7 @@ def test_a_load_inside_a_unit_skips_the_blocks_vllm_holds(work: dict[str, Any]) 
     second prompt, restores 576 of them (4 units and two blocks of the fifth) and decodes; then the
     whole prompt R finds Q's 18 blocks in vLLM's prefix cache, inside its fifth unit, and loads that
     unit's next block, the two blocks vLLM holds (Q's, which Q reads) named ``SKIP_BLOCK``: checked
-    and not written. Both outputs equal the same plan without a connector. (vLLM's CPU platform
+    and not written. R's outputs equal those of the engine without a connector (a). (vLLM's CPU platform
     turns asynchronous scheduling off; the property test runs that mode with vLLM's AsyncScheduler.)"""
     import json
 
@@ -265,7 +265,6 @@ def test_a_load_inside_a_unit_skips_the_blocks_vllm_holds(work: dict[str, Any]) 
     plan = [[{"id": "Q", "prompt": prompt[:592], "max_tokens": 8}], [], [], [],
             [{"id": "R", "prompt": prompt, "max_tokens": 8}]]
     (root / "inside.plan.json").write_text(json.dumps(plan))
-    reference = _engine(work["model"], root / "inside_ref.json", VLLM_MODEL_PLAN=str(root / "inside.plan.json"))
     store = _copy_store(work, "store_inside")
     d = _engine(work["model"], root / "inside.json", _kv_config(root, paths=[str(store)]),
                 VLLM_MODEL_PLAN=str(root / "inside.plan.json"))
@@ -273,7 +272,7 @@ def test_a_load_inside_a_unit_skips_the_blocks_vllm_holds(work: dict[str, Any]) 
     assert m.get("vllm:external_prefix_cache_hits", 0) == 576 + 32, m  # Q's 576, then R's one block
     assert m.get("vllm:prefix_cache_hits", 0) >= 576, m  # R was given Q's blocks
     assert m.get("vllm:tutti_load_failed_units", 0) == 0, m
-    assert d["outputs"] == reference["outputs"]
+    assert d["outputs"]["R"] == work["baseline"]["outputs"][1]  # R reads Q's blocks: intact
 
 
 def test_a_failed_loads_blocks_are_never_served_from_vllms_prefix_cache(work: dict[str, Any]) -> None:
