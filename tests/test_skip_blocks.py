@@ -129,7 +129,7 @@ def test_a_store_refuses_skipped_blocks_and_loses_nothing(store_at):
         assert s.store([8], np.arange(ub)).ok and s.lookup([7, 8]) == 2
 
 
-def test_scatter_skips_blocks_and_checks_them(tmp_path, store_at):
+def test_scatter_skips_blocks_and_checks_them(store_at):
     kv = make_kv(seed=8)
     with store_at(kv) as s:
         ub = s.unit_blocks
