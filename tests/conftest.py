@@ -50,6 +50,13 @@ def zero(kv: list) -> None:
             t[...] = 0
 
 
+def refill(kv: list, rng) -> None:
+    """Fills the KV blocks with other bytes, in place (a store keeps pointers to them)."""
+    for layer in kv:
+        for t in layer if isinstance(layer, tuple) else (layer,):
+            t[...] = rng.integers(0, 65535, t.shape, dtype=np.uint16)
+
+
 def snapshot(kv: list) -> list:
     return [tuple(t.copy() for t in l) if isinstance(l, tuple) else l.copy() for l in kv]
 

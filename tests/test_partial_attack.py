@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import BLOCK_TOKENS, BLOCKS, HEAD, HEADS, make_kv, objects, open_store, run_threads, snapshot, zero
+from conftest import BLOCK_TOKENS, BLOCKS, HEAD, HEADS, make_kv, objects, open_store, refill, run_threads, snapshot, zero
 from test_integrity import find_slots, header_format
 from test_partial_units import blocks_equal
 from tutti_cluster import TuttiConfig, TuttiStore, _native
@@ -55,12 +55,6 @@ def _no_leak(s: TuttiStore) -> None:
         s.put_iocb(i)
 
 
-def _refill(kv: list, rng) -> None:
-    for layer in kv:
-        for t in layer if isinstance(layer, tuple) else (layer,):
-            t[...] = rng.integers(0, 65535, t.shape, dtype=np.uint16)
-
-
 @pytest.fixture(params=["disk", "disk-buffered", "tmpfs-io_uring", "tmpfs-mapped", "disk+tmpfs-mapped"])
 def where(request, tmp_path):
     """(store directories, open_store options) for one I/O path, or two paths of different kinds
@@ -87,7 +81,7 @@ def test_random_partial_requests_on_every_path_are_exact_or_miss_and_leak_nothin
             n, tail = int(rng.integers(1, 5)), int(rng.integers(1, ub + 1))
             keys = [int(k) for k in rng.integers(1, 1 << 62, n)]
             src = rng.permutation(BLOCKS)[: (n - 1) * ub + tail]
-            _refill(kv, rng)
+            refill(kv, rng)
             want = snapshot(kv)
             assert s.store(keys, src).ok
             assert s.stored_blocks(keys) == [ub] * (n - 1) + [tail]
@@ -123,7 +117,7 @@ def test_units_at_the_scatter_gather_limit(tmp_path, tmpfs, mode):
             for ask in sorted({1, tail - 1, tail, min(tail + 1, ub)} - {0}):
                 keys = [int(k) for k in rng.integers(1, 1 << 62, 2)]
                 src = rng.permutation(nb)[: ub + tail]
-                _refill(kv, rng)
+                refill(kv, rng)
                 want = snapshot(kv)
                 assert s.store(keys, src).ok
                 zero(kv)
@@ -155,7 +149,7 @@ def test_partial_tails_and_alignment_padding_together(tmp_path, tmpfs, mode):
             n, tail = int(rng.integers(1, 5)), int(rng.integers(1, ub + 1))
             keys = [int(k) for k in rng.integers(1, 1 << 62, n)]
             src = rng.permutation(nb)[: (n - 1) * ub + tail]
-            _refill(kv, rng)
+            refill(kv, rng)
             want = snapshot(kv)
             assert s.store(keys, src).ok
             ask = int(rng.integers(1, ub + 1))

@@ -11,19 +11,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import BLOCKS, LAYOUTS, make_kv, objects, open_store, snapshot
+from conftest import BLOCKS, LAYOUTS, make_kv, objects, open_store, refill, snapshot
 from tutti_cluster.errors import LayoutError, NotFound
 from tutti_cluster.store import SKIP_BLOCK
 
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck), max_examples=25)
-
-
-def scramble(kv: list, seed: int) -> None:
-    """Fills the KV blocks with other bytes, in place (the store keeps pointers to them)."""
-    rng = np.random.default_rng(seed)
-    for layer in kv:
-        for t in layer if isinstance(layer, tuple) else (layer,):
-            t[...] = rng.integers(0, 65535, t.shape, dtype=t.dtype)
 
 
 def expected(before: list, want: list, src, dst, layout: str) -> list:
@@ -79,7 +71,7 @@ def test_skipped_blocks_are_checked_and_left_alone(store_at, layout):
         @settings(**SETTINGS)
         @given(mask=st.lists(st.booleans(), min_size=tail, max_size=tail), seed=st.integers(0, 2**32 - 1))
         def check(mask, seed):
-            scramble(kv, seed)
+            refill(kv, np.random.default_rng(seed))
             before = snapshot(kv)
             dst = np.random.default_rng(seed).permutation(BLOCKS)[:tail]
             ids = np.where(mask, SKIP_BLOCK, dst)
@@ -136,7 +128,7 @@ def test_scatter_skips_blocks_and_checks_them(store_at):
         assert s.store([9], np.arange(ub)).ok
         data = s.read_unit(9)
         want = snapshot(kv)
-        scramble(kv, 1)
+        refill(kv, np.random.default_rng(1))
         before = snapshot(kv)
         ids = np.array([SKIP_BLOCK, SKIP_BLOCK] + list(range(60, 60 + ub - 2)))
         s.scatter_unit(data, ids)
