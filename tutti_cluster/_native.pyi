@@ -74,6 +74,7 @@ class StoreStats:
     agent_ops: int
     agent_cpu_s: float
     kernel_cpu_s: float
+    direct_ios: int
     extent_map_bytes: int
     request_map_peak_bytes: int
     staging_bytes: int

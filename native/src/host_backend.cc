@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -114,6 +115,7 @@ class HostBackend final : public Backend {
   }
 
   double kernel_cpu_seconds() const override { return has_clock_.load() ? thread_cpu_seconds(clock_) : last_cpu_s_; }
+  uint64_t direct_ios() const override { return direct_ios_.load(std::memory_order_relaxed); }
   ~HostBackend() override { stop(); }
 
  private:
@@ -123,7 +125,7 @@ class HostBackend final : public Backend {
   void for_each_piece(uint32_t layer, const RequestView& r, const Ioctx& x, F f) const;
   uint64_t move_object(uint32_t layer, const RequestView& r, const Ioctx& x, uint8_t* obj, bool to_blocks);
   uint64_t sum_in_place(uint32_t layer, const RequestView& r, const Ioctx& x, const uint8_t* pad) const;
-  bool build_iov(uint32_t layer, const RequestView& r, const Ioctx* xs, uint32_t n, uint8_t* pad,
+  bool build_iov(uint32_t layer, const RequestView& r, const Ioctx* xs, uint32_t n, uint8_t* pad, uint32_t align,
                  std::vector<struct iovec>* iov) const;
   bool post(uint32_t id, SpscRing<Sqe>& sq);
   void gather(const Sqe& e);
@@ -166,6 +168,7 @@ class HostBackend final : public Backend {
   std::vector<uint32_t> free_slots_;  // slots of group_ adjacent staging chunks
   std::vector<std::vector<struct iovec>> slot_iov_;  // scatter-gather list of each slot's I/O
   std::vector<uint8_t> slot_direct_;  // the slot's I/O goes straight to the KV blocks
+  std::atomic<uint64_t> direct_ios_{0};
   std::deque<uint32_t> active_;
   std::vector<Sqe> pending_;  // SQEs of one post() call, pushed after the stores' gathers
   std::vector<Cqe> batch_;    // completions verified together
@@ -192,21 +195,28 @@ void HostBackend::run() {
   if (pthread_getcpuclockid(pthread_self(), &clock_) == 0) has_clock_ = true;
   while (!stop_.load(std::memory_order_relaxed)) {
     bool progress = false;
+    // Post as many IOCTXs as staging chunks allow, oldest IOCB first; the walk also finishes the
+    // IOCTXs that need no I/O.
+    auto post_all = [&] {
+      bool posted_any = false;
+      for (uint32_t a : active_) posted_any |= post(a, sq);
+      if (posted_any) {
+        k_->agent->kick();
+        progress = true;
+      }
+    };
     uint32_t id;
     while (launch_.pop(&id)) {
       posted_[id] = done_[id] = 0;
       count_[id] = k_->iocbs[id].ctx_count;
       active_.push_back(id);
+      progress = true;
+      // Each IOCB's mapped objects move, and are finished, before the next one's: a layer is
+      // published as soon as it has moved, not once every layer launched with it has.
       run_mapped(id);
-      progress = true;
+      post_all();
     }
-    // Post as many IOCTXs as staging chunks allow, oldest IOCB first.
-    bool posted_any = false;
-    for (uint32_t a : active_) posted_any |= post(a, sq);
-    if (posted_any) {
-      k_->agent->kick();
-      progress = true;
-    }
+    post_all();
     // Completions: verified in parallel (each reads its own objects), then retired in order.
     Cqe c;
     batch_.clear();
@@ -281,17 +291,19 @@ uint64_t HostBackend::sum_in_place(uint32_t layer, const RequestView& r, const I
 }
 
 // Scatter-gather list of `n` adjacent objects straight in the KV blocks, padding in `pad` (the
-// slot's staging chunks). False when the list would be too long for one I/O, or an object skips
-// blocks (their bytes need a place to be summed: staging).
+// slot's staging chunks). False when the list would be too long for one I/O, an object skips
+// blocks (their bytes need a place to be summed: staging), or a block's address or length is not a
+// multiple of `align` (the O_DIRECT alignment of the file).
 bool HostBackend::build_iov(uint32_t layer, const RequestView& r, const Ioctx* xs, uint32_t n, uint8_t* pad,
-                            std::vector<struct iovec>* iov) const {
+                            uint32_t align, std::vector<struct iovec>* iov) const {
   const Geometry& g = k_->geom;
+  if (g.block_bytes % align != 0) return false;
   iov->clear();
   for (uint32_t k = 0; k < n; ++k) {
     uint64_t next = 0;
     bool ordered = true;
     for_each_piece(layer, r, xs[k], [&](uint8_t* blocks, uint64_t at, uint64_t len) {
-      ordered = ordered && at == next && blocks;
+      ordered = ordered && at == next && blocks && reinterpret_cast<uintptr_t>(blocks) % align == 0;
       next = at + len;
       iov->push_back({blocks, len});
     });
@@ -338,11 +350,13 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
     s.file_offset = x.file_offset + g.obj_offset(b.layer, x.obj);
     s.len = static_cast<uint32_t>(n * g.obj_bytes);
     s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kRead : IoOp::kWrite);
-    // Files that take any buffer (memory file systems): no staging copy, the I/O moves the bytes
-    // straight between the file and the KV blocks, and the checksum is taken in place.
+    // KV blocks that the file takes as they are (any buffer on memory file systems, aligned ones
+    // under O_DIRECT): no staging copy, the I/O moves the bytes straight between the file and the
+    // blocks, and the checksum is taken in place.
     std::vector<struct iovec>& iov = slot_iov_[slot];
-    if (k_->any_buffer[x.path] && build_iov(b.layer, r, &r.ctx[idx], n, buf, &iov)) {
+    if (build_iov(b.layer, r, &r.ctx[idx], n, buf, k_->buffer_align[x.path], &iov)) {
       slot_direct_[slot] = 1;
+      ++direct_ios_;
       s.op = static_cast<uint16_t>(op == IoOp::kRead ? IoOp::kReadv : IoOp::kWritev);
       s.buf_offset = reinterpret_cast<uint64_t>(iov.data());
       s.len = static_cast<uint32_t>(iov.size());

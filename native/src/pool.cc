@@ -100,6 +100,21 @@ static Status write_unwritten(const PoolPath& p, uint64_t bytes) {
   return st;
 }
 
+// The buffer alignment that O_DIRECT I/O on `fd` needs (addresses and lengths alike): the larger of
+// the file system's memory and offset alignments where statx reports them, else a page.
+static uint32_t direct_buffer_align(int fd) {
+#ifdef STATX_DIOALIGN
+  struct statx sx {};
+  if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 && (sx.stx_mask & STATX_DIOALIGN) &&
+      sx.stx_dio_mem_align > 0 && sx.stx_dio_offset_align > 0) {
+    const uint32_t a = std::max(sx.stx_dio_mem_align, sx.stx_dio_offset_align);
+    if ((a & (a - 1)) == 0 && a <= 4096) return a;
+  }
+#endif
+  (void)fd;
+  return 4096;
+}
+
 static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_only, bool prewrite) {
   struct stat st;
   if (::stat(p->dir.c_str(), &st) != 0) return {Code::kStorage, errno_message("storage path " + p->dir, errno)};
@@ -123,6 +138,7 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
     p->direct = false;
   }
   p->fd = fd;
+  p->buffer_align = p->cached() ? 1 : direct_buffer_align(fd);
   if (read_only) return Status::Ok();
   // A process that just died may hold the lock a moment longer: the kernel drops its io_uring's
   // file references asynchronously. Give that up to two seconds.

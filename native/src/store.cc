@@ -118,11 +118,11 @@ Status Store::init_queue(uint32_t depth) {
     st = pool_.map_memory_files();
     if (!st.ok()) return st;
   }
-  kctx_.any_buffer.clear();
+  kctx_.buffer_align.clear();
   kctx_.mapped.clear();
   kctx_.mapped_bytes.clear();
   for (uint32_t i = 0; i < pool_.num_paths(); ++i) {
-    kctx_.any_buffer.push_back(pool_.path(i).cached() ? 1 : 0);
+    kctx_.buffer_align.push_back(pool_.path(i).buffer_align);
     kctx_.mapped.push_back(pool_.path(i).map);
     kctx_.mapped_bytes.push_back(pool_.path(i).map_bytes);
   }
@@ -724,6 +724,7 @@ StoreStats Store::stats() const {
   s.agent_ops = agent_.ops();
   s.agent_cpu_s = agent_.cpu_seconds();
   s.kernel_cpu_s = backend_ ? backend_->kernel_cpu_seconds() : 0;
+  s.direct_ios = backend_ ? backend_->direct_ios() : 0;
   s.extent_map_bytes = extents_.memory_bytes() + request_map_peak_;
   s.request_map_peak_bytes = request_map_peak_;
   s.staging_bytes = staging_bytes_;

@@ -39,9 +39,10 @@ struct KernelContext {
   uint32_t num_chunks = 0;
   std::vector<QueuePair> queues;                 // one per kernel worker
   uint32_t queue_depth = 0;                      // I/Os the agent keeps in flight at most
-  // Per pool file: it takes any buffer (memory file system, or no O_DIRECT), so a host kernel may
-  // move objects straight between the file and the KV blocks with scatter-gather I/O.
-  std::vector<uint8_t> any_buffer;
+  // Per pool file: the alignment every buffer address and length of its I/O needs (1: any buffer,
+  // a memory file system or no O_DIRECT). A host kernel moves objects straight between the file and
+  // KV blocks that meet it with scatter-gather I/O.
+  std::vector<uint32_t> buffer_align;
   // Per pool file: its shared mapping (map_memory), or null. The I/O kernel moves the objects of a
   // mapped file with loads and stores, without SQEs or staging; headers still go through the agent.
   std::vector<uint8_t*> mapped;
@@ -89,6 +90,8 @@ class Backend {
   virtual Status launch(const uint32_t* iocb_ids, uint32_t n, uint32_t sms, uint64_t event) = 0;
   virtual void stop() = 0;
   virtual double kernel_cpu_seconds() const = 0;
+  // I/Os that moved their objects straight between a pool file and the KV blocks (no staging).
+  virtual uint64_t direct_ios() const { return 0; }
   // Kernel workers (SQ/CQ pairs served by the I/O kernel) for `io_workers` requested and `sms`
   // SMs: the host backend has one kernel thread (and helpers), a GPU one thread block per SM of its
   // partition.

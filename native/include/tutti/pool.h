@@ -28,6 +28,9 @@ struct PoolPath {
   bool memory = false;    // tmpfs or ramfs: requests complete inline unless punted to io_uring workers
   // Served from memory or the page cache: requests complete inline and take any buffer.
   bool cached() const { return memory || !direct; }
+  // O_DIRECT: the alignment (a power of two) that every buffer address and length of one I/O
+  // needs: the file system's own (statx STATX_DIOALIGN) where it says, else 4096; 1 when cached().
+  uint32_t buffer_align = 1;
   uint32_t first_slot = 0;
   uint32_t num_slots = 0;
   uint8_t* map = nullptr;  // the whole file, mapped shared (map_memory_files), or null

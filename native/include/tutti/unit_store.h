@@ -50,6 +50,7 @@ struct StoreStats {
   uint64_t bad_headers = 0;  // slots whose header did not verify when the index was (re)built
   uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
   double agent_cpu_s = 0, kernel_cpu_s = 0;
+  uint64_t direct_ios = 0;  // I/Os straight between a pool file and the KV blocks, no staging copy
   // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
   uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
   bool direct_io = false, fixed_buffers = false;
