@@ -104,10 +104,12 @@ def test_fresh_engine_reuses_stored_prefix(work: dict[str, Any]) -> None:
 
 
 def test_fresh_engine_reuses_stored_prefix_async(work: dict[str, Any]) -> None:
+    """Also with torch's page-aligned allocations: the loads read straight into vLLM's KV blocks."""
     store = _copy_store(work, "store_async")
     c = _engine(work["model"], work["root"] / "c_async.json",
-                _kv_config(work["root"], paths=[str(store)], load_async=True))
+                _kv_config(work["root"], paths=[str(store)], load_async=True), THP_MEM_ALLOC_ENABLE="1")
     m = c["metrics"]
+    assert m.get("vllm:tutti_direct_ios", 0) > 0, m
     # Block granularity: every prompt (640 tokens, 5 whole units) loads all but its last block, the
     # fifth unit serving its leading blocks (the three requests wait for their loads together, so
     # vLLM's own prefix cache holds nothing yet).
@@ -184,11 +186,16 @@ def test_a_fresh_engine_finds_blocks_inside_units_another_engine_stored(work: di
     assert c["outputs"] == baseline["outputs"]
 
 
-def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:
-    store = _copy_store(work, "store_d")
+@pytest.mark.parametrize("direct", [False, True], ids=["staging", "direct"])
+def test_corrupt_objects_are_recomputed(work: dict[str, Any], direct: bool) -> None:
+    """direct: vLLM's KV cache page-aligned, so the damaged objects are read straight into its blocks."""
+    store = _copy_store(work, f"store_d_{direct}")
     assert corrupt_pool(store, UNIT_TOKENS) > 0
-    d = _engine(work["model"], work["root"] / "d.json", _kv_config(work["root"], paths=[str(store)]))
+    d = _engine(work["model"], work["root"] / f"d_{direct}.json", _kv_config(work["root"], paths=[str(store)]),
+                THP_MEM_ALLOC_ENABLE="1" if direct else "0")
     m = d["metrics"]
+    if direct:
+        assert m.get("vllm:tutti_direct_ios", 0) > 0, m
     # The headers still verify, so the lookup claims the prefix; every load then fails its checksum.
     assert m.get("vllm:tutti_lookup_hit_units", 0) > 0, m
     assert m.get("vllm:tutti_load_failed_units", 0) > 0, m

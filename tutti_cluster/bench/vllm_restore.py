@@ -502,6 +502,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             "drop_caches": bool(args.drop_caches and drop_note is None),
             "drop_caches_note": drop_note, "engine_in_process": not split,
             "vllm": _vllm_version(),
+            "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1",
         },
         "reference_outputs": reference,
         "rows": rows,
@@ -553,7 +554,8 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"vLLM restore: {c['layers']}-layer random-weight Llama ({c['model']} layer shape, {c['dtype']}), block "
         f"{c['block_size']}, {c['prompt_tokens']}-token prompt, {c['output_tokens']} greedy tokens, median of "
-        f"{c['repeat']} fresh engine processes{', page cache dropped before each restore' if c['drop_caches'] else ''}",
+        f"{c['repeat']} fresh engine processes{', page cache dropped before each restore' if c['drop_caches'] else ''}"
+        f"{', THP_MEM_ALLOC_ENABLE=1' if c.get('thp_mem_alloc') else ''}",
         "| system | unit_tokens | tokens restored (tail) | TTFT median (range) | x recompute | x example | outputs equal to recompute | equal to example's |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]

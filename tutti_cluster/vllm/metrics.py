@@ -1,10 +1,10 @@
 """The connector's counters: :class:`TuttiConnectorStats` per interval, :class:`TuttiPromMetrics`.
 
 Each role counts what it does in its own :class:`TuttiConnectorStats` (the scheduler: units found,
-those found inside another prompt's unit, saves deferred, and reads of a failed load's blocks; each worker: units loaded, stored, skipped, failed, fetched from other nodes).
+those found inside another prompt's unit, saves deferred, and reads of a failed load's blocks; each worker: units loaded, stored, skipped, failed, fetched from other nodes, and I/Os straight between files and KV blocks).
 vLLM collects them with ``get_kv_connector_stats``, sums the workers' and the scheduler's with
 ``aggregate``, logs them in its "KV Transfer metrics" line and hands them to
-:class:`TuttiPromMetrics`, one Prometheus counter ``vllm:tutti_<stat>`` (units) per stat.
+:class:`TuttiPromMetrics`, one Prometheus counter ``vllm:tutti_<stat>`` per stat (units, blocks or I/Os, as named).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ STAT_KEYS = (
     "store_deferred_units",
     "remote_units",
     "poisoned_block_reads",
+    "direct_ios",
 )
 
 
@@ -80,6 +81,9 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
         "remote_units": "Cache units fetched from other nodes' stores (cluster mode).",
         "poisoned_block_reads": "KV blocks (not units) of a failed load, still in vLLM's prefix cache, that a "
                                 "request read; reported as failed loads and recomputed.",
+        "direct_ios": "Storage I/Os (not units) of loads and saves that moved KV straight between a pool file "
+                      "and vLLM's KV blocks, with no staging copy (O_DIRECT needs a page-aligned KV cache: "
+                      "THP_MEM_ALLOC_ENABLE=1 on the CPU build).",
     }
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],

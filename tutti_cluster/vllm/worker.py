@@ -97,8 +97,13 @@ class TuttiWorker:
         self._failed: dict[str, int] = {}
         self._link: Any = None  # the node daemon's socket, when a daemon runs
         self._cluster: Any = None  # remote fetches, in cluster mode
+        self._direct_ios = 0  # the store's direct_ios already counted in the stats
 
     def take_stats(self) -> TuttiConnectorStats | None:
+        if self.store is not None:
+            n = int(self.store.stats()["direct_ios"])
+            self._stats.add("direct_ios", n - self._direct_ios)
+            self._direct_ios = n
         return self._stats.take()
 
     # ---- start ----------------------------------------------------------------------------------
@@ -143,6 +148,11 @@ class TuttiWorker:
         self.prefix = prefixes[self.rank] if self.rank < len(prefixes) else rank_prefix(self.setup.namespace, self.rank)
         log.info("Tutti connector rank %d: instance %s, %d layers, %d blocks/unit, %d units on disk",
                  self.rank, instance, len(layers), self.unit_blocks, len(self.store.keys()))
+        kv0 = next(iter(kv_caches.values()))
+        kv0 = kv0[0] if isinstance(kv0, (tuple, list)) else kv0
+        if kv0.device.type == "cpu" and kv0.data_ptr() % 4096:
+            log.info("Tutti connector: vLLM's KV cache is not page-aligned, so disk reads go through "
+                     "staging; start vLLM with THP_MEM_ALLOC_ENABLE=1 to read straight into it (docs/VLLM.md)")
 
     def _attach_node(self, cfg: TuttiConfig) -> None:
         """Announces the store to the node daemon (when one runs) and, in cluster mode, opens the
