@@ -11,9 +11,11 @@ core and worker inside the driver process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
      live in different processes): outputs unchanged, units committed;
   c. fresh engine (three processes) on a copy of that store, paths given through ``TUTTI_PATHS``:
      the prefix is served from the store (external hits > 0, units loaded) and outputs equal (a);
-     the same with asynchronous loads (one process);
-  d. fresh engine (one process) on a copy whose every stored object has a flipped byte: the loads fail their
-     checksums, vLLM recomputes (``kv_load_failure_policy: recompute``) and outputs still equal (a);
+     the same with asynchronous loads (one process, ``THP_MEM_ALLOC_ENABLE=1``: vLLM's KV cache is
+     page-aligned and the loads read straight into its blocks);
+  d. fresh engine (one process, reads straight into the blocks too) on a copy whose every stored
+     object has a flipped byte: the loads fail their checksums, vLLM recomputes
+     (``kv_load_failure_policy: recompute``) and outputs still equal (a);
      the same with speculative decoding (n-gram proposals), where vLLM asks for load errors before
      ``wait_for_save``;
   e. a model whose every layer has a sliding window: the engine refuses to start, saying why;
@@ -186,16 +188,15 @@ def test_a_fresh_engine_finds_blocks_inside_units_another_engine_stored(work: di
     assert c["outputs"] == baseline["outputs"]
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["staging", "direct"])
-def test_corrupt_objects_are_recomputed(work: dict[str, Any], direct: bool) -> None:
-    """direct: vLLM's KV cache page-aligned, so the damaged objects are read straight into its blocks."""
-    store = _copy_store(work, f"store_d_{direct}")
+def test_corrupt_objects_are_recomputed(work: dict[str, Any]) -> None:
+    """vLLM's KV cache page-aligned (``THP_MEM_ALLOC_ENABLE=1``): the damaged objects are read
+    straight into its blocks (the speculative-decoding case below reads them through staging)."""
+    store = _copy_store(work, "store_d")
     assert corrupt_pool(store, UNIT_TOKENS) > 0
-    d = _engine(work["model"], work["root"] / f"d_{direct}.json", _kv_config(work["root"], paths=[str(store)]),
-                THP_MEM_ALLOC_ENABLE="1" if direct else "0")
+    d = _engine(work["model"], work["root"] / "d.json", _kv_config(work["root"], paths=[str(store)]),
+                THP_MEM_ALLOC_ENABLE="1")
     m = d["metrics"]
-    if direct:
-        assert m.get("vllm:tutti_direct_ios", 0) > 0, m
+    assert m.get("vllm:tutti_direct_ios", 0) > 0, m
     # The headers still verify, so the lookup claims the prefix; every load then fails its checksum.
     assert m.get("vllm:tutti_lookup_hit_units", 0) > 0, m
     assert m.get("vllm:tutti_load_failed_units", 0) > 0, m
