@@ -100,7 +100,9 @@ class TuttiWorker:
         self._direct_ios = 0  # the store's direct_ios already counted in the stats
 
     def take_stats(self) -> TuttiConnectorStats | None:
-        if self.store is not None:
+        # Direct I/Os belong to loads and saves, which count here as they finish: a quiet interval
+        # skips the store's stats (an idle step pays nothing), a later one takes the difference.
+        if self.store is not None and not self._stats.is_empty():
             n = int(self.store.stats()["direct_ios"])
             self._stats.add("direct_ios", n - self._direct_ios)
             self._direct_ios = n
