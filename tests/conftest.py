@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import threading
@@ -19,18 +20,30 @@ UNIT_TOKENS = 64  # 4 blocks per unit
 LAYOUTS = ["kv_first", "block_first", "kv_tuple", "interleaved", "mla"]
 
 
-def make_kv(layout: str = "kv_first", layers: int = LAYERS, blocks: int = BLOCKS, seed: int = 0) -> list:
+def make_kv(layout: str = "kv_first", layers: int = LAYERS, blocks: int = BLOCKS, seed: int = 0,
+            head: int = HEAD, page_offset: int | None = None) -> list:
+    """Random KV of `layers` layers in `layout`. `page_offset`: each array in an anonymous mapping of
+    its own, that many bytes past a page boundary (None: numpy's own allocation)."""
     rng = np.random.default_rng(seed)
     shapes = {
-        "kv_first": (2, blocks, BLOCK_TOKENS, HEADS, HEAD),
-        "block_first": (blocks, 2, BLOCK_TOKENS, HEADS, HEAD),
-        "interleaved": (blocks, BLOCK_TOKENS, HEADS, 2 * HEAD),
-        "mla": (blocks, BLOCK_TOKENS, 2 * HEAD),
+        "kv_first": (2, blocks, BLOCK_TOKENS, HEADS, head),
+        "block_first": (blocks, 2, BLOCK_TOKENS, HEADS, head),
+        "interleaved": (blocks, BLOCK_TOKENS, HEADS, 2 * head),
+        "mla": (blocks, BLOCK_TOKENS, 2 * head),
     }
+
+    def array(shape: tuple) -> np.ndarray:
+        a = rng.integers(0, 65535, shape, dtype=np.uint16)
+        if page_offset is None:
+            return a
+        placed = np.frombuffer(mmap.mmap(-1, a.nbytes + page_offset), dtype=np.uint16, count=a.size,
+                               offset=page_offset).reshape(shape)
+        placed[...] = a
+        return placed
+
     if layout == "kv_tuple":
-        return [tuple(rng.integers(0, 65535, (blocks, BLOCK_TOKENS, HEADS, HEAD), dtype=np.uint16) for _ in range(2))
-                for _ in range(layers)]
-    return [rng.integers(0, 65535, shapes[layout], dtype=np.uint16) for _ in range(layers)]
+        return [tuple(array((blocks, BLOCK_TOKENS, HEADS, head)) for _ in range(2)) for _ in range(layers)]
+    return [array(shapes[layout]) for _ in range(layers)]
 
 
 def objects(kv_layer, layout: str) -> list:
