@@ -22,6 +22,11 @@
 # PIPE_DISK_INPUTS (64K), PIPE_DISK_PREFIXES (16K,32K,-1u), PIPE_GLM=1 adds the GLM-4-9B-1M shape
 # (PIPE_GLM_INPUTS 128K,640K, prefix -1u, no recompute or per-chunk, 512-token units); PIPE_TEST=1
 # runs the pipeline's GPU tests first.
+# pipeline_tp: the GLM-4-9B-1M shape tensor-parallel (issue 18): for each size in TP_SIZES (default
+# "2 1"), prefixes of TP_PREFIXES tokens (default 128K,256K,512K,640K; the input one 512-token unit
+# longer) from /dev/shm, systems ideal, tutti, load-all, split attention; NCCL with a GPU per rank,
+# gloo with the ranks sharing the GPU where the host has fewer (TP_BACKEND overrides; such a run
+# checks the code path, its times are not a TP run's). TP_TEST=1 runs the two-rank GPU test first.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -116,6 +121,24 @@ for step in "$@"; do
       timeout $(left) python3 -m tutti_cluster.cluster.bench --only fetch --owner-path $owner --units $2 \
         --device ${CLUSTER_DEVICE:-cpu} --json "$OUT/cluster_$1_$2.json" 2>&1 | grep -v "^[IWE][0-9]\{4\} " | tail -8
       rm -rf $owner
+    done ;;
+  pipeline_tp)
+    if [ "${TP_TEST:-0}" = 1 ]; then
+      log "two-rank pipeline gpu test"
+      timeout 300 python3 -m pytest -q -m gpu -rs tests/test_pipeline_tp.py 2>&1 | tee "$OUT/pipeline_tp_tests.log" | tail -6
+    fi
+    gpus=$(nvidia-smi -L | wc -l)
+    inputs=$(python3 -c "import sys; from tutti_cluster.bench.runner import parse_tokens as p; \
+      print(','.join(str(p(t) + 512) for t in sys.argv[1].split(',')))" "${TP_PREFIXES:-128K,256K,512K,640K}")
+    for tp in ${TP_SIZES:-2 1}; do
+      backend=${TP_BACKEND:-$([ "$gpus" -ge "$tp" ] && echo nccl || echo gloo)}
+      log "bench --pipeline glm4-9b-1m, TP=$tp ($backend, $gpus GPUs), inputs $inputs, from /dev/shm"
+      mkdir -p $SHM
+      TUTTI_UNIT_TOKENS=512 TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline \
+        --tp $tp --tp-backend $backend --paths $SHM --model glm4-9b-1m --inputs $inputs --prefix-tokens=-1u \
+        --systems ideal tutti load-all --attention split --decode-steps 4 ${PIPE_ARGS:-} \
+        --json "$OUT/pipeline_tp$tp.json" | grep -v "step/s\]" | tail -30
+      rm -rf $SHM
     done ;;
   pipeline)
     if [ "${PIPE_TEST:-0}" = 1 ]; then

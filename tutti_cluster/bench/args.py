@@ -86,6 +86,13 @@ def _pipeline_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run tutti writing the suffix's new KV back (scheduled into slack, flushed in decode)")
     g.add_argument("--decode-steps", type=int, metavar="N",
                    help="decode steps timed for inter-token latency [default: 16; on the CPU 4]")
+    g.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: N processes, one GPU each, each with its share of the heads and "
+                   "the MLP and its own store (own queues, own share of the paths: every N-th path, or a "
+                   "rank<r> directory in each) [default: 1]")
+    g.add_argument("--tp-backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="the model's collectives under --tp: auto is NCCL on CUDA, gloo on the CPU; gloo on "
+                   "CUDA lets ranks share a GPU (testing only: their timings are not a TP run's)")
     g.add_argument("--profile", type=Path, metavar="PATH",
                    help="slack windows from `tutti profile`'s file [default: the resident run's per-layer times]")
     g.add_argument("--output-tokens", type=int, default=512, metavar="N",

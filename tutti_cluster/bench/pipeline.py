@@ -14,7 +14,8 @@ import shutil
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,12 @@ import torch
 from tutti_cluster.bench import fsutil, machine
 from tutti_cluster.bench.args import BENCH_CONFIG_FIELDS
 from tutti_cluster.bench.baselines import LayerwisePerChunk
-from tutti_cluster.bench.errors import BenchVerificationError
+from tutti_cluster.bench.errors import BenchVerificationError, RankFailed
 from tutti_cluster.bench.runner import _resolve_device, _split, parse_tokens, remove_stale_runs
 from tutti_cluster.bench.tutti_system import pool_bytes_per_path
 from tutti_cluster.errors import CapacityExceeded, ConfigError
 from tutti_cluster.pipeline import harness as hz
-from tutti_cluster.pipeline.model import Decoder, ModelShape, PagedKV, model_shape
+from tutti_cluster.pipeline.model import Decoder, ModelShape, PagedKV, TensorParallel, model_shape
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,57 @@ class PipelinePlan:
     baseline_threads: int
     seed: int
     capacity_gb: list[float] | None
+    tp: int = 1
+    tp_backend: str = "gloo"
+    ranks_per_dir: int = 1  # ranks whose pools share each of ``dirs``' file systems
     skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def local_shape(self) -> ModelShape:
+        """One rank's share of the model (the whole model at ``tp`` 1)."""
+        return self.shape.shard(self.tp)
+
+
+class RankGroup:
+    """The tensor-parallel ranks of one bench run, as the bench sees them: a host barrier before
+    every timed run, the slowest rank's time, every rank's figures. A group of one does nothing."""
+
+    def __init__(self, rank: int = 0, size: int = 1, group: Any = None) -> None:
+        self.rank, self.size, self.group = rank, size, group
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def max(self, x: float) -> float:
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t[0])
+
+    def gather(self, obj: Any) -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+
+def rank_dirs(dirs: list[Path], rank: int, tp: int) -> list[Path]:
+    """A rank's share of the storage paths: every ``tp``-th path when they divide evenly, else a
+    ``rank<r>`` directory in each."""
+    if tp == 1:
+        return dirs
+    if len(dirs) % tp == 0:
+        return dirs[rank::tp]
+    return [d / f"rank{rank}" for d in dirs]
 
 
 def make_plan(args: argparse.Namespace) -> PipelinePlan:
@@ -102,6 +153,18 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
     if args.model_layers is not None and args.model_layers <= 0:
         raise ConfigError("--model-layers must be positive")
     shape = model_shape(args.model or ("tiny" if cpu else "llama3-8b"), args.model_layers)
+    tp = getattr(args, "tp", 1)
+    shape.shard(tp)  # ConfigError when the heads or the MLP do not divide
+    backend = getattr(args, "tp_backend", "auto")
+    if backend == "auto":
+        backend = "gloo" if cpu else "nccl"
+    if tp > 1 and not cpu:
+        gpus = torch.cuda.device_count()
+        if gpus < tp and backend == "nccl":
+            raise ConfigError(f"--tp {tp} needs {tp} GPUs, one per rank; this host has {gpus} (--tp-backend gloo "
+                              "runs the ranks on shared GPUs, for testing)")
+    if tp > 1 and "per-chunk" in (_split(args.systems) or []):
+        raise ConfigError("--tp: the per-chunk baseline's reader has no tensor-parallel layout; leave it out of --systems")
     unit = cfg.unit_tokens
     if unit % shape.block_tokens:
         raise ConfigError(f"unit_tokens={unit} must be a multiple of the model's {shape.block_tokens}-token blocks")
@@ -124,7 +187,7 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         if not ps:
             raise ConfigError(f"no prefix of {', '.join(specs)} is shorter than the input of {n} tokens")
         prefixes[n] = sorted(ps)
-    systems = _split(args.systems) or list(hz.SYSTEMS)
+    systems = _split(args.systems) or [x for x in hz.SYSTEMS if tp == 1 or x != "per-chunk"]
     for s in systems:
         if s not in hz.SYSTEMS:
             raise ConfigError(f"unknown pipeline system {s!r}; choose from {', '.join(hz.SYSTEMS)}")
@@ -157,7 +220,7 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         writeback=bool(args.writeback), decode_steps=decode,
         output_tokens=args.output_tokens, prices=prices, profile=args.profile,
         baseline_threads=args.baseline_threads, seed=args.seed,
-        capacity_gb=list(cfg.capacity_gb) if args.capacity_gb else None,
+        capacity_gb=list(cfg.capacity_gb) if args.capacity_gb else None, tp=tp, tp_backend=backend,
     )
 
 
@@ -179,19 +242,22 @@ def pool_tokens(plan: PipelinePlan) -> int:
 
 
 def check_room(plan: PipelinePlan) -> None:
-    """Fails early, with the numbers, when the paths or the device cannot hold the run."""
+    """Fails early, with the numbers, when the paths or the device cannot hold the run (one rank's
+    plan: its share of the model and of the paths; the ranks share the host and its file systems)."""
     n = max(plan.inputs)
-    kv_bytes = n * plan.shape.kv_bytes_per_token
-    per_path = pool_bytes_per_path(pool_tokens(plan) * plan.shape.kv_bytes_per_token, len(plan.dirs))
+    s = plan.local_shape
+    kv_bytes = n * s.kv_bytes_per_token
+    per_path = pool_bytes_per_path(pool_tokens(plan) * s.kv_bytes_per_token, len(plan.dirs))
     if "per-chunk" in plan.systems:
-        per_path += -(-max(max(ps) for ps in plan.prefixes.values()) * plan.shape.kv_bytes_per_token // len(plan.dirs))
+        per_path += -(-max(max(ps) for ps in plan.prefixes.values()) * s.kv_bytes_per_token // len(plan.dirs))
     for d in plan.dirs:
         free = shutil.disk_usage(d).free
-        if free < per_path:
+        if free < per_path * plan.ranks_per_dir:
             raise CapacityExceeded(f"{d}: {free / GIB:.1f} GiB free, the pipeline benchmark needs "
-                                   f"{per_path / GIB:.1f} GiB there for inputs of {n} tokens; pass smaller --inputs")
+                                   f"{per_path * plan.ranks_per_dir / GIB:.1f} GiB there for inputs of {n} tokens; "
+                                   "pass smaller --inputs")
     tmpfs = sum(per_path for d in plan.dirs if fsutil.fs_type(d) in fsutil.MEMORY_FS)
-    host_need = tmpfs + (kv_bytes + _weights_bytes(plan.shape) if plan.device.type == "cpu" else 0)
+    host_need = plan.tp * (tmpfs + (kv_bytes + _weights_bytes(s) if plan.device.type == "cpu" else 0))
     avail = machine.meminfo_bytes("MemAvailable")
     if avail and host_need > avail:
         raise CapacityExceeded(f"{avail / GIB:.1f} GiB of memory available, the pipeline benchmark needs "
@@ -199,10 +265,10 @@ def check_room(plan: PipelinePlan) -> None:
                                f"{', the model and its KV cache' if plan.device.type == 'cpu' else ''}); "
                                "pass smaller --inputs")
     if plan.device.type == "cuda":
-        s = plan.shape
         act = n * (6 * s.hidden + 2 * (s.q_heads + 2 * s.kv_heads) * s.head_dim) * 2
         act += min(n, 16384) * 3 * s.ffn * 2
-        need = _weights_bytes(s) + kv_bytes + act + 2 * GIB
+        sharing = -(-plan.tp // max(1, torch.cuda.device_count()))  # ranks on this GPU (--tp-backend gloo)
+        need = (_weights_bytes(s) + kv_bytes + act + 2 * GIB) * sharing
         free_dev, _ = torch.cuda.mem_get_info(plan.device)
         if free_dev < need:
             raise CapacityExceeded(f"GPU has {free_dev / GIB:.1f} GiB free, the pipeline benchmark needs about "
@@ -210,10 +276,11 @@ def check_room(plan: PipelinePlan) -> None:
 
 
 class _Progress:
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, show: bool = True) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=total, desc="tutti bench --pipeline", unit="step", file=sys.stderr, dynamic_ncols=True)
+        self._bar = tqdm(total=total, desc="tutti bench --pipeline", unit="step", file=sys.stderr, dynamic_ncols=True,
+                         disable=not show)
 
     def step(self, text: str) -> None:
         self._bar.set_postfix_str(text, refresh=False)
@@ -227,7 +294,8 @@ def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path]) -> Any:
     from tutti_cluster import TuttiStore
     from tutti_cluster.config import load_config
 
-    caps = plan.capacity_gb or [pool_bytes_per_path(pool_tokens(plan) * plan.shape.kv_bytes_per_token, len(dirs)) / GIB]
+    caps = plan.capacity_gb or [pool_bytes_per_path(pool_tokens(plan) * plan.local_shape.kv_bytes_per_token,
+                                                    len(dirs)) / GIB]
     fields = plan.cfg.model_dump()
     fields.update(paths=dirs, capacity_gb=caps, instance="pipeline",
                   backend="cuda" if plan.device.type == "cuda" else "cpu")
@@ -237,7 +305,7 @@ def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path]) -> Any:
         d.mkdir(parents=True, exist_ok=True)
     store = TuttiStore(load_config(**fields))
     try:
-        store.register_kv_caches(kv.layers, block_tokens=plan.shape.block_tokens, layout="kv_first")
+        store.register_kv_caches(kv.layers, block_tokens=kv.model.block_tokens, layout="kv_first")
     except BaseException:
         store.close()
         raise
@@ -248,9 +316,13 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = None,
+        group: RankGroup | None = None, tp: TensorParallel | None = None) -> dict[str, Any]:
     """Runs the pipeline benchmark; returns the report (the JSON object). Cleans up its files.
-    ``partial`` gets the report so far after each input (a run cut short keeps what it measured)."""
+    ``partial`` gets the report so far after each input (a run cut short keeps what it measured).
+    Under tensor parallelism every rank runs this with its own plan (device, paths), ``group`` and
+    ``tp``; the report's times are the slowest rank's."""
+    group = group or RankGroup()
     remove_stale_runs(plan.dirs)
     check_room(plan)
     work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
@@ -268,8 +340,8 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
             info["gpu"] = torch.cuda.get_device_name(plan.device)
         s = plan.shape
         extra_blocks = -(-plan.decode_steps // s.block_tokens) + 1
-        kv = PagedKV(s, max(plan.inputs) // s.block_tokens + extra_blocks, plan.device)
-        model = Decoder(s, plan.device, seed=plan.seed, attention=plan.attention, flex_dynamic=plan.flex_dynamic)
+        kv = PagedKV(plan.local_shape, max(plan.inputs) // s.block_tokens + extra_blocks, plan.device)
+        model = Decoder(s, plan.device, seed=plan.seed, attention=plan.attention, flex_dynamic=plan.flex_dynamic, tp=tp)
         store = _open_store(plan, kv, [w / "tutti" for w in work])
         if "per-chunk" in plan.systems:
             reader = LayerwisePerChunk(kv, [w / "per-chunk" for w in work], plan.baseline_threads)  # type: ignore[arg-type]
@@ -278,7 +350,8 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
         h = hz.Harness(model, kv, store, per_chunk=reader, naive_ahead=plan.naive_ahead, read_ahead=plan.read_ahead,
                        iocb_ioctx=plan.iocb_ioctx,
                        seed=plan.seed, tutti_reads=plan.tutti_reads,
-                       compute_stream=plan.compute_on == "partition")
+                       compute_stream=plan.compute_on == "partition",
+                       barrier=group.barrier if group.size > 1 else None)
         if plan.profile is not None:
             from tutti_cluster.pipeline.profile import SlackTable
 
@@ -288,10 +361,11 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
         model.prefill(kv, warm.tokens, 0, warm.block_ids)
         restoring = [x for x in plan.systems if x not in ("ideal", "recompute")]
         per_p = plan.repeat * (1 + len(restoring) + (plan.writeback and "tutti" in plan.systems))
-        progress = _Progress(sum(1 + len(plan.prefixes[n]) * per_p for n in plan.inputs))
+        progress = _Progress(sum(1 + len(plan.prefixes[n]) * per_p for n in plan.inputs), show=group.rank == 0)
         info["store"] = {"unit_tokens": store.unit_tokens, "staging_mb": plan.cfg.staging_mb,
                          "map_memory_paths": plan.cfg.map_memory_paths, "total_slots": store.stats().get("total_slots"),
                          "io_sms": plan.cfg.io_sms, "compute_stream": h._stream is not None}
+        info["tensor_parallel"] = {"size": plan.tp, "backend": plan.tp_backend if plan.tp > 1 else None}
         for n in plan.inputs:
             done = list(rows)
 
@@ -299,7 +373,7 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
                 if partial is not None:
                     partial(_report(plan, info, done + rows_n, summary))
 
-            rows_n, summary[str(n)] = _run_input(plan, h, n, progress, part)
+            rows_n, summary[str(n)] = _run_input(plan, h, n, progress, part, group)
             rows.extend(rows_n)
             info["store"]["evictions"] = store.stats().get("evictions")
             if partial is not None:
@@ -348,10 +422,20 @@ def _against_plain(wb: list[hz.Outcome], plain: list[hz.Outcome]) -> dict[str, A
 
 
 def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
-               partial: Callable[[list[dict[str, Any]]], None]) -> tuple[list[dict[str, Any]], dict]:
+               partial: Callable[[list[dict[str, Any]]], None],
+               group: RankGroup) -> tuple[list[dict[str, Any]], dict]:
     """One input: recompute, then every prefix, longest first (the cheap suffixes: a run cut short
-    keeps the high hit rates); ``partial`` gets the rows after each prefix."""
+    keeps the high hit rates); ``partial`` gets the rows after each prefix. Every timed figure is the
+    slowest rank's."""
     s = plan.shape
+
+    def run_one(system: str, p: int, **kw: Any) -> hz.Outcome:
+        o = h.run(system, case, p, **kw)
+        o.ttft_s = group.max(o.ttft_s)
+        if "load_s" in o.extra:
+            o.extra["load_s"] = group.max(o.extra["load_s"])
+        return o
+
     prefixes = plan.prefixes[n]
     case = h.new_case(n, max(prefixes))
     rows: list[dict[str, Any]] = []
@@ -360,11 +444,11 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
     try:
         recompute = "recompute" in plan.systems
         rec = h.prepare(case, compute=recompute)
-        rec_times = [rec.ttft_s] if rec is not None else []
+        rec_times = [group.max(rec.ttft_s)] if rec is not None else []
         for _ in range(plan.repeat - 1 if recompute else 0):
-            rec_times.append(h.run("recompute", case, 0).ttft_s)
+            rec_times.append(run_one("recompute", 0).ttft_s)
         progress.step(f"{_k(n)} recompute" if recompute else f"{_k(n)} prefix KV (random)")
-        itl = h.itl(case, plan.decode_steps)
+        itl = group.max(h.itl(case, plan.decode_steps))
         staging_gb = plan.cfg.staging_mb / 1024
         chunk_gb = plan.baseline_threads * 256 // s.block_tokens * s.kv_shape().block_bytes / GIB
         dram = {"tutti": staging_gb, "naive": staging_gb, "load-all": staging_gb, "per-chunk": chunk_gb}
@@ -383,14 +467,14 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
             h.warm_up(case, p)
             runs: dict[str, list[hz.Outcome]] = {}
             for _ in range(plan.repeat):
-                ideal = h.run("ideal", case, p)
+                ideal = run_one("ideal", p)
                 runs.setdefault("ideal", []).append(ideal)
                 for system in plan.systems:
                     if system in ("ideal", "recompute"):
                         continue
                     # With write-back planned, tutti decodes too: the write-back's ITL baseline.
                     decode = {"decode_steps": plan.decode_steps} if system == "tutti" and plan.writeback else {}
-                    o = h.run(system, case, p, **decode)
+                    o = run_one(system, p, **decode)
                     c = hz.compare(ideal.out, o.out)
                     if not c["exact"]:
                         raise BenchVerificationError(
@@ -399,7 +483,7 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
                     runs.setdefault(system, []).append(o)
                     progress.step(f"{_k(n)} P={_k(p)} {system}")
                     if system == "tutti" and plan.writeback:
-                        o = h.run("tutti", case, p, writeback=True, decode_steps=plan.decode_steps)
+                        o = run_one("tutti", p, writeback=True, decode_steps=plan.decode_steps)
                         if not hz.compare(ideal.out, o.out)["exact"]:
                             raise BenchVerificationError(f"tutti with write-back at {n}, prefix {p}: output differs")
                         for k in case.write_keys:  # room for the next run's new units
@@ -430,7 +514,7 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
                     row["load_s"] = round(load, 5)
                     cross_pts.append((hit, load, ideal_s))
                 for name in ("layer_ms", "pre_wait_ms", "wait_ms", "host_wait_ms", "schedule", "windows_ms",
-                             "windows_from", "ahead", "threads"):
+                             "windows_from", "ahead", "threads", "host_cpu_us_per_layer"):
                     if name in last:
                         row[name] = last[name]
                 if system == "tutti-writeback":
@@ -453,7 +537,7 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
         # Above the crossover the prefix's read outlasts the suffix's compute whatever the schedule:
         # the bubble there is the I/O time the hit rate leaves unhidden, not the pipeline's.
         hideable = [r["bubble_s"] for r in rows if r["system"] == "tutti" and (cross is None or r["hit_rate"] < cross)]
-        out = {
+        out: dict[str, Any] = {
             "recompute_s": round(rec_s, 5) if rec_s is not None else None, "itl_s": round(itl, 6),
             "crossover_hit_rate": cross,
             "crossover_note": "tutti's whole-prefix retrieve time equals the suffix's compute time "
@@ -466,6 +550,18 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
         if h.cuda:  # the block masks and activations must not grow like queries x keys
             out["peak_gpu_bytes"] = int(torch.cuda.max_memory_allocated())
             out["kv_cache_bytes"] = h.kv.nbytes
+        # Each rank's own figures: its store's retrieve and store bandwidth, the host CPU of its
+        # scheduler per layer (median over tutti's runs) and its fixed staging area.
+        cpu = [r["host_cpu_us_per_layer"] for r in rows if r["system"] == "tutti" and "host_cpu_us_per_layer" in r]
+        mine = {"rank": group.rank, "device": str(h.kv.device), "paths": [str(d) for d in plan.dirs],
+                "read_gbps": round(h.read_bps / 1e9, 3),
+                "write_gbps": round(h.write_bps / 1e9, 3), "staging_bytes": int(h.store.stats().get("staging_bytes", 0)),
+                "host_cpu_us_per_layer": _median(cpu) if cpu else None,
+                "peak_gpu_bytes": out.get("peak_gpu_bytes"), "kv_cache_bytes": h.kv.nbytes}
+        ranks = out["ranks"] = group.gather(mine)
+        if group.size > 1:  # the group's bandwidth: every rank reads its share at once
+            out["read_gbps"] = round(sum(r["read_gbps"] for r in ranks), 3)
+            out["write_gbps"] = round(sum(r["write_gbps"] for r in ranks), 3)
         if tutti_bubbles:
             out["tutti_max_x_ideal"] = max(r["x_ideal"] for r in rows if r["system"] == "tutti")
         return rows, out
@@ -494,6 +590,11 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{'above the range measured' if cross is None else f'{cross * 100:.1f} %'}"
                      + ("" if sm.get("tutti_median_bubble_below_crossover_s") is None else
                         f", tutti's median bubble below it {sm['tutti_median_bubble_below_crossover_s'] * 1e3:.1f} ms"))
+        for rk in sm.get("ranks", []) if len(sm.get("ranks", [])) > 1 else []:
+            cpu = "-" if rk["host_cpu_us_per_layer"] is None else f"{rk['host_cpu_us_per_layer']:.1f} us"
+            peak = "" if rk.get("peak_gpu_bytes") is None else f", peak GPU memory {rk['peak_gpu_bytes'] / GIB:.1f} GiB"
+            lines.append(f"  rank {rk['rank']} ({rk['device']}): read {rk['read_gbps']} GB/s, write {rk['write_gbps']} "
+                         f"GB/s, host CPU per layer {cpu}, staging {rk['staging_bytes'] >> 20} MiB{peak}")
     for r in report["results"]:
         if r["system"] == "tutti-writeback":
             lines.append(f"write-back {_k(r['input_tokens'])}/{_k(r['prefix_tokens'])}: TTFT {r['ttft_increase'] * 100:+.1f} %, "
@@ -511,19 +612,83 @@ def _k(tokens: int) -> str:
     return f"{tokens // 1024}K" if tokens % 1024 == 0 and tokens else str(tokens)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(rank: int, plan: PipelinePlan, port: int, json_path: Path | None, result: Path) -> None:
+    """One tensor-parallel rank (a spawned process): its GPU, the process group, its share of the
+    model and of the paths; rank 0 writes the report."""
+    import torch.distributed as dist
+
+    logging.basicConfig(level=logging.WARNING)
+    device = plan.device
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    dist.init_process_group(plan.tp_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=plan.tp, timeout=timedelta(minutes=30))
+    try:
+        # Barriers and the slowest rank's time on the host, beside the model's collectives.
+        host = dist.new_group(backend="gloo") if plan.tp_backend != "gloo" else None
+        group = RankGroup(rank, plan.tp, host)
+        dirs = rank_dirs(plan.dirs, rank, plan.tp)
+        for d in dirs:
+            d.mkdir(parents=True, exist_ok=True)
+        mine = replace(plan, device=device, dirs=dirs, ranks_per_dir=plan.tp if len(dirs) == len(plan.dirs) else 1)
+
+        def write(report: dict[str, Any]) -> None:
+            if json_path is not None:
+                json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+        report = run(mine, partial=write if rank == 0 else None, group=group,
+                     tp=TensorParallel(rank, plan.tp, dist.all_reduce))
+        if rank == 0:
+            result.write_text(json.dumps(report, default=str))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp(plan: PipelinePlan, json_path: Path | None) -> dict[str, Any]:
+    """Runs the benchmark in ``plan.tp`` spawned processes, one per rank; returns rank 0's report.
+    A rank that fails stops the others (its traceback is raised here)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="tutti-tp-") as tmp:
+        result = Path(tmp) / "report.json"
+        try:
+            mp.start_processes(_rank_main, args=(plan, _free_port(), json_path, result), nprocs=plan.tp,
+                               start_method="spawn", join=True)
+        except mp.ProcessRaisedException as e:  # the rank's own error, last line of its traceback first
+            lines = [x for x in str(e).strip().splitlines() if x.strip()]
+            raise RankFailed(f"rank {e.error_index} failed: {lines[-1] if lines else e}\n{e}") from None
+        except mp.ProcessExitedException as e:
+            raise RankFailed(f"rank {e.error_index} died (exit status {e.exit_code}); the other ranks were "
+                             "stopped") from None
+        report: dict[str, Any] = json.loads(result.read_text())
+        return report
+
+
 def run_args(args: argparse.Namespace) -> int:
     """``tutti bench --pipeline`` with its flags parsed."""
     plan = make_plan(args)
     s = plan.shape
+    tp = f", tensor-parallel over {plan.tp} ranks ({plan.tp_backend})" if plan.tp > 1 else ""
     print(f"tutti bench --pipeline: {s.name} ({s.layers} layers, {s.q_heads}/{s.kv_heads} heads of {s.head_dim}, "
-          f"hidden {s.hidden}, FFN {s.ffn}, bf16) on {plan.device}, store on {', '.join(map(str, plan.dirs))}; "
+          f"hidden {s.hidden}, FFN {s.ffn}, bf16) on {plan.device}{tp}, store on {', '.join(map(str, plan.dirs))}; "
           f"inputs {', '.join(_k(n) for n in plan.inputs)}; systems {', '.join(plan.systems)}; "
           f"{plan.repeat} round(s)")
     def write(report: dict[str, Any]) -> None:
         if args.json:
             args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
-    report = run(plan, partial=write)
+    report = run_tp(plan, args.json) if plan.tp > 1 else run(plan, partial=write)
     print(format_table(report))
     if args.json:
         write(report)

@@ -182,6 +182,28 @@ class _NaiveHooks(LayerHooks):
         self.store.wait_layer(layer, self.req)
 
 
+class _CpuMeter(LayerHooks):
+    """The host thread's CPU time in another hook's calls (the scheduler's issues and waits)."""
+
+    def __init__(self, inner: LayerHooks) -> None:
+        self.inner = inner
+        self.ns = 0
+
+    def _measure(self, fn: Callable[[int], None], layer: int) -> None:
+        t0 = time.thread_time_ns()
+        fn(layer)
+        self.ns += time.thread_time_ns() - t0
+
+    def before_layer(self, layer: int) -> None:
+        self._measure(self.inner.before_layer, layer)
+
+    def before_attention(self, layer: int) -> None:
+        self._measure(self.inner.before_attention, layer)
+
+    def after_layer(self, layer: int) -> None:
+        self._measure(self.inner.after_layer, layer)
+
+
 class _PerChunkHooks(LayerHooks):
     def __init__(self, reader: Any, ahead: int, layers: int) -> None:
         self.reader, self.layers = reader, layers
@@ -212,7 +234,7 @@ class Harness:
 
     def __init__(self, model: Decoder, kv: PagedKV, store: Any, *, per_chunk: Any = None, naive_ahead: int = 0,
                  iocb_ioctx: int = 1024, compute_stream: bool = True, seed: int = 0, tutti_reads: str = "auto",
-                 read_ahead: int = 0) -> None:
+                 read_ahead: int = 0, barrier: Callable[[], None] | None = None) -> None:
         if tutti_reads not in ("auto", "iocb", "layer"):
             raise ConfigError(f"tutti_reads must be auto, iocb or layer, not {tutti_reads!r}")
         if naive_ahead < 0 or read_ahead < 0:
@@ -224,6 +246,9 @@ class Harness:
         self.naive_ahead = naive_ahead
         self.read_ahead = read_ahead
         self.iocb_ioctx = iocb_ioctx
+        # Tensor parallelism: every rank's timed work starts together (each rank's time then ends
+        # with the group's last collective; the bench takes the slowest rank's).
+        self.barrier = barrier
         self.cuda = kv.device.type == "cuda"
         # Stream-ordered whole layers on a GPU (raw IOCBs' wait_cqe would hold the host there).
         self.tutti_reads = ("layer" if self.cuda else "iocb") if tutti_reads == "auto" else tutti_reads
@@ -255,8 +280,13 @@ class Harness:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def _start(self) -> None:
+        if self.barrier is not None:
+            self.barrier()
+
     def _timed(self, fn: Callable[[], Any]) -> tuple[Any, float]:
         self._sync()
+        self._start()
         t0 = time.perf_counter()
         with self._on_stream():
             out = fn()
@@ -270,6 +300,7 @@ class Harness:
             stream = torch.cuda.current_stream() if self.cuda else None
             if stream is not None:
                 stream.synchronize()
+            self._start()
             t0 = time.perf_counter()
             fn()
             if stream is not None:
@@ -457,6 +488,7 @@ class Harness:
         # A decode step's slack: the I/O partition idles for a whole step (no reads in decode).
         decode_window = self.itl_s.get(case.n) or (self.itl(case, 2) if decode_steps else 0.0)
         sched_box: list[SlackScheduler] = []
+        meters: list[_CpuMeter] = []
         itl: list[float] = []
         writing: list[bool] = []
         timer = _Timer(layers, self.cuda)
@@ -472,8 +504,9 @@ class Harness:
                 read_ahead=self.read_ahead,
             )
             sched_box.append(sched)
+            meters.append(_CpuMeter(sched))
             try:
-                out = self._prefill(case, prefix, _Chain(timer, sched, timer.after_wait))
+                out = self._prefill(case, prefix, _Chain(timer, meters[0], timer.after_wait))
             finally:
                 sched.finish_reads()
                 res = self.store.finish(req)
@@ -497,7 +530,8 @@ class Harness:
             raise BenchVerificationError(f"tutti: {report.failed_iocbs} read IOCBs failed")
         schedule = {**report.as_dict(), "reads": self.tutti_reads, "read_ahead": self.read_ahead or "windows"}
         extra: dict[str, Any] = {"schedule": schedule, "windows_ms": [round(w * 1e3, 3) for w in windows],
-                                 "windows_from": source, **timer.parts()}
+                                 "windows_from": source, **timer.parts(),
+                                 "host_cpu_us_per_layer": round(meters[0].ns / layers / 1e3, 2)}
         if itl:
             extra["itl_s"] = statistics.median(itl)
             if base:

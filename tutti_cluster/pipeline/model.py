@@ -77,6 +77,20 @@ class ModelShape:
         return KVShape(layers=self.layers, kv_heads=self.kv_heads, head_size=self.head_dim,
                        block_tokens=self.block_tokens, dtype=torch.bfloat16)
 
+    def shard(self, tp: int) -> ModelShape:
+        """One rank's share of the model under ``tp``-way tensor parallelism (Megatron's split: each
+        rank holds ``1/tp`` of the query and KV heads and of the MLP's width)."""
+        if tp < 1:
+            raise ConfigError("tensor parallelism must be at least 1")
+        if tp == 1:
+            return self
+        for f in ("q_heads", "kv_heads", "ffn"):
+            if getattr(self, f) % tp:
+                raise ConfigError(f"model shape {self.name!r}: {f} ({getattr(self, f)}) is not divisible by "
+                                  f"the tensor-parallel size {tp}")
+        return replace(self, name=f"{self.name}/tp{tp}", q_heads=self.q_heads // tp, kv_heads=self.kv_heads // tp,
+                       ffn=self.ffn // tp)
+
     def key(self) -> str:
         """A text naming every field that changes per-layer compute (profile files are keyed by it)."""
         return (f"{self.name}:L{self.layers}:q{self.q_heads}:kv{self.kv_heads}:d{self.head_dim}:h{self.hidden}"
@@ -162,27 +176,58 @@ class PrefillOutput:
     logits: torch.Tensor  # last token's logits (float32, [vocab])
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in a tensor-parallel group and the group's sum (``all_reduce`` adds a
+    tensor over the ranks in place, e.g. ``torch.distributed.all_reduce``)."""
+
+    rank: int
+    size: int
+    all_reduce: Callable[[torch.Tensor], None]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ConfigError(f"tensor-parallel rank {self.rank} outside a group of {self.size}")
+
+
 class _Weights:
-    def __init__(self, shape: ModelShape, device: torch.device, seed: int) -> None:
+    """The whole model's seeded weights, or one tensor-parallel rank's slices of them (drawn whole,
+    layer by layer, and sliced: every group size computes the same model)."""
+
+    def __init__(self, shape: ModelShape, device: torch.device, seed: int, rank: int = 0, size: int = 1) -> None:
         g = torch.Generator(device=device)
         g.manual_seed(seed)
         dt = torch.bfloat16
+        local = shape.shard(size)
 
         def rand(*dims: int, scale: float) -> torch.Tensor:
             w = torch.randn(dims, generator=g, device=device, dtype=dt)
             return w.mul_(scale)
 
+        def part(w: torch.Tensor, dim: int, start: int, width: int) -> torch.Tensor:
+            return w.narrow(dim, start + rank * width, width)
+
         h, qd, kvd = shape.hidden, shape.q_heads * shape.head_dim, shape.kv_heads * shape.head_dim
-        self.embed = rand(shape.vocab, h, scale=1.0)  # tied with the output projection
+        lqd, lkvd, lffn = local.q_heads * shape.head_dim, local.kv_heads * shape.head_dim, local.ffn
+        self.embed = rand(shape.vocab, h, scale=1.0)  # tied with the output projection; every rank's
         self.layers = []
         for _ in range(shape.layers):
+            wqkv = rand(h, qd + 2 * kvd, scale=1 / math.sqrt(h))
+            wo = rand(qd, h, scale=1 / math.sqrt(qd))
+            w_gate_up = rand(h, 2 * shape.ffn, scale=1 / math.sqrt(h))
+            w_down = rand(shape.ffn, h, scale=1 / math.sqrt(shape.ffn))
+            if size > 1:  # a rank's query heads, its KV heads (their groups) and its share of the MLP
+                wqkv = torch.cat((part(wqkv, 1, 0, lqd), part(wqkv, 1, qd, lkvd), part(wqkv, 1, qd + kvd, lkvd)), 1)
+                wo = part(wo, 0, 0, lqd).contiguous()
+                w_gate_up = torch.cat((part(w_gate_up, 1, 0, lffn), part(w_gate_up, 1, shape.ffn, lffn)), 1)
+                w_down = part(w_down, 0, 0, lffn).contiguous()
             self.layers.append({
                 "attn_norm": torch.ones(h, device=device, dtype=dt),
-                "wqkv": rand(h, qd + 2 * kvd, scale=1 / math.sqrt(h)),
-                "wo": rand(qd, h, scale=1 / math.sqrt(qd)),
+                "wqkv": wqkv,
+                "wo": wo,
                 "mlp_norm": torch.ones(h, device=device, dtype=dt),
-                "w_gate_up": rand(h, 2 * shape.ffn, scale=1 / math.sqrt(h)),
-                "w_down": rand(shape.ffn, h, scale=1 / math.sqrt(shape.ffn)),
+                "w_gate_up": w_gate_up,
+                "w_down": w_down,
             })
         self.final_norm = torch.ones(h, device=device, dtype=dt)
 
@@ -348,17 +393,22 @@ class Decoder:
     """The model: weights, RoPE tables, and a prefill of the uncached suffix over a paged cache."""
 
     def __init__(self, shape: ModelShape, device: torch.device, *, seed: int = 0, attention: str = "auto",
-                 mlp_chunk_tokens: int = 16384, flex_dynamic: bool | None = None) -> None:
+                 mlp_chunk_tokens: int = 16384, flex_dynamic: bool | None = None,
+                 tp: TensorParallel | None = None) -> None:
         if attention not in ATTENTION_CHOICES:
             raise ConfigError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, not {attention!r}")
         if mlp_chunk_tokens <= 0:
             raise ConfigError("mlp_chunk_tokens must be positive")
-        self.shape = shape
+        # Under tensor parallelism ``shape`` is this rank's share (its heads, its KV cache, its MLP
+        # width) and the attention's and the MLP's outputs are summed over the group.
+        self.full_shape = shape
+        self.shape = shape.shard(tp.size) if tp else shape
+        self.tp = tp
         self.device = device
         self.attention = attention
         self.mlp_chunk_tokens = mlp_chunk_tokens
         self.flex_dynamic = flex_dynamic
-        self.w = _Weights(shape, device, seed)
+        self.w = _Weights(shape, device, seed, tp.rank, tp.size) if tp else _Weights(shape, device, seed)
         half = shape.head_dim // 2
         self._inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(half, device=device, dtype=torch.float32) / half))
 
@@ -375,13 +425,19 @@ class Decoder:
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
 
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the tensor-parallel group of a row-parallel projection's partial output."""
+        if self.tp is not None:
+            self.tp.all_reduce(x)
+        return x
+
     def _mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         out = torch.empty_like(x)
         for i in range(0, x.shape[0], self.mlp_chunk_tokens):
             h = _rms_norm(x[i : i + self.mlp_chunk_tokens], w["mlp_norm"])
             gate, up = (h @ w["w_gate_up"]).chunk(2, dim=-1)
             out[i : i + self.mlp_chunk_tokens] = (F.silu(gate) * up) @ w["w_down"]
-        return out
+        return self._reduce(out)
 
     def check(self, kv: PagedKV, tokens: torch.Tensor, prefix: int, block_ids: torch.Tensor) -> None:
         """Raises ConfigError when a prefill of these arguments cannot run."""
@@ -432,7 +488,7 @@ class Decoder:
             hooks.before_attention(l)
             kk, vv = _gather(cache, ids, contiguous, n)
             a = attention(q, kk, vv, kind, dynamic=self.flex_dynamic)
-            x = x + a.reshape(-1, qd) @ w["wo"]
+            x = x + self._reduce(a.reshape(-1, qd) @ w["wo"])
             x = x + self._mlp(x, w)
             hooks.after_layer(l)
         last = _rms_norm(x[-1:], self.w.final_norm)[0]
@@ -470,7 +526,7 @@ class Decoder:
             kk, vv = _gather(cache, ids, contiguous, n)
             qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, kk, vv))
             a = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True).squeeze(0).transpose(0, 1)
-            x = x + a.reshape(1, qd) @ w["wo"]
+            x = x + self._reduce(a.reshape(1, qd) @ w["wo"])
             x = x + self._mlp(x, w)
             hooks.after_layer(l)
         last = _rms_norm(x, self.w.final_norm)[0]
