@@ -113,6 +113,7 @@ def test_a_failing_rank_stops_the_run_with_its_error(tmp_path: Path) -> None:
     (["--tp", "3"], "not divisible by the tensor-parallel size 3"),
     (["--tp", "0"], "at least 1"),
     (["--tp", "2", "--systems", "per-chunk"], "per-chunk"),
+    (["--tp", "2", "--tp-backend", "nccl"], "needs CUDA"),
 ])
 def test_bad_tensor_parallel_flags_are_config_errors(tmp_path: Path, argv: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -153,11 +153,13 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
     if args.model_layers is not None and args.model_layers <= 0:
         raise ConfigError("--model-layers must be positive")
     shape = model_shape(args.model or ("tiny" if cpu else "llama3-8b"), args.model_layers)
-    tp = getattr(args, "tp", 1)
+    tp = args.tp
     shape.shard(tp)  # ConfigError when the heads or the MLP do not divide
-    backend = getattr(args, "tp_backend", "auto")
+    backend = args.tp_backend
     if backend == "auto":
         backend = "gloo" if cpu else "nccl"
+    if cpu and backend == "nccl":
+        raise ConfigError("--tp-backend nccl needs CUDA; the CPU ranks sum with gloo")
     if tp > 1 and not cpu:
         gpus = torch.cuda.device_count()
         if gpus < tp and backend == "nccl":
