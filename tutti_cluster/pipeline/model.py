@@ -22,6 +22,12 @@ start, the same kernel code path as on CUDA). ``attention="split"`` runs the two
 as two flash-attention calls, the suffix over the prefix with no mask and the suffix over itself
 with the square causal mask, and merges them by their log-sum-exps: the kernels of a full prefill,
 none with a mask to read.
+
+Tensor parallelism (:class:`TensorParallel`): a rank holds its share of the query heads, of the
+KV heads (with their query groups) and of the MLP's width, so its KV cache holds its heads only;
+the attention's output projection and the MLP's down projection give partial sums, added over the
+group (Megatron's split). The weights are drawn whole and sliced, so any group computes the model
+one process computes.
 """
 
 from __future__ import annotations
