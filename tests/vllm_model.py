@@ -120,6 +120,7 @@ def run(model: str, out: str, kv_transfer_config: dict[str, Any] | None) -> None
                   for i in range(len(ps))]
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params)
         outputs += [list(o.outputs[0].token_ids) for o in outs]
+        drain(llm)
         metrics_after.append(_metrics(llm))
     # "metrics": the whole run; "metrics_after": after each batch (counters add up over batches).
     result = {"outputs": outputs, "metrics": metrics_after[-1], "metrics_after": metrics_after,
@@ -135,6 +136,23 @@ def _metrics(llm: Any) -> dict[str, float]:
         if isinstance(value, (int, float)):
             metrics[m.name] = metrics.get(m.name, 0) + value
     return metrics
+
+
+def drain(llm: Any, timeout_s: float = 120.0) -> None:
+    """Steps the engine until no finished request waits for the connector (its saves committed and
+    counted). ``LLM.generate`` returns once every output is final, while vLLM's own engine loop
+    steps on until then; the metrics read right after would miss the last saves on a slow host. An
+    engine in its own process (multiprocessing) runs that loop by itself: nothing to do here."""
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None:
+        assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0", "no in-process scheduler found to drain"
+        return
+    deadline = time.monotonic() + timeout_s
+    while scheduler.has_requests():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"requests still wait for the connector after {timeout_s:.0f} s")
+        llm.llm_engine.step()
 
 
 def run_plan(llm: Any, plan: list[list[dict[str, Any]]]) -> dict[str, list[int]]:
@@ -161,6 +179,7 @@ def run_plan(llm: Any, plan: list[list[dict[str, Any]]]) -> dict[str, list[int]]
         step()
     while engine.has_unfinished_requests():
         step()
+    drain(llm)
     return outputs
 
 
