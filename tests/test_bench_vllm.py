@@ -2,8 +2,10 @@
 random-weight Llama, a 600-token prompt, one restore per system (about a minute on two cores, the
 engine inside each run's process).
 
-Checks that every system produced its outputs, that the prefix restored by the TuttiConnector (at two
-unit sizes) and by vLLM's ExampleConnector gives recompute's greedy outputs, and the report's JSON.
+Checks that every system produced its outputs, that the prefix restored by the TuttiConnector (at the
+default unit size, with block-granular hits) and by vLLM's ExampleConnector gives the same greedy
+outputs as vLLM's own prefix cache, and the report's JSON. (One unit size: each more is two engine
+runs, about 30 s of CI; the list is a plain loop over them.)
 """
 
 from __future__ import annotations
@@ -28,20 +30,20 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "tutti_cluster.cli", "bench", "vllm", "--model", "tiny", "--layers", "2",
            "--dtype", "float32", "--prompt-tokens", str(PROMPT_TOKENS), "--prefix-tokens", "576",
-           "--repeat", "1", "--unit-tokens-list", "256,32", "--systems", "recompute,tutti,example,cached",
+           "--repeat", "1", "--unit-tokens-list", "256", "--systems", "recompute,tutti,example,cached",
            "--model-dir", str(tmp_path / "model"),
            "--paths", str(tmp_path / "store"), "--json", str(out)]
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("TUTTI_")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "| tutti | 32 |" in proc.stdout and "| example |" in proc.stdout, proc.stdout
+    assert "| tutti | 256 |" in proc.stdout and "| example |" in proc.stdout, proc.stdout
     report = json.loads(out.read_text())
     assert report["bench"] == "vllm_restore"
     for key in ("model", "layers", "prompt_tokens", "prefix_tokens", "block_size", "repeat", "unit_tokens",
                 "drop_caches", "vllm"):
         assert key in report["config"], key
     rows = {(r["system"], r["unit_tokens"]): r for r in report["rows"]}
-    assert set(rows) == {("recompute", None), ("tutti", 256), ("tutti", 32), ("example", None), ("cached", None)}
+    assert set(rows) == {("recompute", None), ("tutti", 256), ("example", None), ("cached", None)}
     ref = report["reference_outputs"]
     assert isinstance(ref, list) and len(ref) == 16
     for key, row in rows.items():
@@ -54,10 +56,9 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
             assert row["outputs_equal"], (key, row["outputs"], ref)
             assert row["hit_tokens"] and row["hit_tokens"] > 0, (key, row["hit_tokens"])
             assert key[0] == "cached" or row["store_run"]["ttft_s"] > 0, key
-    # The engine's blocks at either unit size: at 256, two whole units and a partial one of two
-    # blocks (partial_units); all but the block holding the last prompt token, as vLLM's own.
+    # The engine's blocks: two whole units and a partial one of two blocks (partial_units); all but
+    # the block holding the last prompt token, as vLLM's own.
     assert rows[("tutti", 256)]["hit_tokens"] == 576
-    assert rows[("tutti", 32)]["hit_tokens"] == 576
     assert rows[("example", None)]["hit_tokens"] == 576
     # vLLM's own prefix cache in a warm engine: the same blocks, the same tail, the same tokens as the
     # restoring systems; the restores are reported against it.
@@ -66,4 +67,4 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
     assert rows[("tutti", 256)]["over_cached_s"] == pytest.approx(
         rows[("tutti", 256)]["ttft_s"]["median"] - rows[("cached", None)]["ttft_s"]["median"])
     assert rows[("recompute", None)]["over_cached_s"] is None
-    assert rows[("tutti", 32)]["x_example"] is not None
+    assert rows[("tutti", 256)]["x_example"] is not None
