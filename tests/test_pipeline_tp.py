@@ -18,6 +18,8 @@ from tutti_cluster.bench.pipeline import rank_dirs  # noqa: E402
 from tutti_cluster.errors import ConfigError  # noqa: E402
 from tutti_cluster.pipeline.model import Decoder, PagedKV, TensorParallel, model_shape  # noqa: E402
 
+from test_pipeline import _gpu_reason  # noqa: E402
+
 CPU = torch.device("cpu")
 SHAPE = model_shape("tiny")
 N = 512
@@ -118,16 +120,6 @@ def test_a_failing_rank_stops_the_run_with_its_error(tmp_path: Path) -> None:
 def test_bad_tensor_parallel_flags_are_config_errors(tmp_path: Path, argv: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         bench_main(["--pipeline", "--device", "cpu", "--paths", str(tmp_path), *argv])
-
-
-def _gpu_reason() -> str | None:
-    from tutti_cluster import _native
-
-    if not _native.has_cuda:
-        return "this build of the native module has no CUDA backend"
-    if not torch.cuda.is_available():
-        return "no CUDA device visible to torch"
-    return None
 
 
 @pytest.mark.gpu
