@@ -106,9 +106,11 @@ def test_a_failing_rank_stops_the_run_with_its_error(tmp_path: Path) -> None:
     store = tmp_path / "store"
     store.mkdir()
     (store / "rank1").write_text("a file where rank 1's directory goes")
-    with pytest.raises(RankFailed, match="rank 1 failed: FileExistsError"):
+    with pytest.raises(RankFailed, match="rank 1 failed: NotADirectoryError"):
         bench_main(["--pipeline", "--device", "cpu", "--tp", "2", "--paths", str(store), "--inputs", "1K",
                     "--prefix-tokens", "50%", "--systems", "ideal,tutti", "--no-writeback"])
+    # Rank 0, stopped, went out through its cleanup: its directory and files are gone.
+    assert sorted(p.name for p in store.iterdir()) == ["rank1"]
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -116,6 +118,7 @@ def test_a_failing_rank_stops_the_run_with_its_error(tmp_path: Path) -> None:
     (["--tp", "0"], "at least 1"),
     (["--tp", "2", "--systems", "per-chunk"], "per-chunk"),
     (["--tp", "2", "--tp-backend", "nccl"], "needs CUDA"),
+    (["--tp", "2", "--profile", "prof.json"], "each rank's resident run"),
 ])
 def test_bad_tensor_parallel_flags_are_config_errors(tmp_path: Path, argv: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -140,3 +143,18 @@ def test_gpu_two_ranks_restore_their_shares_bitwise(tmp_path: Path) -> None:
     ranks = report["summary"]["4096"]["ranks"]
     assert [r["device"] for r in ranks] == (["cuda:0", "cuda:1"] if backend == "nccl" else ["cuda:0", "cuda:0"])
     assert all(r["read_gbps"] > 0 and r["peak_gpu_bytes"] > 0 for r in ranks)
+
+
+def test_two_ranks_in_one_path_share_its_capacity_and_leave_nothing(tmp_path: Path) -> None:
+    """One path, two ranks: each in its own rank<r> directory with half the path's --capacity-gb
+    (the whole of it would not fit twice), both directories gone after the run."""
+    store = tmp_path / "store"
+    store.mkdir()
+    out = tmp_path / "one.json"
+    rc = bench_main(["--pipeline", "--device", "cpu", "--tp", "2", "--paths", str(store), "--capacity-gb", "0.02",
+                     "--inputs", "1K", "--prefix-tokens", "50%", "--systems", "ideal,tutti,load-all", "--no-writeback",
+                     "--json", str(out)])
+    assert rc == 0
+    ranks = json.loads(out.read_text())["summary"]["1024"]["ranks"]
+    assert [r["paths"] for r in ranks] == [[str(store / "rank0")], [str(store / "rank1")]]
+    assert not list(store.iterdir())

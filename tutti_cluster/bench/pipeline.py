@@ -211,9 +211,12 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         raise ConfigError("--output-tokens must be positive")
     if args.baseline_threads < 1:
         raise ConfigError("--baseline-threads must be at least 1")
+    if args.profile is not None and tp > 1:
+        raise ConfigError("--profile: `tutti profile` times the whole model on one GPU; under --tp the slack "
+                          "windows come from each rank's resident run")
     if args.profile is not None and not args.profile.is_file():
         raise ConfigError(f"--profile {args.profile}: no such file (write one with `tutti profile`)")
-    prices = hz.Prices(args.gpu_price_hour, args.dram_price_gb_hour, args.ssd_price_gb_hour)
+    prices = hz.Prices(args.gpu_price_hour, args.dram_price_gb_hour, args.ssd_price_gb_hour, gpus=tp)
     return PipelinePlan(
         dirs=dirs, shape=shape, inputs=inputs, prefixes=prefixes, systems=[s for s in hz.SYSTEMS if s in systems],
         repeat=repeat, device=device, cfg=cfg, attention=args.attention,
@@ -453,6 +456,7 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
         itl = group.max(h.itl(case, plan.decode_steps))
         staging_gb = plan.cfg.staging_mb / 1024
         chunk_gb = plan.baseline_threads * 256 // s.block_tokens * s.kv_shape().block_bytes / GIB
+        staging_gb *= plan.tp  # a staging area per rank
         dram = {"tutti": staging_gb, "naive": staging_gb, "load-all": staging_gb, "per-chunk": chunk_gb}
         cross_pts: list[tuple[float, float, float]] = []
         rec_s = _median(rec_times) if rec_times else None
@@ -625,8 +629,13 @@ def _free_port() -> int:
 def _rank_main(rank: int, plan: PipelinePlan, port: int, json_path: Path | None, result: Path) -> None:
     """One tensor-parallel rank (a spawned process): its GPU, the process group, its share of the
     model and of the paths; rank 0 writes the report."""
+    import signal
+
     import torch.distributed as dist
 
+    # The parent stops the other ranks with SIGTERM when one fails: exit through the finally blocks,
+    # which close the store and remove the run's files.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.WARNING)
     device = plan.device
     if device.type == "cuda":
@@ -634,14 +643,24 @@ def _rank_main(rank: int, plan: PipelinePlan, port: int, json_path: Path | None,
         torch.cuda.set_device(device)
     dist.init_process_group(plan.tp_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=plan.tp, timeout=timedelta(minutes=30))
+    created: list[Path] = []
     try:
         # Barriers and the slowest rank's time on the host, beside the model's collectives.
         host = dist.new_group(backend="gloo") if plan.tp_backend != "gloo" else None
         group = RankGroup(rank, plan.tp, host)
         dirs = rank_dirs(plan.dirs, rank, plan.tp)
+        shared = len(dirs) == len(plan.dirs)  # rank<r> directories in every path
         for d in dirs:
-            d.mkdir(parents=True, exist_ok=True)
-        mine = replace(plan, device=device, dirs=dirs, ranks_per_dir=plan.tp if len(dirs) == len(plan.dirs) else 1)
+            if not d.exists():
+                created.append(d)
+                d.mkdir(parents=True)
+        caps = plan.capacity_gb
+        if caps and plan.tp > 1:  # --capacity-gb is per path: its share of each, or the rank's paths'
+            if shared:
+                caps = [c / plan.tp for c in caps]
+            elif len(caps) > 1:
+                caps = caps[rank::plan.tp]
+        mine = replace(plan, device=device, dirs=dirs, ranks_per_dir=plan.tp if shared else 1, capacity_gb=caps)
 
         def write(report: dict[str, Any]) -> None:
             if json_path is not None:
@@ -652,6 +671,8 @@ def _rank_main(rank: int, plan: PipelinePlan, port: int, json_path: Path | None,
         if rank == 0:
             result.write_text(json.dumps(report, default=str))
     finally:
+        for d in created:
+            shutil.rmtree(d, ignore_errors=True)
         dist.destroy_process_group()
 
 

@@ -436,6 +436,7 @@ class Harness:
         marks: list[float] = []
 
         def go() -> PrefillOutput:
+            marks.append(time.perf_counter())  # past _timed's barrier: the load alone
             res = self.store.retrieve(keys, ids)
             self._sync()
             marks.append(time.perf_counter())
@@ -443,9 +444,8 @@ class Harness:
                 raise BenchVerificationError(f"load-all: {len(res.failed_units)} of {len(keys)} units failed")
             return self._prefill(case, prefix)
 
-        t0 = time.perf_counter()
         out, t = self._timed(go)
-        return Outcome("load-all", t, out, {"load_s": marks[0] - t0})
+        return Outcome("load-all", t, out, {"load_s": marks[1] - marks[0]})
 
     def _per_chunk(self, case: InputCase, prefix: int) -> Outcome:
         if self.per_chunk is None:
