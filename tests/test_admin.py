@@ -278,7 +278,8 @@ BAD = [
     ("POST", "/v1/nodes/node-a/drain", {"json": {"mode": "everything"}}, 422, "invalid_request"),
     ("POST", "/v1/nodes/node-a/drain", {"json": {"mode": "all", "now": True}}, 422, "invalid_request"),
     ("POST", "/v1/nodes/..%2F..%2Fetc/drain", {}, 404, None),
-    ("POST", "/v1/nodes/.hidden/drain", {}, 422, "invalid_request"),
+    ("POST", "/v1/nodes/.hidden/drain", {}, 404, "node_not_found"),  # a valid id (the directory's rules)
+    ("POST", "/v1/nodes/%EF%BF%BD/drain", {}, 422, "invalid_request"),  # U+FFFD: no directory id holds it
     ("POST", "/v1/nodes/other/drain", {}, 404, "node_not_found"),
     ("GET", "/v1/nodes/node-a?verbose=1", {}, 422, "invalid_request"),
     ("PUT", "/v1/pins", {"json": {"keys": ["4c00"]}}, 405, "method_not_allowed"),
@@ -311,6 +312,81 @@ def test_bad_input_is_a_4xx_with_the_stable_shape_and_changes_nothing(client: Te
             assert 400 <= r.status_code < 500 and set(r.json()["error"]) == {"code", "message", "details"}
     assert state(client, node, keys) == before
     client.request("DELETE", "/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH)
+
+
+def test_an_engine_report_with_text_counters_is_refused_and_the_node_stays_up(client: TestClient, node: AdminNode):
+    """An engine's ``commands`` report is arithmetic for the daemon (rates) and the admin plane
+    (totals, metrics): text where a number belongs is refused, and the instance's channel and the
+    node's routes keep working (before, one such report made /v1/stats and /v1/nodes answer 500 and
+    the node's metrics say it was down, and every later poll of the instance fail)."""
+    from tutti_cluster.errors import ConfigError
+
+    link = DaemonLink(node.config, timeout_s=5.0)
+    geometry = {"num_layers": 2, "nptr": 2, "block_stride": 4096, "block_bytes": 4096, "num_blocks": 64,
+                "dtype": "uint8", "block_shape": [4096], "block_tokens": 16, "unit_tokens": 64}
+    try:
+        assert link.request({"op": "attach", "instance": "liar", "geometry": geometry, "capacity": [1 << 20]})["ok"]
+        for stats in ({"units": "many"}, {"bytes_read": "12 GB"}, {"bytes_written": 1e400}, {"hits": 10 ** 400}):
+            with pytest.raises(ConfigError):
+                link.request({"op": "commands", "instance": "liar", "wait_ms": 0, "stats": stats})
+        assert link.request({"op": "commands", "instance": "liar", "wait_ms": 0,
+                             "stats": {"backend": "cpu", "bytes_read": 5}})["ok"]
+        for path in ("/v1/stats", "/v1/nodes", "/v1/nodes/node-a"):
+            assert client.get(path, headers=AUTH).status_code == 200, path
+        assert "tutti_node_up{node=\"node-a\"} 1.0" in client.get("/metrics").text
+    finally:
+        link.close()
+
+
+def test_connections_that_never_send_a_whole_request_are_closed_and_capped(node: AdminNode, monkeypatch):
+    """Slow or silent clients cannot hold the admin server's (and so the daemon's) file descriptors:
+    a request head must be whole within HEAD_TIMEOUT_S, however it trickles in, and connections past
+    MAX_CONNECTIONS are closed at once; well-behaved clients, keep-alive ones too, are served."""
+    import socket
+
+    import httpx
+    from admin_fixtures import served_admin
+    from tutti_control import serve
+
+    monkeypatch.setattr(serve, "HEAD_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(serve, "MAX_CONNECTIONS", 16)
+
+    def closed(s: socket.socket, within_s: float) -> bool:
+        s.settimeout(within_s)
+        try:
+            return s.recv(1) == b""
+        except socket.timeout:
+            return False
+        except ConnectionResetError:
+            return True
+
+    with served_admin(node) as url:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        socks = []
+        try:
+            for _ in range(32):
+                s = socket.create_connection((host, int(port)))
+                s.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\n")  # never the blank line
+                socks.append(s)
+            t0 = time.monotonic()
+            assert sum(closed(s, 0.05) for s in socks) >= 16  # past the cap: closed at once
+            assert all(closed(s, 3.0) for s in socks)  # the rest: at the head deadline
+            assert time.monotonic() - t0 < 4.0
+            trickle = socket.create_connection((host, int(port)))
+            socks.append(trickle)
+            t0 = time.monotonic()
+            with pytest.raises((BrokenPipeError, ConnectionResetError)):
+                for c in b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000:
+                    trickle.sendall(bytes([c]))
+                    time.sleep(0.05)
+            assert time.monotonic() - t0 < 3.0
+            with httpx.Client(base_url=url) as c:  # one keep-alive connection, pauses under the deadline
+                for _ in range(3):
+                    assert c.get("/livez").status_code == 200
+                    time.sleep(0.5)
+        finally:
+            for s in socks:
+                s.close()
 
 
 def test_daemon_refusals_map_to_400_and_anything_else_to_502():

@@ -161,3 +161,96 @@ def test_cluster_admin_over_the_directory(cluster: tuple[EtcdServer, ClusterNode
         assert time.monotonic() - t0 < 5
     finally:
         backend.close()
+
+
+class _MisbehavingNode:
+    """An HTTP server standing in for the admin API of nodes that answer wrongly (a node of another
+    version, a broken one, or a record pointing elsewhere): a fault no healthy node can be made to
+    show. It answers by the first path segment after /v1/nodes/ or by ``answers[path]``, and
+    keeps every request line and Authorization header it saw."""
+
+    def __init__(self, answers: dict[str, tuple[int, object]]) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []  # type: list[tuple[str, str | None]]
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                seen.append((self.path, self.headers.get("Authorization")))
+                status, body = answers.get(self.path, (404, {"error": {"code": "not_found", "message": "no"}}))
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = do_DELETE = _answer
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_nodes_that_answer_wrongly_are_unreachable_not_a_broken_cluster_view(tmp_path: Path):
+    """Records other nodes wrote into etcd are their word: a node that answers 404, a body of
+    another shape, or not JSON, and a record whose admin address is not host:port, each show as
+    that node unreachable with the reason; every cluster route stays 200 (one such node used to
+    turn /v1/nodes, /v1/stats and /v1/config into 404s or 500s, and a record's address with a path
+    got the cluster's token sent there). A node id with '?', ':' or a space is percent-encoded."""
+    from tutti_cluster.cluster.directory import NODE_ID_PATTERN, EtcdDirectory, NodeRecord
+    from tutti_control.models import NodeId
+
+    assert NodeId.__metadata__[0].pattern == f"^{NODE_ID_PATTERN}$"  # the admin takes every directory id
+    require_etcd()
+    etcd = EtcdServer(tmp_path)
+    etcd.start()
+    odd = "gpu:0 a?b#c"
+    liar = _MisbehavingNode({"/v1/stats": (200, {"nodes": 5}), "/v1/config": (200, b"not json"),
+                             "/v1/nodes/gpu%3A0%20a%3Fb%23c": (200, {"node_id": odd, "mode": "weird"})})
+    records = {"says-404": liar.address, "odd-shape": liar.address, odd: liar.address,
+               "elsewhere": f"{liar.address}/steal?x=", "userinfo": f"user@{liar.address}", "no-port": "127.0.0.1"}
+    dirs = []
+    backend = ClusterBackend(TuttiConfig(etcd=[etcd.endpoint], admin_token=TOKEN), TOKEN)
+    try:
+        for node_id, admin in records.items():
+            d = EtcdDirectory(etcd.endpoint, node_id, lease_ttl_s=5)
+            d.start(NodeRecord(node_id, "", "", {"admin": admin}))
+            dirs.append(d)
+        c = TestClient(create_app(backend, TOKEN, title="Tutti cluster admin API"))
+        for path in ("/v1/nodes", "/v1/stats", "/v1/config", "/v1/objects?prefix=", "/v1/pins"):
+            r = c.get(path, headers=AUTH)
+            if path == "/v1/pins":  # a pin list must be whole: unreachable nodes make it a 503
+                is_error(r, 503, "node_unavailable")
+                continue
+            assert r.status_code == 200, (path, r.status_code, r.text)
+        nodes = {n["node_id"]: n for n in c.get("/v1/nodes", headers=AUTH).json()["nodes"]}
+        assert set(nodes) == set(records) and not any(n["reachable"] for n in nodes.values())
+        for node_id in ("elsewhere", "userinfo", "no-port"):
+            assert "not host:port" in nodes[node_id]["error"], nodes[node_id]
+        assert "refused: 404" in nodes["says-404"]["error"]
+        assert "not a NodeInfo" in nodes[odd]["error"]
+        stats = {n["node_id"]: n for n in c.get("/v1/stats", headers=AUTH).json()["nodes"]}
+        assert not any(n["reachable"] for n in stats.values()) and "not a StatsResponse" in stats["odd-shape"]["error"]
+        assert "without JSON" in c.get("/v1/config", headers=AUTH).json()["nodes"]["odd-shape"]["error"]
+        is_error(c.get(f"/v1/nodes/{odd.replace('?', '%3F').replace('#', '%23')}", headers=AUTH), 503, "node_unavailable")
+        is_error(c.post("/v1/nodes/says-404/drain", headers=AUTH), 404, "not_found")  # the node's own answer
+        # The token went to the records' host:port only, and only to /v1 paths.
+        assert liar.seen and all(p.startswith("/v1/") and "steal" not in p and a == f"Bearer {TOKEN}"
+                                 for p, a in liar.seen), liar.seen
+        assert "/v1/nodes/gpu%3A0%20a%3Fb%23c" in [p for p, _ in liar.seen]
+    finally:
+        backend.close()
+        for d in dirs:
+            d.stop()
+        liar.close()
+        etcd.stop()

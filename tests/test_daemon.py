@@ -20,7 +20,7 @@ import pytest
 from cluster_fixtures import DaemonProcess, EtcdServer, NodeProcess, require_etcd, require_mooncake
 from tutti_cluster import TuttiConfig
 from tutti_cluster.daemon import DaemonLink, NodeDaemon, socket_path
-from tutti_cluster.errors import CapacityExceeded, ConfigError
+from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError
 
 KEYS = [0x5000 + i for i in range(5)]
 
@@ -323,6 +323,11 @@ def test_an_attach_with_a_bad_geometry_is_refused_and_never_stored(tmp_path: Pat
     cfg = daemon_config(tmp_path)
     d = DaemonProcess(cfg, tmp_path / "daemon.log")
     try:
+        # Objects of 2^42 and 2^70 bytes (the latter once wrapped to 0 in 64 bits and passed).
+        for block_bytes in (4096, 1 << 40):
+            with pytest.raises(LayoutError, match="below 256 MiB"):
+                ask(cfg, op="attach", instance="huge", geometry={**GEO, "unit_tokens": 1 << 30, "block_tokens": 1,
+                                                                  "block_bytes": block_bytes, "block_stride": block_bytes})
         assert ask(cfg, op="attach", instance="good", geometry=GEO)["ok"]
         for geometry in ({"unit_tokens": 64}, {**GEO, "nptr": "2"}, {**GEO, "num_layers": 0},
                          {**GEO, "block_tokens": 48}, {**GEO, "extra": 1}, [GEO], None):

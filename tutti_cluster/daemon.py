@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Callable, ClassVar, Iterator, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 from pydantic_core import from_json
 
 from tutti_cluster.config import (INSTANCE_MAX_CHARS, INSTANCE_PATTERN, TuttiConfig, check_instance_name,
@@ -244,7 +244,21 @@ class CommandResult(_Model):
     error: Annotated[str, StringConstraints(max_length=1000)] | None = None
 
 
-_StatValue = int | float | bool | str
+# An engine's counters: finite numbers, and text only where a counter is a name (the store's
+# backend); the daemon and the admin plane do arithmetic on the rest.
+_Number = Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | Annotated[float, Field(allow_inf_nan=False)]
+TEXT_STATS = frozenset({"backend"})
+
+
+def _stats_dict(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    for k, v in (value or {}).items():
+        if isinstance(v, str) and k not in TEXT_STATS:
+            raise ValueError(f"counter {k!r} must be a number, not text")
+    return value
+
+
+_Stats = Annotated[dict[str, _Number | bool | Annotated[str, StringConstraints(max_length=200)]],
+                   Field(max_length=256), AfterValidator(_stats_dict)]
 
 
 class CommandsRequest(Request):
@@ -255,8 +269,8 @@ class CommandsRequest(Request):
     instance: InstanceName
     wait_ms: Annotated[int, Field(ge=0, le=30000)] = 2000
     results: Annotated[list[CommandResult], Field(max_length=4096)] = []
-    stats: Annotated[dict[str, _StatValue], Field(max_length=256)] | None = None
-    cluster: Annotated[dict[str, _StatValue], Field(max_length=256)] | None = None
+    stats: _Stats | None = None
+    cluster: _Stats | None = None
     queued: Annotated[int, Field(ge=0)] = 0
 
 

@@ -29,6 +29,7 @@ from tutti_cluster.config import TuttiConfig, add_config_arguments, config_argum
 from tutti_cluster.errors import TuttiError
 
 from tutti_control.auth import client_token, read_token_file
+from tutti_control.models import node_path
 
 if TYPE_CHECKING:
     import httpx
@@ -166,13 +167,13 @@ def run(a: argparse.Namespace) -> int:
         text = table(rows, ["KEY", "RESULT"])
     elif a.admin_cmd == "drain":
         if a.undo:
-            body = c.call("DELETE", f"/v1/nodes/{a.node}/drain")
+            body = c.call("DELETE", node_path(a.node, "/drain"))
         else:
-            body = c.call("POST", f"/v1/nodes/{a.node}/drain", json={"mode": a.mode})
+            body = c.call("POST", node_path(a.node, "/drain"), json={"mode": a.mode})
             deadline = time.monotonic() + a.wait
             while body["drain"]["state"] == "draining" and time.monotonic() < deadline:
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-                body = {"node_id": a.node, "drain": c.call("GET", f"/v1/nodes/{a.node}")["drain"]}
+                body = {"node_id": a.node, "drain": c.call("GET", node_path(a.node))["drain"]}
         d = body["drain"]
         text = table([[body["node_id"], d["state"], d["mode"], d["units_left"], d["replicated_elsewhere"], d["pinned_left"]]],
                      ["NODE", "STATE", "MODE", "UNITS LEFT", "REPLICATED ELSEWHERE", "PINNED LEFT"])

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 
 from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 from tutti_cluster.config import TuttiConfig
@@ -21,15 +22,40 @@ from tutti_cluster.config import TuttiConfig
 from tutti_control.backend import sum_counters
 from tutti_control.errors import ApiError
 from tutti_control.models import (
-    ConfigResponse, Counters, DrainStatus, EvictResult, NodeInfo, NodeList, NodeStats, ObjectInfo, ObjectList,
-    PinList, PinResult, Readiness, StatsResponse, UnpinResult,
+    ConfigResponse, Counters, DrainResponse, DrainStatus, EvictResult, NodeInfo, NodeList, NodeStats, ObjectInfo,
+    ObjectList, PinList, PinResult, Readiness, StatsResponse, UnpinResult, node_path,
 )
 
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 class NodeUnavailable(Exception):
-    pass
+    """A node that does not answer, or answers what its admin API never would."""
+
+
+def admin_url(admin: Any) -> str:
+    """The base URL of a node's admin API from the ``admin`` field of its directory record, which
+    must be ``host:port`` and nothing else (the record is another node's word: no path, query or
+    user part, so the cluster's token goes to that address only)."""
+    if not isinstance(admin, str) or not admin or len(admin) > 300:
+        raise NodeUnavailable("the node serves no admin API (no admin address in its record)")
+    try:
+        url = httpx.URL(f"http://{admin}")
+        ok = bool(url.host) and url.port is not None and f"{url.netloc.decode()}" == admin and url.raw_path == b"/"
+    except (httpx.InvalidURL, UnicodeError, ValueError):
+        ok = False
+    if not ok:
+        raise NodeUnavailable(f"the admin address in the node's record is not host:port: {admin[:100]!r}")
+    return f"http://{admin}"
+
+
+class ErrorShape(BaseModel):
+    """The error object of a node's admin API, as far as this service reads it."""
+
+    code: str = "error"
+    message: str = ""
+    details: dict[str, Any] = {}
 
 
 class ClusterBackend:
@@ -64,12 +90,14 @@ class ClusterBackend:
             raise ApiError(404, "node_not_found", f"no node {node_id!r} in the cluster directory", {"node_id": node_id})
         return rec
 
-    def _call(self, rec: NodeRecord, method: str, path: str, **kw: Any) -> Any:
+    def _call(self, rec: NodeRecord, method: str, path: str, model: type[M], **kw: Any) -> M:
+        """One request to a node's admin API; its answer as ``model``. NodeUnavailable when the
+        node does not answer, refuses the token, fails (5xx) or answers in another shape; ApiError
+        with the node's own code for its 4xx."""
         admin = rec.extra.get("admin")
-        if not admin:
-            raise NodeUnavailable("the node serves no admin API (no admin address in its record)")
+        base = admin_url(admin)
         try:
-            r = self.http.request(method, f"http://{admin}{path}", **kw)
+            r = self.http.request(method, base + path, **kw)
         except httpx.HTTPError as exc:
             raise NodeUnavailable(f"{admin}: {type(exc).__name__}: {exc}") from exc
         if r.status_code == 401:
@@ -78,15 +106,25 @@ class ClusterBackend:
             body = r.json()
         except ValueError as exc:
             raise NodeUnavailable(f"{admin} answered {r.status_code} without JSON") from exc
-        if r.status_code >= 500:
-            raise NodeUnavailable(f"{admin}: {r.status_code} {body.get('error', {}).get('message', '')}")
+        err = body.get("error") if isinstance(body, dict) else None
         if r.status_code >= 400:
-            e = body.get("error", {})
-            raise ApiError(r.status_code, str(e.get("code", "error")), f"node {rec.node_id}: {e.get('message', '')}",
-                           dict(e.get("details", {})))
-        return body
+            try:
+                e = ErrorShape.model_validate(err)
+            except ValidationError:
+                e = ErrorShape(message=f"an error of another shape: {str(err)[:200]}")
+            if r.status_code >= 500:
+                raise NodeUnavailable(f"{admin}: {r.status_code} {e.message}")
+            raise ApiError(r.status_code, e.code, f"node {rec.node_id}: {e.message}", e.details)
+        try:
+            return model.model_validate(body)
+        except ValidationError as exc:
+            raise NodeUnavailable(f"{admin} answered {r.status_code} with a body that is not a {model.__name__}: "
+                                  f"{exc.errors()[0]['msg'] if exc.errors() else exc}") from exc
 
     def _each(self, fn: Callable[[NodeRecord], T], recs: dict[str, NodeRecord] | None = None) -> dict[str, T | NodeUnavailable]:
+        """``fn`` on every node at once. A node's refusal (4xx) of a request this service already
+        checked is that node's fault: it counts as unavailable, like no answer, and never fails the
+        whole view."""
         recs = self.records() if recs is None else recs
 
         def one(rec: NodeRecord) -> T | NodeUnavailable:
@@ -94,13 +132,15 @@ class ClusterBackend:
                 return fn(rec)
             except NodeUnavailable as exc:
                 return exc
+            except ApiError as exc:
+                return NodeUnavailable(f"refused: {exc.status} {exc.code}: {exc.message}")
 
         return dict(zip(recs, self.pool.map(one, recs.values())))
 
-    def _one(self, node_id: str, method: str, path: str, **kw: Any) -> Any:
+    def _one(self, node_id: str, method: str, path: str, model: type[M], **kw: Any) -> M:
         rec = self._record(node_id)
         try:
-            return self._call(rec, method, path, **kw)
+            return self._call(rec, method, path, model, **kw)
         except NodeUnavailable as exc:
             raise ApiError(503, "node_unavailable", f"node {node_id}: {exc}", {"node_id": node_id}) from exc
 
@@ -117,28 +157,27 @@ class ClusterBackend:
         if isinstance(raw, NodeUnavailable):
             return NodeInfo(node_id=rec.node_id, mode="cluster", reachable=False, error=str(raw),
                             admin=rec.extra.get("admin"))
-        info = NodeInfo.model_validate(raw)
-        info.admin = rec.extra.get("admin")
-        return info
+        raw.admin = rec.extra.get("admin")
+        return raw
 
     def nodes(self) -> NodeList:
         recs = self.records()
-        got = self._each(lambda r: self._call(r, "GET", f"/v1/nodes/{r.node_id}"), recs)
+        got = self._each(lambda r: self._call(r, "GET", node_path(r.node_id), NodeInfo), recs)
         return NodeList(nodes=[self._node_info(recs[n], got[n]) for n in sorted(recs)])
 
     def node(self, node_id: str) -> NodeInfo:
         rec = self._record(node_id)
-        return self._node_info(rec, self._one(node_id, "GET", f"/v1/nodes/{node_id}"))
+        return self._node_info(rec, self._one(node_id, "GET", node_path(node_id), NodeInfo))
 
     def stats(self) -> StatsResponse:
-        got = self._each(lambda r: self._call(r, "GET", "/v1/stats"))
-        nodes = []
+        got = self._each(lambda r: self._call(r, "GET", "/v1/stats", StatsResponse))
+        nodes: list[NodeStats] = []
         for n in sorted(got):
             v = got[n]
             if isinstance(v, NodeUnavailable):
                 nodes.append(NodeStats(node_id=n, reachable=False, error=str(v)))
             else:
-                nodes.extend(NodeStats.model_validate(x) for x in v["nodes"])
+                nodes.extend(v.nodes)
         tot = sum_counters([Counters(**{k: getattr(s, k) for k in Counters.model_fields}) for s in nodes if s.reachable])
         return StatsResponse(totals=tot, nodes=nodes)
 
@@ -146,10 +185,10 @@ class ClusterBackend:
         return self.nodes(), self.stats()
 
     def config_view(self) -> ConfigResponse:
-        got = self._each(lambda r: self._call(r, "GET", "/v1/config"))
+        got = self._each(lambda r: self._call(r, "GET", "/v1/config", ConfigResponse))
         out: dict[str, dict[str, Any]] = {}
         for n, v in sorted(got.items()):
-            out.update({n: {"error": str(v)}} if isinstance(v, NodeUnavailable) else v["nodes"])
+            out.update({n: {"error": str(v)}} if isinstance(v, NodeUnavailable) else v.nodes)
         return ConfigResponse(nodes=out)
 
     def objects(self, keys: list[str] | None, prefix: str | None, limit: int) -> ObjectList:
@@ -158,19 +197,19 @@ class ClusterBackend:
             params["key"] = keys
         else:
             params["prefix"] = prefix or ""
-        got = self._each(lambda r: self._call(r, "GET", "/v1/objects", params=params))
+        got = self._each(lambda r: self._call(r, "GET", "/v1/objects", ObjectList, params=params))
         merged: dict[str, ObjectInfo] = {}
         truncated = False
         missing = sorted(n for n, v in got.items() if isinstance(v, NodeUnavailable))
         for v in got.values():
             if isinstance(v, NodeUnavailable):
                 continue
-            truncated |= bool(v["truncated"])
-            for o in v["objects"]:
-                cur = merged.setdefault(o["key"], ObjectInfo(key=o["key"], nodes=[], instances={}, pinned=False))
-                cur.nodes = sorted(set(cur.nodes) | set(o["nodes"]))
-                cur.instances.update(o["instances"])
-                cur.pinned |= bool(o["pinned"])
+            truncated |= v.truncated
+            for o in v.objects:
+                cur = merged.setdefault(o.key, ObjectInfo(key=o.key, nodes=[], instances={}, pinned=False))
+                cur.nodes = sorted(set(cur.nodes) | set(o.nodes))
+                cur.instances.update(o.instances)
+                cur.pinned |= o.pinned
         order = keys if keys else sorted(merged)
         objs = [merged[k] for k in dict.fromkeys(k.lower().rjust(16, "0") for k in order) if k in merged]
         if missing and not keys:
@@ -185,50 +224,49 @@ class ClusterBackend:
             if node not in recs:
                 raise ApiError(404, "node_not_found", f"no node {node!r} in the cluster directory", {"node_id": node})
             recs = {node: recs[node]}
-        got = self._each(lambda r: self._call(r, "DELETE", "/v1/cache", params=params), recs)
+        got = self._each(lambda r: self._call(r, "DELETE", "/v1/cache", EvictResult, params=params), recs)
         out = EvictResult(evicted=0, pinned_kept=0, unreachable=0)
         for n, v in sorted(got.items()):
             if isinstance(v, NodeUnavailable):
                 out.unreachable_nodes.append(n)
                 continue
             for k in ("evicted", "pinned_kept", "unreachable"):
-                setattr(out, k, getattr(out, k) + int(v[k]))
-            out.nodes.update(v["nodes"])
+                setattr(out, k, getattr(out, k) + getattr(v, k))
+            out.nodes.update(v.nodes)
         return out
 
-    def _keys_everywhere(self, method: str, keys: list[str], done_field: str) -> tuple[list[str], set[str], set[str]]:
+    def _keys_everywhere(self, method: str, keys: list[str], model: type[PinResult] | type[UnpinResult],
+                         done_field: str) -> tuple[list[str], set[str], set[str]]:
         """Pins or unpins ``keys`` on every node: (the keys normalised, those done somewhere, those
         not done whose node did not answer; every key when a node is away)."""
-        got = self._each(lambda r: self._call(r, method, "/v1/pins", json={"keys": keys}))
+        got = self._each(lambda r: self._call(r, method, "/v1/pins", model, json={"keys": keys}))
         ok = [v for v in got.values() if not isinstance(v, NodeUnavailable)]
         norm = list(dict.fromkeys(k.lower().rjust(16, "0") for k in keys))
-        done = {k for v in ok for k in v[done_field]}
-        unreachable = {k for v in ok for k in v["unreachable"]} | (set(norm) if len(ok) < len(got) else set())
+        done = {k for v in ok for k in getattr(v, done_field)}
+        unreachable = {k for v in ok for k in v.unreachable} | (set(norm) if len(ok) < len(got) else set())
         return norm, done, unreachable - done
 
     def pin(self, keys: list[str]) -> PinResult:
-        norm, pinned, unreachable = self._keys_everywhere("POST", keys, "pinned")
+        norm, pinned, unreachable = self._keys_everywhere("POST", keys, PinResult, "pinned")
         return PinResult(pinned=[k for k in norm if k in pinned], unreachable=[k for k in norm if k in unreachable],
                          absent=[k for k in norm if k not in pinned and k not in unreachable])
 
     def unpin(self, keys: list[str]) -> UnpinResult:
-        norm, done, unreachable = self._keys_everywhere("DELETE", keys, "unpinned")
+        norm, done, unreachable = self._keys_everywhere("DELETE", keys, UnpinResult, "unpinned")
         return UnpinResult(unpinned=[k for k in norm if k in done], unreachable=[k for k in norm if k in unreachable],
                            not_pinned=[k for k in norm if k not in done and k not in unreachable])
 
     def pins(self) -> PinList:
-        got = self._each(lambda r: self._call(r, "GET", "/v1/pins"))
+        got = self._each(lambda r: self._call(r, "GET", "/v1/pins", PinList))
         missing = [n for n, v in got.items() if isinstance(v, NodeUnavailable)]
         if missing:
             raise ApiError(503, "node_unavailable", f"cannot list every pin: no answer from {', '.join(sorted(missing))}",
                            {"nodes": sorted(missing)})
-        keys = sorted({k for v in got.values() if not isinstance(v, NodeUnavailable) for k in v["pins"]})
+        keys = sorted({k for v in got.values() if not isinstance(v, NodeUnavailable) for k in v.pins})
         return PinList(pins=keys, count=len(keys))
 
     def drain(self, node_id: str, mode: str) -> tuple[str, DrainStatus]:
-        r = self._one(node_id, "POST", f"/v1/nodes/{node_id}/drain", json={"mode": mode})
-        return node_id, DrainStatus.model_validate(r["drain"])
+        return node_id, self._one(node_id, "POST", node_path(node_id, "/drain"), DrainResponse, json={"mode": mode}).drain
 
     def undrain(self, node_id: str) -> tuple[str, DrainStatus]:
-        r = self._one(node_id, "DELETE", f"/v1/nodes/{node_id}/drain")
-        return node_id, DrainStatus.model_validate(r["drain"])
+        return node_id, self._one(node_id, "DELETE", node_path(node_id, "/drain"), DrainResponse).drain

@@ -7,6 +7,7 @@ Keys travel as 16 hex digits (the 64-bit unit key, as the cluster directory writ
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -16,7 +17,14 @@ HexKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{1,16}$", strip_
                    Field(description="A unit key: 1-16 hex digits (64 bits).", examples=["00000000000050a0"])]
 HexPrefix = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{0,16}$"),
                       Field(description="A key prefix: 0-16 hex digits of the 16-digit key.")]
-NodeId = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")]
+# The cluster directory's node ids (tutti_cluster.cluster.directory.NODE_ID_PATTERN): 1-253
+# characters, none of them '/' or U+FFFD; a test keeps the two the same.
+NodeId = Annotated[str, StringConstraints(pattern="^[^/\ufffd]{1,253}$")]
+
+
+def node_path(node_id: str, tail: str = "") -> str:
+    """The path of a node's routes, its id percent-encoded (ids may hold '?', '#', ':' or spaces)."""
+    return f"/v1/nodes/{quote(node_id, safe='')}{tail}"
 
 
 def key_text(key: int) -> str:

@@ -40,6 +40,50 @@ def address_of(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+# Limits uvicorn does not set by itself: a request head (request line and headers) must arrive
+# within HEAD_TIMEOUT_S of the connection, or of the last response on it; at most MAX_CONNECTIONS
+# are open at once, a connection past them is closed at once. Without them, clients that open
+# connections and send nothing whole held a file descriptor each for ever, until the process (the
+# node daemon, in `tutti up`) could open no pool file and save no state.
+HEAD_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 512
+
+
+def guarded_http_protocol() -> type:
+    """The HTTP protocol uvicorn would pick (httptools where installed, else h11) with the two
+    limits above. ``connection_made``, ``on_response_complete``, ``cycle`` (a new one per request
+    head), ``connections`` and ``loop`` are both protocols' own, the same since before uvicorn
+    0.29; tests/test_admin.py holds the limits to them."""
+    base: type
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class GuardedHttpProtocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > MAX_CONNECTIONS:
+                transport.close()
+                return
+            self._head_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._head_deadline()
+
+        def _head_deadline(self) -> None:
+            waiting_after = self.cycle
+
+            def expire() -> None:
+                if self.cycle is waiting_after and not self.transport.is_closing():
+                    self.transport.close()
+
+            self.loop.call_later(HEAD_TIMEOUT_S, expire)
+
+    return GuardedHttpProtocol
+
+
 class AdminServer:
     """uvicorn serving one admin app on a bound socket, in a thread of this process."""
 
@@ -50,7 +94,8 @@ class AdminServer:
         self.backend = backend
         self.address = address_of(sock)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                                    timeout_graceful_shutdown=5, backlog=2048))
+                                                    timeout_graceful_shutdown=5, backlog=2048,
+                                                    http=guarded_http_protocol()))
         self.thread: threading.Thread | None = None
 
     def start(self, timeout_s: float = 15.0) -> "AdminServer":

@@ -39,8 +39,10 @@ Status make_geometry(uint32_t num_layers, uint32_t objs_per_layer, uint64_t bloc
   if (block_bytes == 0 || block_bytes % 4 != 0) return {Code::kLayout, "block_bytes must be a positive multiple of 4"};
   if (objs_per_layer != 1 && objs_per_layer != 2) return {Code::kLayout, "each layer needs 1 or 2 object pointers"};
   if (desc.size() >= kDescBytes) return {Code::kLayout, "layout description too long"};
-  if (align_up(static_cast<uint64_t>(unit_blocks) * block_bytes) >= kMaxObjBytes)
-    return {Code::kLayout, "objects of " + std::to_string(static_cast<uint64_t>(unit_blocks) * block_bytes) +
+  // Compared by division first: unit_blocks * block_bytes may not fit in 64 bits.
+  if (block_bytes >= kMaxObjBytes || unit_blocks > kMaxObjBytes / block_bytes ||
+      align_up(static_cast<uint64_t>(unit_blocks) * block_bytes) >= kMaxObjBytes)
+    return {Code::kLayout, "objects of " + std::to_string(unit_blocks) + " blocks of " + std::to_string(block_bytes) +
                                " bytes: the checksum covers objects below 256 MiB (lower unit_tokens)"};
   Geometry g;
   g.num_layers = num_layers;

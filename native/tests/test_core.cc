@@ -235,6 +235,11 @@ static void test_header_round_trip() {
   Geometry g;
   CHECK(make_geometry(std::vector<LayerKV>(32, l), 16, "bf16[16,8,128]x2", &g).ok());
   CHECK(g.obj_bytes == 512 * 1024 && g.num_objs() == 64 && g.header_bytes == 4096);
+  // Objects of 2^70 bytes do not wrap to 0 past the size check; 2^64 - 4 byte blocks neither.
+  Geometry big;
+  CHECK(make_geometry(2, 2, 1ull << 40, 1u << 30, "x", &big).code() == Code::kLayout);
+  CHECK(make_geometry(2, 2, ~0ull - 3, 1, "x", &big).code() == Code::kLayout);
+  CHECK(make_geometry(2, 2, 4096, 1u << 30, "x", &big).code() == Code::kLayout);
   CHECK(g.slot_bytes == 4096 + 64ull * 512 * 1024);
   std::vector<uint64_t> sums(64), back(64);
   for (size_t i = 0; i < sums.size(); ++i) sums[i] = i * 7 + 1;
