@@ -783,3 +783,97 @@ def _kill_rounds(tmp_path, d, unit_data):
                 for l in range(len(kv2)):
                     for u, k in enumerate(batch):
                         np.testing.assert_array_equal(kv2[l][:, u * ub:(u + 1) * ub], unit_data(k, kv2[l].shape, ub, l))
+
+
+# -- an attack on main (2026-12-04): stale copies, other layouts' pools, removals under a read -------------
+
+def _units(kv: list, blocks) -> list:
+    return [t[:, blocks].copy() for t in kv]
+
+
+def _same(a: list, b: list) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("hide", ["capacity", "path"])
+def test_a_key_stored_while_an_older_copy_was_out_of_sight_is_the_one_served(tmp_path, hide):
+    """Regression (once failed): a copy of key K in a part of the pool an open did not see (past a
+    lowered capacity: the tail of a pool file is never truncated; or on a path left out of the
+    configuration) came back with a higher commit sequence than K stored meanwhile, and a retrieve
+    of K served the older bytes with ok."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    kv = make_kv(seed=41)
+    ub = UNIT_TOKENS // BLOCK_TOKENS
+    full = dict(paths=[a, b], capacity_gb=[0.02, 0.02])
+    if hide == "capacity":  # K in the high slots, then a capacity that ends below them
+        first, second = full, dict(paths=[a, b], capacity_gb=[0.002, 0.002])
+    else:  # K on path b, then a configuration without b
+        first, second = dict(paths=[b], capacity_gb=[0.02]), dict(paths=[a], capacity_gb=[0.02])
+    with open_store([a], kv, **first) as s:
+        for i in range(s.stats()["total_slots"] - 2 if hide == "capacity" else 0):
+            assert s.store([1000 + i], np.arange(ub)).ok
+        assert s.store([42], np.arange(ub)).ok
+        old = _units(kv, np.arange(ub))
+    refill = np.random.default_rng(7)
+    for t in kv:
+        t[...] = refill.integers(0, 60000, t.shape, dtype=t.dtype)
+    with open_store([a], kv, **second) as s:
+        assert not s.contains(42)
+        assert s.store([42], np.arange(ub)).ok
+        new = _units(kv, np.arange(ub))
+    assert not _same(old, new)
+    for opened in range(2):  # the writer, then a fresh open
+        zero(kv)
+        with open_store([a], kv, **full) as s:
+            r = s.retrieve([42], np.arange(ub, 2 * ub))
+            assert r.ok and _same(_units(kv, np.arange(ub, 2 * ub)), new), opened
+
+
+def test_a_pool_file_of_another_layout_is_refused_with_none_of_its_units_left(tmp_path):
+    """Regression (once failed): the layout check read headers at the opening store's own slot
+    boundaries only, so once a pool's first slot was free (its unit removed or evicted) a store of
+    another layout took the pool over and wrote over its units. Freed slots and never-written
+    first slots now carry the layout's free-slot header."""
+    d = tmp_path / "p"
+    d.mkdir()
+    ub = UNIT_TOKENS // BLOCK_TOKENS
+    with open_store([d], make_kv(seed=1)) as s:
+        for k in range(1, 7):
+            assert s.store([k], np.arange(ub)).ok
+        assert s.remove(1)
+    with pytest.raises(LayoutError, match="another layout"):
+        open_store([d], make_kv(seed=2, head=48))
+    with open_store([d], make_kv(seed=1)) as s:  # the owner's units are all there
+        assert s.lookup(list(range(2, 7))) == 5 and s.stats()["units"] == 5
+        for k in range(2, 7):
+            assert s.remove(k)
+    with pytest.raises(LayoutError, match="another layout"):  # emptied, still the owner's
+        open_store([d], make_kv(seed=2, head=48))
+    e = tmp_path / "new"
+    e.mkdir()
+    open_store([e], make_kv(seed=1)).close()  # opened once, never stored into
+    with pytest.raises(LayoutError, match="another layout"):
+        open_store([e], make_kv(seed=2, head=48))
+
+
+def test_remove_leaves_a_unit_a_retrieve_is_reading(tmp_path):
+    """Regression (once failed): remove() dropped a unit a begun retrieve had pinned; the next
+    store took its slot, and the retrieve failed and counted a checksum failure that was no damage
+    (the admin plane's remove and drain racing an engine's load)."""
+    d = tmp_path / "p"
+    d.mkdir()
+    kv = make_kv(seed=5)
+    ub = UNIT_TOKENS // BLOCK_TOKENS
+    with open_store([d], kv) as s:
+        assert s.store([1], np.arange(ub)).ok
+        want = _units(kv, np.arange(ub))
+        req = s.begin_retrieve([1], np.arange(2 * ub, 3 * ub))
+        assert not s.remove(1) and s.contains(1)  # it stays while read
+        assert s.store([2], np.arange(ub, 2 * ub)).ok
+        for layer in range(len(kv)):
+            s.retrieve_layer(layer, req)
+        r = s.finish(req)
+        assert r.ok and s.stats()["checksum_failures"] == 0
+        assert _same(_units(kv, np.arange(2 * ub, 3 * ub)), want)
+        assert s.remove(1) and not s.contains(1)  # and goes once the read is done

@@ -1671,8 +1671,8 @@ class DaemonLink:
                         skipped.append(k)
                     elif st.remove(k):
                         done.append(k)
-                    else:
-                        absent.append(k)
+                    else:  # absent, or being read right now (it stays)
+                        (skipped if st.contains(k) else absent).append(k)
             elif kind == "drain":
                 self.draining = bool(cmd.get("on"))
             else:

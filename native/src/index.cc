@@ -61,14 +61,25 @@ void Index::insert(uint64_t key, uint32_t slot, uint32_t blocks) {
   map_.emplace(key, Entry{slot, 0, blocks, lru_.begin()});
 }
 
-bool Index::remove(uint64_t key, uint32_t* slot) {
+bool Index::remove(uint64_t key, uint32_t* slot, uint32_t only_slot) {
   std::lock_guard<std::mutex> g(mu_);
   auto it = map_.find(key);
-  if (it == map_.end()) return false;
+  if (it == map_.end() || (only_slot != kAnySlot && it->second.slot != only_slot)) return false;
   *slot = it->second.slot;
   lru_.erase(it->second.lru);
   map_.erase(it);
   return true;
+}
+
+Index::Removed Index::remove_unpinned(uint64_t key, uint32_t* slot) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = map_.find(key);
+  if (it == map_.end()) return Removed::kAbsent;
+  if (it->second.pins != 0) return Removed::kPinned;
+  *slot = it->second.slot;
+  lru_.erase(it->second.lru);
+  map_.erase(it);
+  return Removed::kGone;
 }
 
 bool Index::evict_lru(uint64_t* key, uint32_t* slot) {

@@ -141,6 +141,11 @@ uint32_t encode_header(const Geometry& g, const std::string& desc, uint64_t key,
   return n_inner;
 }
 
+void encode_free_header(const Geometry& g, const std::string& desc, uint8_t* buf) {
+  const std::vector<uint64_t> zero(g.num_objs(), 0);
+  encode_header(g, desc, 0, 0, 0, zero.data(), buf);
+}
+
 HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, uint64_t* seq, uint32_t* blocks,
                           uint64_t* obj_crcs, std::string* other, std::vector<uint64_t>* inner) {
   HeaderFixed h;
@@ -168,6 +173,7 @@ HeaderState decode_header(const Geometry& g, const uint8_t* buf, uint64_t* key, 
     if (other) *other = layout_text(std::string(h.desc, strnlen(h.desc, kDescBytes)), h.num_layers, h.unit_blocks);
     return HeaderState::kOtherLayout;
   }
+  if (word == 0 && h.key == 0 && h.commit_seq == 0 && n_inner == 0) return HeaderState::kEmpty;  // a free slot's
   if (word == 0 || word > g.unit_blocks || (n_inner && n_inner >= word)) return HeaderState::kCorrupt;
   const uint64_t at = list_at(h.version);
   for (uint32_t o = 0; o < g.num_objs(); ++o) {

@@ -606,11 +606,12 @@ Status Store::finish(uint32_t id, RequestResult* out) {
     for (uint32_t u = 0; u < n; ++u) {
       if (!r.unit_present[u]) continue;
       if (r.unit_failed[u]) {
-        // Drop the damaged unit: unpin, remove, invalidate, free.
+        // Drop the damaged unit: unpin, remove, invalidate, free; unless the key has moved to
+        // another slot since (removed and stored again: that entry is not this damage).
         index_.unpin(r.keys[u]);
         r.unit_present[u] = 0;
         uint32_t slot;
-        if (index_.remove(r.keys[u], &slot)) {
+        if (index_.remove(r.keys[u], &slot, r.unit_slot[u])) {
           free_slot(slot);
           evicted_.push_back(r.keys[u]);
           inner_of_.erase(r.keys[u]);

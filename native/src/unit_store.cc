@@ -2,6 +2,7 @@
 #include "tutti/unit_store.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -41,7 +42,11 @@ Status UnitStore::open_units(const StoreOptions& opt, const Geometry& geom, cons
   if (!st.ok()) return st;
   slot_checksums_.assign(static_cast<uint64_t>(pool_.num_slots()) * geom_.num_objs(), 0);
   slot_key_.assign(pool_.num_slots(), 0);
-  return recover();
+  st = recover();
+  if (!st.ok() || opt.read_only) return st;
+  const auto now = std::chrono::system_clock::now().time_since_epoch();
+  commit_seq_ = std::max(commit_seq_, static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()));
+  return st;
 }
 
 UnitStore::~UnitStore() { UnitStore::close(); }
@@ -61,6 +66,12 @@ Status UnitStore::recover() {
   std::vector<Found> found;
   std::vector<uint64_t> sums(g.num_objs()), inner;
   uint64_t bad = 0;
+  // A writer gives the first slot of every pool file that was never written (all zero) the
+  // free-slot header (layout.h): the file names its layout from now on.
+  std::vector<uint8_t> first(pool_.num_slots(), 0);
+  std::vector<uint32_t> claim;
+  for (uint32_t p = 0; p < pool_.num_paths(); ++p)
+    if (pool_.path(p).num_slots) first[pool_.path(p).first_slot] = 1;
   for (uint32_t slot = 0; slot < pool_.num_slots(); ++slot) {
     Status st = pool_.pread_all(slot, 0, buf.data(), g.header_bytes);
     if (!st.ok()) return st;
@@ -71,13 +82,16 @@ Status UnitStore::recover() {
       case HeaderState::kValid:
         break;
       case HeaderState::kEmpty:
+        if (first[slot] && !opt_.read_only && std::all_of(buf.data(), buf.data() + g.header_bytes,
+                                                          [](uint8_t b) { return b == 0; }))
+          claim.push_back(slot);
         continue;
       case HeaderState::kCorrupt:
         bad++;  // torn or damaged: free space, never a hit
         continue;
       case HeaderState::kOtherLayout:
         // A committed unit of another model or layout: refuse rather than overwrite it.
-        return {Code::kLayout, "pool file " + pool_.path(pool_.path_of(slot)).file + " holds units of another layout (" +
+        return {Code::kLayout, "pool file " + pool_.path(pool_.path_of(slot)).file + " belongs to another layout (" +
                                    other + "; this store is " + layout_text(desc_, g.num_layers, g.unit_blocks) + "); use another instance name or path"};
       case HeaderState::kOldFormat:
         return {Code::kStorage, "pool file " + pool_.path(pool_.path_of(slot)).file +
@@ -102,6 +116,10 @@ Status UnitStore::recover() {
     commit_seq_ = std::max(commit_seq_, f.seq + 1);
   }
   pool_.set_used(used);
+  for (uint32_t slot : claim) {
+    Status st = invalidate(slot);
+    if (!st.ok()) return st;
+  }
   return Status::Ok();
 }
 
@@ -133,9 +151,10 @@ uint32_t UnitStore::lookup(const uint64_t* keys, uint32_t n) {
 // Invalidates a slot's header before it goes back to the free list, so that a crash while the slot is
 // rewritten can never bring the old key back over new data.
 Status UnitStore::invalidate(uint32_t slot) const {
-  AlignedBuf zero(geom_.header_bytes);
-  if (!zero.p) return {Code::kCapacityExceeded, "out of memory"};
-  return pool_.pwrite_all(slot, 0, zero.data(), geom_.header_bytes);
+  AlignedBuf free(geom_.header_bytes);
+  if (!free.p) return {Code::kCapacityExceeded, "out of memory"};
+  encode_free_header(geom_, desc_, free.data());
+  return pool_.pwrite_all(slot, 0, free.data(), geom_.header_bytes);
 }
 
 // The one way back to the free list: a free slot never carries a valid header.
@@ -301,7 +320,8 @@ Status UnitStore::remove(uint64_t key, bool* removed) {
   std::lock_guard<std::mutex> lk(mu_);
   uint32_t slot;
   const uint32_t blocks = index_.blocks(key);
-  if (!index_.remove(key, &slot)) return Status::Ok();
+  // A pinned unit stays: pinned by its owner, or read by a retrieve whose slot must not be reused.
+  if (index_.remove_unpinned(key, &slot) != Index::Removed::kGone) return Status::Ok();
   inner_of_.erase(key);
   // The header goes first: a unit whose header cannot be cleared stays (it would come back at the
   // next open otherwise).

@@ -22,7 +22,13 @@ class Index {
   void unpin(uint64_t key);
   // Inserts a committed unit. `seq` orders recovery inserts (older first = less recently used).
   void insert(uint64_t key, uint32_t slot, uint32_t blocks);
-  bool remove(uint64_t key, uint32_t* slot);
+  // Removes `key`'s entry whatever its pins (recovery: an older copy; a unit found damaged) and,
+  // with `only_slot`, only while it is in that slot (a request dropping the unit it read).
+  static constexpr uint32_t kAnySlot = ~0u;
+  bool remove(uint64_t key, uint32_t* slot, uint32_t only_slot = kAnySlot);
+  // Removes `key`'s entry only while nothing pins it: its owner's pins, or a retrieve reading its slot.
+  enum class Removed { kGone, kAbsent, kPinned };
+  Removed remove_unpinned(uint64_t key, uint32_t* slot);
   // Removes the least recently used unpinned entry.
   bool evict_lru(uint64_t* key, uint32_t* slot);
   size_t size() const;

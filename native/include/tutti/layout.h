@@ -100,9 +100,16 @@ uint32_t header_inner_room(const Geometry& g);
 uint32_t encode_header(const Geometry& g, const std::string& desc, uint64_t key, uint64_t seq, uint32_t blocks,
                    const uint64_t* obj_crcs, uint8_t* buf, const uint64_t* inner = nullptr, uint32_t n_inner = 0);
 
+// Fills `buf` with this layout's free-slot header: it verifies like a unit's header but holds no
+// unit (key, sequence and blocks 0). Freed slots carry it, and the first slot of every pool file a
+// writer opens does while it holds no unit: so a pool file names its layout from its first open on,
+// and a store of another layout refuses it even when none of its units is left (decode_header:
+// kOtherLayout), instead of taking it over.
+void encode_free_header(const Geometry& g, const std::string& desc, uint8_t* buf);
+
 enum class HeaderState {
   kValid,        // a committed unit of this layout
-  kEmpty,        // all zero: a free slot
+  kEmpty,        // a free slot: all zero, or this layout's free-slot header (encode_free_header)
   kCorrupt,      // anything else that does not verify (torn, damaged, foreign bytes)
   kOtherLayout,  // a header that verifies, of another layout (`other` names it)
   kOldFormat,    // a header that verifies as format 1

@@ -96,7 +96,8 @@ class UnitStore {
   Status recover();
   Status alloc_slot(uint32_t* slot);
   void free_slot(uint32_t slot);
-  // Zeroes a slot's header, so that a crash while the slot is rewritten never brings the old key back.
+  // Overwrites a slot's header with the layout's free-slot header (layout.h), so that a crash while
+  // the slot is rewritten never brings the old key back.
   Status invalidate(uint32_t slot) const;
   // A GPU file's size and header (key, layout, blocks, per-object checksums into *sums); verify_unit
   // also checks every object against its checksum.
@@ -123,6 +124,9 @@ class UnitStore {
   std::vector<uint64_t> slot_checksums_;
   std::vector<uint64_t> slot_key_;
   std::unordered_map<uint64_t, std::vector<uint64_t>> inner_of_;  // unit key -> its inner keys, if any
+  // The next commit's sequence number: above every header recovery saw, and at least the wall
+  // clock in nanoseconds at open, so that a commit outranks units this open could not see (past a
+  // lowered capacity, in a pool file or path left out for a while) when they come back.
   uint64_t commit_seq_ = 1;
   mutable std::mutex mu_;
   std::vector<uint64_t> evicted_;
