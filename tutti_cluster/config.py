@@ -32,6 +32,19 @@ INSTANCE_PATTERN = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
 _INSTANCE_RE = re.compile(INSTANCE_PATTERN)
 # Largest capacity of one path in GiB: the byte count must fit the native core's signed 64 bits.
 MAX_CAPACITY_GB = float(1 << 32)
+# Upper bounds of the settings the native core takes in fixed-width fields (StoreOptions, init_queue).
+# Each is at most the field's width (uint32 counts, int device ordinal, uint64 bytes: staging_mb is
+# shifted by 20 bits first) and, where a value that large is absurd, a practical cap well above any
+# real use, so that a typo is a ConfigError naming the setting instead of a native TypeError, a
+# failed multi-terabyte allocation or std::bad_alloc.
+MAX_UNIT_TOKENS = 1 << 20         # blocks per unit are a uint32; a million tokens outgrows any context
+MAX_MIN_IO_BYTES = 1 << 30        # uint64; 1 GiB
+MAX_DEVICE = 1023                 # int; a CUDA ordinal on one node
+MAX_QUEUE_DEPTH = 32767           # uint32; io_uring takes at most 32768 entries (the agent adds one)
+MAX_IOCB_DEPTH = 1 << 20          # uint32; the table is allocated whole at registration
+MAX_STAGING_MB = 1 << 20          # uint64 bytes after << 20; 1 TiB of pinned host memory
+MAX_REQUESTS = 1 << 16            # uint32; each request's state is allocated at registration
+MAX_IO_SMS = 1024                 # uint32; far above the SMs of any GPU
 
 
 def check_instance_name(name: object) -> str:
@@ -117,23 +130,29 @@ class TuttiConfig(BaseSettings):
     )
 
     # Layout
-    unit_tokens: int = Field(256, gt=0, description="Tokens per cache unit (one GPU file).")
-    min_io_bytes: int = Field(256 << 10, gt=0, description="Smallest storage I/O the layout aims for.")
+    unit_tokens: int = Field(256, gt=0, le=MAX_UNIT_TOKENS,
+                             description="Tokens per cache unit (one GPU file); at most 2^20.")
+    min_io_bytes: int = Field(256 << 10, gt=0, le=MAX_MIN_IO_BYTES,
+                              description="Smallest storage I/O the layout aims for; at most 1 GiB.")
 
     # Data path
     backend: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda for CUDA tensors.")
-    device: int = Field(0, ge=0, description="CUDA device ordinal for the cuda backend.")
-    queue_depth: int = Field(64, gt=0, description="io_uring depth of the host agent.")
-    iocb_depth: int = Field(8192, gt=0, description="IOCBs in the gio_uring table (init_queue); a request reserves one per layer (more past 2048 IOCTXs) plus one to commit, at begin.")
+    device: int = Field(0, ge=0, le=MAX_DEVICE, description="CUDA device ordinal for the cuda backend (at most 1023).")
+    queue_depth: int = Field(64, gt=0, le=MAX_QUEUE_DEPTH,
+                             description="io_uring depth of the host agent; at most 32767 (io_uring's limit).")
+    iocb_depth: int = Field(8192, gt=0, le=MAX_IOCB_DEPTH, description="IOCBs in the gio_uring table (init_queue); a request reserves one per layer (more past 2048 IOCTXs) plus one to commit, at begin; at most 2^20.")
     staging_mb: int = Field(
         128,
         gt=0,
+        le=MAX_STAGING_MB,
         description="Pinned staging area in MiB; fixed, whatever the context. Twice queue_depth x 1 MiB keeps "
         "the agent's queue full while the I/O kernel gathers and scatters the other half (the CUDA kernel "
-        "keeps at most 2 x queue_depth chunks in use, whatever the size).",
+        "keeps at most 2 x queue_depth chunks in use, whatever the size); at most 2^20 (1 TiB).",
     )
-    max_requests: int = Field(256, gt=0, description="Requests in flight per store instance.")
-    io_sms: int = Field(8, gt=0, description="SMs given to the I/O kernel (multiples of 8 on CUDA).")
+    max_requests: int = Field(256, gt=0, le=MAX_REQUESTS,
+                              description="Requests in flight per store instance; at most 65536.")
+    io_sms: int = Field(8, gt=0, le=MAX_IO_SMS,
+                        description="SMs given to the I/O kernel (multiples of 8 on CUDA); at most 1024.")
     cuda_pair: bool = Field(False, description="CUDA: K and V of a unit-layer as one I/O (slower on the H200).")
     cuda_trace: bool = Field(False, description="CUDA: print the I/O kernel's counters when the store closes.")
 

@@ -19,7 +19,7 @@ the blocks); it needs only the tensor, not vLLM, so tools that open an engine's 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Any, Literal
 
@@ -30,9 +30,19 @@ from tutti_cluster.errors import LayoutError
 Layout = Literal["auto", "kv_first", "block_first", "kv_tuple", "interleaved", "mla"]
 
 
+# The native descriptor's fields are unsigned 64-bit numbers.
+_U64_MAX = (1 << 64) - 1
+
+
 @dataclass(frozen=True)
 class LayerKV:
-    """Where one layer's KV objects live."""
+    """Where one layer's KV objects live.
+
+    ``owner``: the tensor (or ``(K, V)`` pair) the pointers point into, when the descriptor was made
+    from one (the functions of this module set it). The store keeps it, and its memory, for as long
+    as the caches are registered and refuses requests once it has moved or shrunk; a descriptor
+    without an owner leaves keeping the memory in place to the caller.
+    """
 
     ptrs: tuple[int, ...]
     block_stride: int
@@ -41,6 +51,7 @@ class LayerKV:
     device: str = "cpu"
     dtype: str = ""
     block_shape: tuple[int, ...] = ()
+    owner: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.ptrs) not in (1, 2):
@@ -49,6 +60,8 @@ class LayerKV:
             raise LayoutError("block_bytes and num_blocks must be positive")
         if self.block_stride < 0 or any(p <= 0 for p in self.ptrs):
             raise LayoutError("KV blocks need positive pointers and a non-negative block stride")
+        if max(self.block_stride, self.block_bytes, self.num_blocks, *self.ptrs) > _U64_MAX:
+            raise LayoutError("KV block pointers, strides and counts must fit 64 bits")
 
 
 def _info(t: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int, str, str]:
@@ -60,6 +73,12 @@ def _info(t: Any) -> tuple[int, tuple[int, ...], tuple[int, ...], int, str, str]
         if not t.flags.writeable:
             raise LayoutError("KV cache arrays must be writeable (a retrieve writes into them)")
         es = t.itemsize
+        # numpy strides are bytes; the layout works in elements. A view over a byte buffer may step
+        # by any number of bytes: rounding such a stride would name other bytes than the array's.
+        for d, s in enumerate(t.strides):
+            if s % es:
+                raise LayoutError(f"KV cache array stride {s} (dimension {d}) is not a multiple of its element "
+                                  f"size ({es} bytes, {t.dtype}): the store cannot address its blocks")
         return (t.__array_interface__["data"][0], t.shape, tuple(s // es for s in t.strides), es, str(t.dtype), "cpu")
     if hasattr(t, "data_ptr") and hasattr(t, "stride"):
         dev = str(t.device)
@@ -88,7 +107,8 @@ def layer_kv_from_tensor(t: Any, layout: Layout = "auto") -> LayerKV:
         ptr, shape, strides, es, dtype, dev = k
         if len(shape) < 2 or not _contiguous_tail(shape, strides, 1):
             raise LayoutError("each block of K and V must be contiguous")
-        return LayerKV((k[0], v[0]), strides[0] * es, prod(shape[1:]) * es, shape[0], dev, dtype, tuple(shape[1:]))
+        return LayerKV((k[0], v[0]), strides[0] * es, prod(shape[1:]) * es, shape[0], dev, dtype, tuple(shape[1:]),
+                       tuple(t))
     ptr, shape, strides, es, dtype, dev = _info(t)
     if layout == "auto":
         if len(shape) >= 3 and shape[0] == 2 and shape[1] != 2:
@@ -101,16 +121,16 @@ def layer_kv_from_tensor(t: Any, layout: Layout = "auto") -> LayerKV:
         if len(shape) < 3 or shape[0] != 2 or not _contiguous_tail(shape, strides, 2):
             raise LayoutError(f"kv_first needs [2, num_blocks, ...] with contiguous blocks, got {shape}")
         return LayerKV((ptr, ptr + strides[0] * es), strides[1] * es, prod(shape[2:]) * es, shape[1], dev, dtype,
-                       tuple(shape[2:]))
+                       tuple(shape[2:]), t)
     if layout == "block_first":
         if len(shape) < 3 or shape[1] != 2 or not _contiguous_tail(shape, strides, 2):
             raise LayoutError(f"block_first needs [num_blocks, 2, ...] with contiguous blocks, got {shape}")
         return LayerKV((ptr, ptr + strides[1] * es), strides[0] * es, prod(shape[2:]) * es, shape[0], dev, dtype,
-                       tuple(shape[2:]))
+                       tuple(shape[2:]), t)
     if layout in ("interleaved", "mla"):
         if len(shape) < 2 or not _contiguous_tail(shape, strides, 1):
             raise LayoutError(f"{layout} needs [num_blocks, ...] with contiguous blocks, got {shape}")
-        return LayerKV((ptr,), strides[0] * es, prod(shape[1:]) * es, shape[0], dev, dtype, tuple(shape[1:]))
+        return LayerKV((ptr,), strides[0] * es, prod(shape[1:]) * es, shape[0], dev, dtype, tuple(shape[1:]), t)
     raise LayoutError(f"unknown KV layout {layout!r}")
 
 
@@ -128,7 +148,8 @@ def layer_kv_from_vllm(t: Any, num_blocks: int) -> LayerKV:
     """
     if isinstance(t, (tuple, list)):
         return layer_kv_from_tensor(tuple(t), "kv_tuple")
-    shape = tuple(t.shape)
+    info = _info(t)  # strides in elements (a numpy stride that is not a whole number of them: LayoutError)
+    ptr, shape, strides, es, dtype, dev = info
     if len(shape) >= 3 and shape[0] == 2 and shape[1] == num_blocks and num_blocks != 2:
         return layer_kv_from_tensor(t, "kv_first")
     if not shape or shape[0] % num_blocks:
@@ -139,25 +160,20 @@ def layer_kv_from_vllm(t: Any, num_blocks: int) -> LayerKV:
             return layer_kv_from_tensor(t, "interleaved")
         except LayoutError:
             pass
-        return _head_split(t, shape)
+        return _head_split(t, info)
     # ratio kernel blocks per block: only dense tensors keep a block contiguous.
-    es = t.element_size()
     inner = prod(shape[1:])
-    if not t.is_contiguous():
+    if not _contiguous_tail(shape, strides, 0):
         raise LayoutError(f"KV cache {shape} splits blocks into {ratio} kernel blocks and is not dense")
-    return LayerKV(
-        (t.data_ptr(),), inner * ratio * es, inner * ratio * es, num_blocks,
-        "cuda" if str(t.device).startswith("cuda") else str(t.device),
-        str(t.dtype).replace("torch.", ""), (ratio, *shape[1:]),
-    )
+    return LayerKV((ptr,), inner * ratio * es, inner * ratio * es, num_blocks, dev, dtype, (ratio, *shape[1:]), t)
 
 
-def _head_split(t: Any, shape: tuple[int, ...]) -> LayerKV:
+def _head_split(t: Any, info: tuple[int, tuple[int, ...], tuple[int, ...], int, str, str]) -> LayerKV:
     """``[B, H, N, C]`` views whose heads lie outside the blocks (LHBNC, BHLNC): one object per head.
 
     Each ``[N, C]`` run must be contiguous; the store takes at most two objects per block.
     """
-    strides, es = tuple(t.stride()), t.element_size()
+    ptr, shape, strides, es, dtype, dev = info
     if len(shape) != 4 or strides[3] != 1 or (shape[2] > 1 and strides[2] != shape[3]):
         raise LayoutError(f"KV cache {shape} strides {strides}: a block's tokens must be contiguous")
     if shape[1] > 2:
@@ -165,12 +181,8 @@ def _head_split(t: Any, shape: tuple[int, ...]) -> LayerKV:
             f"KV cache {shape} strides {strides} splits each block into {shape[1]} head runs; the store "
             "takes at most 2 objects per block: use a block-compact layout (VLLM_KV_CACHE_LAYOUT=LBHNC or LBNHC)"
         )
-    ptrs = tuple(t.data_ptr() + h * strides[1] * es for h in range(shape[1]))
-    return LayerKV(
-        ptrs, strides[0] * es, shape[2] * shape[3] * es, shape[0],
-        "cuda" if str(t.device).startswith("cuda") else str(t.device),
-        str(t.dtype).replace("torch.", ""), (shape[2], shape[3]),
-    )
+    ptrs = tuple(ptr + h * strides[1] * es for h in range(shape[1]))
+    return LayerKV(ptrs, strides[0] * es, shape[2] * shape[3] * es, shape[0], dev, dtype, (shape[2], shape[3]), t)
 
 
 def layers_from_cross_layer_tensor(t: Any, num_layers: int) -> list[LayerKV]:
@@ -180,7 +192,7 @@ def layers_from_cross_layer_tensor(t: Any, num_layers: int) -> list[LayerKV]:
         raise LayoutError(f"expected [num_blocks, {num_layers}, 2, ...] with contiguous objects, got {shape}")
     return [
         LayerKV((ptr + l * strides[1] * es, ptr + (l * strides[1] + strides[2]) * es), strides[0] * es,
-                prod(shape[3:]) * es, shape[0], dev, dtype, tuple(shape[3:]))
+                prod(shape[3:]) * es, shape[0], dev, dtype, tuple(shape[3:]), t)
         for l in range(num_layers)
     ]
 

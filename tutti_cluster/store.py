@@ -17,6 +17,7 @@ every one of its objects and then its header are on storage.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import operator
@@ -42,23 +43,40 @@ SKIP_BLOCK = -1
 _DIRECT = {"auto": _native.DirectMode.AUTO, "on": _native.DirectMode.ON, "off": _native.DirectMode.OFF}
 
 
+_U32_MAX, _U64_MAX, _INT_MAX = (1 << 32) - 1, (1 << 64) - 1, (1 << 31) - 1
+
+
+def _fits(setting: str, value: int, most: int) -> int:
+    """``value`` when the native field it goes to (at most ``most``) holds it, else ConfigError."""
+    if not 0 <= value <= most:
+        raise ConfigError(f"invalid Tutti configuration: {setting} ({value}) does not fit the native store's "
+                          f"field (at most {most})")
+    return value
+
+
 def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_only: bool = False) -> Any:
-    """The native store's options, every field from ``config``: the one place they are translated."""
+    """The native store's options, every field from ``config``: the one place they are translated.
+
+    Every number goes to a fixed-width native field: TuttiConfig bounds each setting (tighter), and
+    this checks the widths again for configs that skipped validation (``model_copy(update=...)``),
+    so that a misfit is a ConfigError naming the setting, never pybind11's TypeError."""
+    _fits("unit_tokens / block_tokens (blocks per unit)", unit_blocks, _U32_MAX)
+    _fits("iocb_depth", config.iocb_depth, _U32_MAX)  # init_queue's uint32 (register_kv_caches)
     o = _native.StoreOptions()
     o.paths = [str(p) for p in config.storage_paths()]
-    o.capacity = config.capacity_bytes()
+    o.capacity = [_fits("capacity_gb", c, _U64_MAX) for c in config.capacity_bytes()]
     o.instance = config.instance
-    o.files_per_path = config.pool_files
+    o.files_per_path = _fits("pool_files", config.pool_files, _U32_MAX)
     o.prewrite = config.prewrite_pool
     o.unit_blocks = unit_blocks
-    o.queue_depth = config.queue_depth
-    o.staging_bytes = config.staging_mb << 20
-    o.max_requests = config.max_requests
-    o.io_sms = config.io_sms
-    o.min_io_bytes = config.min_io_bytes
+    o.queue_depth = _fits("queue_depth", config.queue_depth, _U32_MAX)
+    o.staging_bytes = _fits("staging_mb", config.staging_mb, _U64_MAX >> 20) << 20
+    o.max_requests = _fits("max_requests", config.max_requests, _U32_MAX)
+    o.io_sms = _fits("io_sms", config.io_sms, _U32_MAX)
+    o.min_io_bytes = _fits("min_io_bytes", config.min_io_bytes, _U64_MAX)
     o.direct = _DIRECT[config.direct_io]
     o.backend = backend
-    o.device = config.device
+    o.device = _fits("device", config.device, _INT_MAX)
     o.cuda_pair = config.cuda_pair
     o.cuda_trace = config.cuda_trace
     o.read_only = read_only
@@ -106,6 +124,96 @@ def _inner_lists(inner_keys: Any) -> list[list[Any]]:
     return lists
 
 
+# What register_kv_caches keeps of each registered tensor, to tell at each request that its memory is
+# still where the native core's raw pointers point:
+# torch: (layer, tensor, its storage, the tensor's data pointer, bytes its storage must still hold);
+# numpy: (layer, the array owning the memory, its data pointer, its byte size, whether the pointer can
+# be read through the buffer protocol: a writable C-contiguous array, 4x cheaper than __array_interface__).
+_TorchGuard = tuple[int, Any, Any, int, int]
+_NumpyGuard = tuple[int, np.ndarray, int, int, bool]
+_Guards = tuple[list[_TorchGuard], list[_NumpyGuard]]
+
+
+def _extent_bytes(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> int:
+    """Bytes from a tensor's first element to the end of its last (non-negative strides)."""
+    if any(n == 0 for n in shape):
+        return 0
+    return (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * itemsize
+
+
+def _kv_guards(layers: Sequence[LayerKV]) -> tuple[_Guards, list[_Guards]]:
+    """The memory guards of the registered layers' owner tensors: every one once, and per layer.
+
+    A torch tensor keeps its storage object, which keeps the memory alive (``t.set_()`` then
+    cannot free it), but ``t.resize_()`` and ``t.untyped_storage().resize_()`` reallocate or free
+    that memory in place; a numpy array owning its memory moves it in ``resize(refcheck=False)``.
+    The guard records where the memory was and how much of it the registration needs."""
+    all_torch: list[_TorchGuard] = []
+    all_numpy: list[_NumpyGuard] = []
+    seen: set[int] = set()
+    per_layer: list[_Guards] = []
+    for i, l in enumerate(layers):
+        owner = l.owner
+        tensors = owner if isinstance(owner, (tuple, list)) else (owner,)
+        torch_g: list[_TorchGuard] = []
+        numpy_g: list[_NumpyGuard] = []
+        for t in tensors:
+            if isinstance(t, np.ndarray):
+                o = t
+                while isinstance(o.base, np.ndarray):
+                    o = o.base
+                if not o.flags.owndata:
+                    continue  # memory of another object, held in place by its buffer export
+                fast = bool(o.flags.c_contiguous and o.flags.writeable and o.nbytes)
+                ng = (i, o, _array_ptr(o, False), int(o.nbytes), fast)
+                numpy_g.append(ng)
+                if id(o) not in seen:
+                    seen.add(id(o))
+                    all_numpy.append(ng)
+            elif hasattr(t, "untyped_storage") and hasattr(t, "data_ptr"):
+                try:
+                    storage = t.untyped_storage()
+                    ptr = int(t.data_ptr())
+                    need = ptr - int(storage.data_ptr()) + _extent_bytes(t.shape, t.stride(), t.element_size())
+                except (RuntimeError, NotImplementedError) as e:
+                    raise LayoutError(f"cannot hold the memory of the KV cache tensor of layer {i}: {e}") from None
+                tg = (i, t, storage, ptr, need)
+                torch_g.append(tg)
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    all_torch.append(tg)
+            # None (a bare descriptor) or anything else: its memory is the caller's to keep in place
+        per_layer.append((torch_g, numpy_g))
+    return (all_torch, all_numpy), per_layer
+
+
+def _check_guards(guards: _Guards) -> None:
+    """LayoutError when a registered tensor's memory moved or shrank since registration."""
+    torch_g, numpy_g = guards
+    for layer, t, storage, ptr, need in torch_g:
+        if t.data_ptr() != ptr or storage.nbytes() < need:
+            raise _moved(layer)
+    for layer, a, ptr, nbytes, fast in numpy_g:
+        if a.nbytes != nbytes or _array_ptr(a, fast) != ptr:
+            raise _moved(layer)
+
+
+def _array_ptr(a: np.ndarray, fast: bool) -> int:
+    """A numpy array's data pointer."""
+    if fast:
+        try:
+            return ctypes.addressof(ctypes.c_char.from_buffer(a))  # type: ignore[arg-type]
+        except (TypeError, ValueError, BufferError):
+            pass  # no longer writable or contiguous: the slow way
+    return int(a.__array_interface__["data"][0])
+
+
+def _moved(layer: int) -> LayoutError:
+    return LayoutError(f"KV cache tensor of layer {layer} moved or was resized since register_kv_caches: register "
+                       "the caches again (close() this store, then register_kv_caches with the tensors as they "
+                       "are now)")
+
+
 def _block_array(block_ids: Any) -> np.ndarray:
     a = np.asarray(block_ids)
     if a.ndim != 1:
@@ -136,6 +244,8 @@ class TuttiStore:
         self.on_commit: Callable[[int], None] | None = None
         self.on_evict: Callable[[int], None] | None = None
         self._kv_refs: list[Any] = []
+        self._guards: _Guards = ([], [])  # every registered tensor's memory guard (_kv_guards)
+        self._layer_guards: list[_Guards] = []  # ... and each layer's
         self._host_regions: dict[int, memoryview] = {}  # register_host: address -> the exported view
         self._scatters: dict[int, memoryview] = {}  # scatter_unit_async: ticket -> the unit's bytes
 
@@ -149,6 +259,11 @@ class TuttiStore:
         from their headers and starts the queues. ``read_only`` opens existing pools for lookups and
         ``read_unit`` only (no queues, no writes, no KV memory touched): :meth:`open_pools` with the
         layers' geometry.
+
+        The store keeps the tensors and their memory (torch storages) while registered, and every call
+        that hands the native core work on the KV memory raises LayoutError once a registered tensor
+        moved or shrank (``t.set_()``, ``t.resize_()``, ``t.untyped_storage().resize_()``): then
+        :meth:`close` and register the caches again. Tensors may be written in place freely.
         """
         if self._native is not None:
             raise ConfigError("KV caches are already registered")
@@ -187,6 +302,7 @@ class TuttiStore:
                 if not pool.exists() or pool.stat().st_size < cap // max(1, self.config.pool_files) // 2:
                     log.info("creating the cache files in %s (%.1f GiB); they are filled once now so that "
                              "later stores never wait for the disk to allocate space", p, cap / (1 << 30))
+        guards, layer_guards = _kv_guards(layers)
         options = native_options(self.config, backend=backend, unit_blocks=unit_blocks)
         descs = [_native.LayerKVDesc(list(l.ptrs), l.block_stride, l.block_bytes, l.num_blocks) for l in layers]
         nat = _native.Store.open(options, descs, desc)
@@ -196,8 +312,10 @@ class TuttiStore:
             nat.close()
             raise
         self._native = nat
-        # The native store holds raw pointers into these tensors: keep them alive as long as it lives.
+        # The native store holds raw pointers into these tensors: keep them and their storages alive
+        # as long as it lives, and check at every request that their memory is still in place.
         self._kv_refs = list(kv_caches)
+        self._guards, self._layer_guards = guards, layer_guards
         self.block_tokens = block_tokens
         self.num_layers = len(layers)
         self.device = device
@@ -312,7 +430,21 @@ class TuttiStore:
         counts = np.array([len(ks) for ks in lists], dtype=np.uint32)
         return self._begin(_STORE, keys, block_ids, key_array(flat), counts)
 
+    def _check_kv(self) -> None:
+        """LayoutError when a registered KV tensor moved or shrank: run before any call that hands the
+        native core work on the KV memory (once per request and per layer call, not per block)."""
+        _check_guards(self._guards)
+
+    def _check_kv_layer(self, layer: Any) -> None:
+        """:meth:`_check_kv` for the tensors of one layer (a layer call moves that layer only)."""
+        g = self._layer_guards
+        if type(layer) is int and 0 <= layer < len(g):
+            _check_guards(g[layer])
+        else:  # not a layer index the native call will accept; check them all anyway
+            _check_guards(self._guards)
+
     def _begin(self, op: Any, keys: Sequence[Key], block_ids: Any, inner: Any = None, counts: Any = None) -> int:
+        self._check_kv()
         k = key_array(keys)
         req = int(self._e.begin(op, k, _block_array(block_ids), inner, counts))
         with self._lock:
@@ -340,6 +472,7 @@ class TuttiStore:
         the work queued so far on the caller's current stream.
         """
         self._check(req, _RETRIEVE)
+        self._check_kv_layer(layer)
         self._e.layer(layer, req, event, self._order_stream(event))
 
     def store_layer(self, layer: int, req: int, event: int = 0) -> None:
@@ -349,6 +482,7 @@ class TuttiStore:
         current stream (the kernels that wrote the KV blocks).
         """
         self._check(req, _STORE)
+        self._check_kv_layer(layer)
         self._e.layer(layer, req, event, self._order_stream(event))
 
     def wait_layer(self, layer: int, req: int, stream: int | None = None) -> None:
@@ -421,6 +555,7 @@ class TuttiStore:
 
     def issue_io(self, iocbs: Sequence[int], sms: int = 0, event: int = 0) -> None:
         """Enqueues the I/O kernel for these IOCBs on ``sms`` SMs (0: the configured io_sms)."""
+        self._check_kv()
         self._e.issue_io(list(iocbs), sms, event)
 
     def wait_cqe(self, iocb: int) -> int:
@@ -467,6 +602,7 @@ class TuttiStore:
         checksum (the blocks then hold no valid KV), DeviceError when the device fails. Block ids of
         :data:`SKIP_BLOCK` are checked and not written, as in :meth:`begin_retrieve`.
         """
+        self._check_kv()
         self._e.scatter_unit(data, _block_array(block_ids))
 
     def scatter_unit_async(self, data: bytes | bytearray | memoryview, block_ids: Any, key: Key | None = None) -> int:
@@ -481,6 +617,7 @@ class TuttiStore:
         whose header names another key than ``key``, when given; the objects' checksums are judged
         by :meth:`scatter_wait`.
         """
+        self._check_kv()
         view = memoryview(data)
         try:
             want = None if key is None else to_key(key)
@@ -542,7 +679,8 @@ class TuttiStore:
         self._n.pin(key_array(keys), False)
 
     def remove(self, key: Key) -> bool:
-        """Drops a unit; returns whether it was present."""
+        """Drops a unit; returns whether it was dropped: False when absent, and when it is pinned or
+        being read (it stays; ``contains`` tells the two apart)."""
         k = to_key(key)
         gone = bool(self._n.remove(k))
         if gone and self.on_evict is not None:
@@ -574,6 +712,7 @@ class TuttiStore:
             self._native.close()
             self._native = None
             self._kv_refs = []
+            self._guards, self._layer_guards = ([], []), []
             for view in (*self._host_regions.values(), *self._scatters.values()):
                 view.release()
             self._host_regions = {}

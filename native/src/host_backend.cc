@@ -5,6 +5,8 @@
 // between the mapping and the KV blocks directly, checksumming as they copy. The helpers also
 // share the verification of completed reads.
 #include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -26,6 +28,37 @@ namespace tutti {
 namespace {
 
 constexpr size_t kMaxIov = 1024;  // IOV_MAX
+
+// Pool files on memory file systems are mapped; a part of one cut off under the store (the file
+// truncated by someone else, or a hole punched in a full tmpfs) raises SIGBUS at the first load or
+// store there. The copy of a mapped object runs under this guard: the signal ends that copy and
+// fails its unit (a miss, as the same cut gives a disk's file through pread); any other SIGBUS
+// goes to the disposition that was there before (the default: the process ends with SIGBUS).
+thread_local sigjmp_buf* t_bus_guard = nullptr;
+struct sigaction g_prev_bus;
+
+void on_sigbus(int sig, siginfo_t* info, void* ctx) {
+  if (sigjmp_buf* guard = t_bus_guard) siglongjmp(*guard, 1);
+  if (g_prev_bus.sa_flags & SA_SIGINFO) {
+    if (g_prev_bus.sa_sigaction) g_prev_bus.sa_sigaction(sig, info, ctx);
+  } else if (g_prev_bus.sa_handler == SIG_DFL) {
+    ::signal(SIGBUS, SIG_DFL);
+    ::raise(SIGBUS);
+  } else if (g_prev_bus.sa_handler != SIG_IGN) {
+    g_prev_bus.sa_handler(sig);
+  }
+}
+
+void install_bus_guard() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa {};
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;  // left by siglongjmp: SIGBUS must stay unblocked
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGBUS, &sa, &g_prev_bus);
+  });
+}
 
 inline uint64_t make_tag(uint32_t iocb, uint32_t chunk, uint32_t ctx_off) {
   return (static_cast<uint64_t>(iocb) << 32) | (static_cast<uint64_t>(chunk) << 12) | ctx_off;
@@ -54,6 +87,7 @@ class HostBackend final : public Backend {
     slot_direct_.assign(ctx->num_chunks / group_, 0);
     stop_ = false;
     any_mapped_ = std::any_of(ctx->mapped.begin(), ctx->mapped.end(), [](const uint8_t* m) { return m != nullptr; });
+    if (any_mapped_) install_bus_guard();
     // Copies and checksums are bound by memory bandwidth: up to eight threads share them.
     const uint32_t threads = std::clamp<uint32_t>(std::thread::hardware_concurrency(), 1, 8);
     for (uint32_t i = 1; i < threads; ++i) helpers_.emplace_back([this] { help(); });
@@ -465,7 +499,15 @@ void HostBackend::move_mapped(uint32_t id, uint32_t off) {
   const bool read = static_cast<IoOp>(b.op) == IoOp::kRead;
   uint8_t* obj = k_->mapped[x.path] + x.file_offset + g.obj_offset(b.layer, x.obj);
   uint64_t& sum = object_sum(r, b.layer, x);
+  sigjmp_buf guard;
+  if (sigsetjmp(guard, 0) != 0) {  // the mapping was cut under the copy (install_bus_guard)
+    t_bus_guard = nullptr;
+    fail_unit(r, b, x.unit, 1);
+    return;
+  }
+  t_bus_guard = &guard;
   const uint64_t got = move_object(b.layer, r, x, obj, read);
+  t_bus_guard = nullptr;
   if (!read) {
     sum = got;
   } else if (got != sum) {
