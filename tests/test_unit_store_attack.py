@@ -907,7 +907,8 @@ def test_a_mapped_pool_file_cut_short_under_the_store_is_a_miss_not_a_crash(tmp_
             signal.raise_signal(signal.SIGBUS)  # not the store's: the default action still ends the process
         """)
         assert "survived" in r.stdout, r.stdout + r.stderr
-        assert r.returncode == -signal.SIGBUS, (r.returncode, r.stderr[-2000:])
+        # The disposition before the store's: the default, or a sanitizer's own report (CI's ASan run).
+        assert r.returncode == -signal.SIGBUS or "AddressSanitizer: BUS" in r.stderr, (r.returncode, r.stderr[-2000:])
     finally:
         import shutil
         shutil.rmtree(d, ignore_errors=True)
