@@ -143,7 +143,8 @@ CHILD = textwrap.dedent('''
 def test_freed_or_moved_memory_is_refused_not_written(tmp_path):
     """Every way the attack found to free or move a registered tensor's memory, in a child (an
     unguarded store writes into freed memory: a SIGSEGV or heap corruption)."""
-    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)  # not the source tree: the package as installed (or as CI sanitizes it)
     out = p.stdout
     assert p.returncode == 0, f"child exit status {p.returncode}\n{out}\n{p.stderr[-3000:]}"
     assert "accepted" not in out, out
