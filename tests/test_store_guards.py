@@ -136,6 +136,9 @@ CHILD = textwrap.dedent('''
     attack("torch_storage_shrunk", torch_kv(), lambda kv: kv[1].untyped_storage().resize_(100))
     attack("numpy_resize", np_kv(), lambda kv: kv[1].resize((4,) + SHAPE[1:], refcheck=False))
     attack("numpy_base_resize", np_view_kv(), lambda kv: kv[1].base.resize(7, refcheck=False))
+    owners = [np.ones(SHAPE, np.uint16) for _ in range(2)]  # as_strided: a view through an interface holder
+    attack("numpy_as_strided_base_resize", [np.lib.stride_tricks.as_strided(a, a.shape, a.strides) for a in owners],
+           lambda kv: owners[1].resize((4,) + SHAPE[1:], refcheck=False))
     print("done", flush=True)
 ''')
 
@@ -149,7 +152,7 @@ def test_freed_or_moved_memory_is_refused_not_written(tmp_path):
     assert p.returncode == 0, f"child exit status {p.returncode}\n{out}\n{p.stderr[-3000:]}"
     assert "accepted" not in out, out
     for name in ("torch_set", "torch_resize_bigger", "torch_storage_freed", "torch_storage_shrunk",
-                 "numpy_resize", "numpy_base_resize"):
+                 "numpy_resize", "numpy_base_resize", "numpy_as_strided_base_resize"):
         assert f"refused {name}" in out, out
 
 

@@ -159,11 +159,11 @@ def _kv_guards(layers: Sequence[LayerKV]) -> tuple[_Guards, list[_Guards]]:
         numpy_g: list[_NumpyGuard] = []
         for t in tensors:
             if isinstance(t, np.ndarray):
-                o = t
-                while isinstance(o.base, np.ndarray):
+                o: Any = t
+                while getattr(o, "base", None) is not None:  # views, and as_strided's interface holder
                     o = o.base
-                if not o.flags.owndata:
-                    continue  # memory of another object, held in place by its buffer export
+                if not isinstance(o, np.ndarray) or not o.flags.owndata:
+                    continue  # memory of another object (a buffer, an mmap), held in place by its export
                 fast = bool(o.flags.c_contiguous and o.flags.writeable and o.nbytes)
                 ng = (i, o, _array_ptr(o, False), int(o.nbytes), fast)
                 numpy_g.append(ng)
@@ -263,7 +263,9 @@ class TuttiStore:
         The store keeps the tensors and their memory (torch storages) while registered, and every call
         that hands the native core work on the KV memory raises LayoutError once a registered tensor
         moved or shrank (``t.set_()``, ``t.resize_()``, ``t.untyped_storage().resize_()``): then
-        :meth:`close` and register the caches again. Tensors may be written in place freely.
+        :meth:`close` and register the caches again. Tensors may be written in place freely. Not seen:
+        numpy's ``resize(refcheck=False)`` of an array a tensor was made from (``torch.from_numpy``),
+        which turns off numpy's own check that nothing else uses the memory.
         """
         if self._native is not None:
             raise ConfigError("KV caches are already registered")

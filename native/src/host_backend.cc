@@ -33,7 +33,8 @@ constexpr size_t kMaxIov = 1024;  // IOV_MAX
 // truncated by someone else, or a hole punched in a full tmpfs) raises SIGBUS at the first load or
 // store there. The copy of a mapped object runs under this guard: the signal ends that copy and
 // fails its unit (a miss, as the same cut gives a disk's file through pread); any other SIGBUS
-// goes to the disposition that was there before (the default: the process ends with SIGBUS).
+// goes to the disposition that was there before (the default: the process ends with SIGBUS; an
+// ignored SIGBUS, which the kernel never ignores for a fault, likewise).
 thread_local sigjmp_buf* t_bus_guard = nullptr;
 struct sigaction g_prev_bus;
 
@@ -41,23 +42,28 @@ void on_sigbus(int sig, siginfo_t* info, void* ctx) {
   if (sigjmp_buf* guard = t_bus_guard) siglongjmp(*guard, 1);
   if (g_prev_bus.sa_flags & SA_SIGINFO) {
     if (g_prev_bus.sa_sigaction) g_prev_bus.sa_sigaction(sig, info, ctx);
-  } else if (g_prev_bus.sa_handler == SIG_DFL) {
+  } else if (g_prev_bus.sa_handler == SIG_DFL || g_prev_bus.sa_handler == SIG_IGN) {
     ::signal(SIGBUS, SIG_DFL);
     ::raise(SIGBUS);
-  } else if (g_prev_bus.sa_handler != SIG_IGN) {
+  } else {
     g_prev_bus.sa_handler(sig);
   }
 }
 
-void install_bus_guard() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    struct sigaction sa {};
-    sa.sa_sigaction = on_sigbus;
-    sa.sa_flags = SA_SIGINFO | SA_NODEFER;  // left by siglongjmp: SIGBUS must stay unblocked
-    sigemptyset(&sa.sa_mask);
-    ::sigaction(SIGBUS, &sa, &g_prev_bus);
-  });
+// Puts the guard first, before each batch of mapped copies: a handler installed after it (Python's
+// faulthandler, say) becomes the disposition it hands other SIGBUS to, instead of running first.
+void ensure_bus_guard() {
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  struct sigaction cur {};
+  ::sigaction(SIGBUS, nullptr, &cur);
+  if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus) return;
+  g_prev_bus = cur;
+  struct sigaction sa {};
+  sa.sa_sigaction = on_sigbus;
+  sa.sa_flags = SA_SIGINFO | SA_NODEFER;  // left by siglongjmp: SIGBUS must stay unblocked
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGBUS, &sa, nullptr);
 }
 
 inline uint64_t make_tag(uint32_t iocb, uint32_t chunk, uint32_t ctx_off) {
@@ -87,7 +93,6 @@ class HostBackend final : public Backend {
     slot_direct_.assign(ctx->num_chunks / group_, 0);
     stop_ = false;
     any_mapped_ = std::any_of(ctx->mapped.begin(), ctx->mapped.end(), [](const uint8_t* m) { return m != nullptr; });
-    if (any_mapped_) install_bus_guard();
     // Copies and checksums are bound by memory bandwidth: up to eight threads share them.
     const uint32_t threads = std::clamp<uint32_t>(std::thread::hardware_concurrency(), 1, 8);
     for (uint32_t i = 1; i < threads; ++i) helpers_.emplace_back([this] { help(); });
@@ -485,6 +490,7 @@ void HostBackend::finish_ctx(uint32_t id) {
 void HostBackend::run_mapped(uint32_t id) {
   const Iocb& b = k_->iocbs[id];
   if (!any_mapped_) return;
+  ensure_bus_guard();
   parallel_for(b.ctx_count, [this, id](uint32_t off) { move_mapped(id, off); });
 }
 

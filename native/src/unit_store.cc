@@ -66,8 +66,8 @@ Status UnitStore::recover() {
   std::vector<Found> found;
   std::vector<uint64_t> sums(g.num_objs()), inner;
   uint64_t bad = 0;
-  // A writer gives the first slot of every pool file that was never written (all zero) the
-  // free-slot header (layout.h): the file names its layout from now on.
+  // A writer gives the first slot of every pool file that was never written (all zero), and every
+  // older copy of a unit, the free-slot header (layout.h): the file names its layout from now on.
   std::vector<uint8_t> first(pool_.num_slots(), 0);
   std::vector<uint32_t> claim;
   for (uint32_t p = 0; p < pool_.num_paths(); ++p)
@@ -107,7 +107,10 @@ Status UnitStore::recover() {
   std::vector<uint8_t> used(pool_.num_slots(), 0);
   for (const Found& f : found) {
     uint32_t old;
-    if (index_.remove(f.key, &old)) used[old] = 0;  // an older copy of the same unit
+    if (index_.remove(f.key, &old)) {  // an older copy of the same unit: a writer invalidates it below,
+      used[old] = 0;                   // or it would come back once the newer one is removed
+      if (!opt_.read_only) claim.push_back(old);
+    }
     index_.insert(f.key, f.slot, f.blocks);
     if (f.inner.empty()) inner_of_.erase(f.key);
     else inner_of_[f.key] = f.inner;
