@@ -2,7 +2,10 @@
 
 Each rank has its own store instance (``tutti-default-r<rank>.pool``) and its own keys; a unit is a
 hit only when both ranks hold it. Every engine is a separate process (tests/vllm_model.py) with two
-CPU worker processes, about a minute each on two cores.
+CPU worker processes, about half a minute each on two cores; its engine core runs inside it
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so that the run steps the engine until every save is committed
+and counted before it reads the metrics (``drain``: with the core in a process of its own, the last
+step's counters could still be in its output queue).
 
 1. Empty store: every prompt computed, each rank commits its half of every unit's KV.
 2. Fresh engine on a copy: the prefix is loaded on both ranks; outputs equal run 1's.
@@ -38,7 +41,7 @@ TP = 2
 
 def _engine(model: Path, out: Path, store: Path, node: Path) -> dict[str, Any]:
     return run_engine(model, out, kv_transfer_config(UNIT_TOKENS, paths=[str(store)], data_dir=str(node)),
-                      timeout=500, drop=("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"),
+                      timeout=500, drop=("VLLM_CPU_OMP_THREADS_BIND",), VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       VLLM_MODEL_TP=str(TP))
 
 
