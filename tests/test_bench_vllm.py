@@ -1,6 +1,6 @@
 """``tutti bench vllm`` end to end on a tiny configuration: the real vLLM CPU engine, a 2-layer
-random-weight Llama, a 600-token prompt, one restore per system (about a minute on two cores, the
-engine inside each run's process).
+random-weight Llama, a 600-token prompt, one restore per system, each engine warmed up with an
+unrelated 64-token prompt first (about a minute on two cores, the engine inside each run's process).
 
 Checks that every system produced its outputs, that the prefix restored by the TuttiConnector (at the
 default unit size, with block-granular hits) and by vLLM's ExampleConnector gives the same greedy
@@ -31,6 +31,7 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tutti_cluster.cli", "bench", "vllm", "--model", "tiny", "--layers", "2",
            "--dtype", "float32", "--prompt-tokens", str(PROMPT_TOKENS), "--prefix-tokens", "576",
            "--repeat", "1", "--unit-tokens-list", "256", "--systems", "recompute,tutti,example,cached",
+           "--warm-up", "64",
            "--model-dir", str(tmp_path / "model"),
            "--paths", str(tmp_path / "store"), "--json", str(out)]
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("TUTTI_")}
@@ -42,6 +43,7 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
     for key in ("model", "layers", "prompt_tokens", "prefix_tokens", "block_size", "repeat", "unit_tokens",
                 "drop_caches", "vllm"):
         assert key in report["config"], key
+    assert report["config"]["warm_up_tokens"] == 64
     rows = {(r["system"], r["unit_tokens"]): r for r in report["rows"]}
     assert set(rows) == {("recompute", None), ("tutti", 256), ("example", None), ("cached", None)}
     ref = report["reference_outputs"]
@@ -57,7 +59,8 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
             assert row["hit_tokens"] and row["hit_tokens"] > 0, (key, row["hit_tokens"])
             assert key[0] == "cached" or row["store_run"]["ttft_s"] > 0, key
     # The engine's blocks: two whole units and a partial one of two blocks (partial_units); all but
-    # the block holding the last prompt token, as vLLM's own.
+    # the block holding the last prompt token, as vLLM's own. The timed request's alone: every engine
+    # served an unrelated 64-token prompt first (--warm-up), which the restores also found stored.
     assert rows[("tutti", 256)]["hit_tokens"] == 576
     assert rows[("example", None)]["hit_tokens"] == 576
     # vLLM's own prefix cache in a warm engine: the same blocks, the same tail, the same tokens as the

@@ -225,6 +225,7 @@ def child_run(spec_path: str, out_path: str) -> None:
         llm.generate([TokensPrompt(prompt_token_ids=spec["warm_up"])], params, use_tqdm=False)
     if spec.get("warm_first"):  # system "cached": the timed request finds the prompt in vLLM's own cache
         llm.generate([TokensPrompt(prompt_token_ids=spec["prompt"])], params, use_tqdm=False)
+    before = _counters(llm)  # what the requests before the timed one counted
     t_gen = time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=spec["prompt"])], params, use_tqdm=False)
     t2 = time.monotonic()
@@ -238,14 +239,7 @@ def child_run(spec_path: str, out_path: str) -> None:
             break
     if ttft is None:
         ttft, source = t2 - t_gen, "generate_wall"
-    metrics: dict[str, float] = {}
-    try:
-        for mm in llm.get_metrics():
-            value = getattr(mm, "value", None)
-            if isinstance(value, (int, float)):
-                metrics[mm.name] = metrics.get(mm.name, 0) + value
-    except Exception as e:  # noqa: BLE001 - metrics are informative only
-        metrics["error"] = str(e)  # type: ignore[assignment]
+    metrics = _counters(llm, before)
     result = {
         "ttft_s": ttft, "ttft_source": source, "generate_s": t2 - t_gen, "engine_start_s": t1 - t0,
         "import_s": t0 - t_import, "outputs": list(out.outputs[0].token_ids),
@@ -258,6 +252,25 @@ def child_run(spec_path: str, out_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _counters(llm: Any, before: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's numeric metrics, summed over their label sets; with ``before``, counters count from it
+    on (the timed request's own, not a warm-up's or the ``cached`` system's first request's)."""
+    from vllm.v1.metrics.reader import Counter
+
+    metrics: dict[str, Any] = {}
+    try:
+        for mm in llm.get_metrics():
+            value = getattr(mm, "value", None)
+            if isinstance(value, (int, float)):
+                metrics[mm.name] = metrics.get(mm.name, 0) + value
+                if before and isinstance(mm, Counter) and isinstance(before.get(mm.name), (int, float)):
+                    metrics[mm.name] -= before[mm.name]
+                    before = {**before, mm.name: 0}  # a name's label sets: subtract once
+    except Exception as e:  # noqa: BLE001 - metrics are informative only
+        metrics["error"] = str(e)
+    return metrics
 
 
 def _child_env(split_engine: bool) -> dict[str, str]:
@@ -438,7 +451,8 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                 kv_config = example_kv_config(store)
             if kv_config is not None:
                 n += 1
-                spec = dict(base_spec, kv_transfer_config=kv_config)
+                # The warm-up too: every restore then finds the warm-up prompt stored, the first as the rest.
+                spec = dict(base_spec, kv_transfer_config=kv_config, warm_up=warm_up)
                 if system == "tutti":
                     # An engine run ends without teardown (child_run), so the storing run finishes
                     # its writes in their step: nothing it stored may still be uncommitted.
