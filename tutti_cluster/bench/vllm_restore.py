@@ -260,16 +260,19 @@ def _counters(llm: Any, before: dict[str, Any] | None = None) -> dict[str, Any]:
     from vllm.v1.metrics.reader import Counter
 
     metrics: dict[str, Any] = {}
+    counters: set[str] = set()
     try:
         for mm in llm.get_metrics():
             value = getattr(mm, "value", None)
             if isinstance(value, (int, float)):
                 metrics[mm.name] = metrics.get(mm.name, 0) + value
-                if before and isinstance(mm, Counter) and isinstance(before.get(mm.name), (int, float)):
-                    metrics[mm.name] -= before[mm.name]
-                    before = {**before, mm.name: 0}  # a name's label sets: subtract once
+                if isinstance(mm, Counter):
+                    counters.add(mm.name)
     except Exception as e:  # noqa: BLE001 - metrics are informative only
         metrics["error"] = str(e)
+    for name in counters:
+        if before and isinstance(before.get(name), (int, float)):
+            metrics[name] -= before[name]
     return metrics
 
 
