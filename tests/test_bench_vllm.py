@@ -70,4 +70,9 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
     assert rows[("tutti", 256)]["over_cached_s"] == pytest.approx(
         rows[("tutti", 256)]["ttft_s"]["median"] - rows[("cached", None)]["ttft_s"]["median"])
     assert rows[("recompute", None)]["over_cached_s"] is None
+    # The forward's wait for layers in flight: the timed request's, below its whole TTFT.
+    wait = rows[("tutti", 256)]["load_wait_s"]
+    assert 0 <= wait["median"] < rows[("tutti", 256)]["ttft_s"]["median"], wait
+    assert rows[("example", None)]["load_wait_s"] is None
+    assert "for layers still loading" in proc.stdout, proc.stdout
     assert rows[("tutti", 256)]["x_example"] is not None

@@ -99,6 +99,7 @@ def test_fresh_engine_reuses_stored_prefix(work: dict[str, Any]) -> None:
     assert m.get("vllm:external_prefix_cache_hits", 0) > 0, m
     assert m.get("vllm:tutti_load_units", 0) > 0, m
     assert m.get("vllm:tutti_load_failed_units", 0) == 0, m
+    assert "vllm:tutti_load_wait_us" in m, m  # the forward's wait for loads, counted (often 0 here)
     # Units computed in the loading step were saved a step later (the first request had finished
     # by then, its blocks held for that save).
     assert m.get("vllm:tutti_store_deferred_units", 0) > 0, m

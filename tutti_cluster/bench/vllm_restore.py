@@ -522,6 +522,11 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         # What restoring costs over the engine's own floor for the same tail (medians, same run).
         row["over_cached_s"] = (row["ttft_s"]["median"] - cached["ttft_s"]["median"]
                                 if cached is not None and row["system"] in ("tutti", "example") else None)
+        # Of that, what the forward spent waiting for layers still in flight (the rest: the restore's
+        # share of the host beside compute, and the engine's own steps).
+        waits = [x["metrics"].get("vllm:tutti_load_wait_us") for x in row["runs"]]
+        row["load_wait_s"] = (_summary([w / 1e6 for w in waits])
+                              if row["system"] == "tutti" and None not in waits else None)
     return {
         "bench": "vllm_restore",
         "config": {
@@ -607,9 +612,14 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"| {r['system']} | {r['unit_tokens'] or '-'} | {hit} | {t['median']:.3f} s "
                      f"({t['min']:.3f}-{t['max']:.3f}) | {r['x_recompute']:.1f}x | {xe} | {eq} | {eqx} |")
     for r in report["rows"]:
+        name = f"{r['system']}{' ' + str(r['unit_tokens']) if r['unit_tokens'] else ''}"
         if r.get("over_cached_s") is not None:
-            lines.append(f"{r['system']}{' ' + str(r['unit_tokens']) if r['unit_tokens'] else ''}: "
+            lines.append(f"{name}: "
                          f"{r['over_cached_s'] * 1e3:+.0f} ms over vLLM's own prefix cache in a warm engine (cached)")
+        if r.get("load_wait_s") is not None:
+            w = r["load_wait_s"]
+            lines.append(f"{name}: the forward waited {w['median'] * 1e3:.1f} ms ({w['min'] * 1e3:.1f}-"
+                         f"{w['max'] * 1e3:.1f}) for layers still loading (vllm:tutti_load_wait_us)")
     src = sorted({s for r in report["rows"] for s in r["ttft_source"]})
     lines.append("TTFT: " + ("vLLM's RequestOutput.metrics.first_token_latency (request arrival to first token)"
                              if src == ["metrics"] else f"sources {src} (generate_wall: the generate call's wall time)"))

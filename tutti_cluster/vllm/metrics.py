@@ -1,10 +1,11 @@
 """The connector's counters: :class:`TuttiConnectorStats` per interval, :class:`TuttiPromMetrics`.
 
 Each role counts what it does in its own :class:`TuttiConnectorStats` (the scheduler: units found,
-those found inside another prompt's unit, saves deferred, and reads of a failed load's blocks; each worker: units loaded, stored, skipped, failed, fetched from other nodes, and I/Os straight between files and KV blocks).
+those found inside another prompt's unit, saves deferred, and reads of a failed load's blocks; each worker: units loaded, stored, skipped, failed, fetched from other nodes, I/Os straight between files and KV blocks, and the microseconds the
+forward waited for a layer's load).
 vLLM collects them with ``get_kv_connector_stats``, sums the workers' and the scheduler's with
 ``aggregate``, logs them in its "KV Transfer metrics" line and hands them to
-:class:`TuttiPromMetrics`, one Prometheus counter ``vllm:tutti_<stat>`` per stat (units, blocks or I/Os, as named).
+:class:`TuttiPromMetrics`, one Prometheus counter ``vllm:tutti_<stat>`` per stat (units, blocks, I/Os or microseconds, as named).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ STAT_KEYS = (
     "remote_units",
     "poisoned_block_reads",
     "direct_ios",
+    "load_wait_us",
 )
 
 
@@ -66,7 +68,8 @@ class TuttiConnectorStats(KVConnectorStats):
 
 
 class TuttiPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per stat: ``vllm:tutti_<stat>_total`` (units)."""
+    """One Prometheus counter per stat: ``vllm:tutti_<stat>_total`` (units, blocks, I/Os or
+    microseconds, as named; summed over worker ranks)."""
 
     _DOC = {
         "lookup_hit_units": "Cache units the scheduler found in the Tutti store and scheduled to load.",
@@ -84,6 +87,9 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
         "direct_ios": "Storage I/Os (not units) of loads and saves that moved KV straight between a pool file "
                       "and vLLM's KV blocks, with no staging copy (O_DIRECT needs a page-aligned KV cache: "
                       "THP_MEM_ALLOC_ENABLE=1 on the CPU build).",
+        "load_wait_us": "Microseconds (not units) the forward waited in wait_for_layer_load for loads still "
+                        "in flight: the part of a restore that compute did not hide (zero when every layer "
+                        "lands before its attention needs it).",
     }
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],

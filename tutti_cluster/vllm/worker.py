@@ -34,6 +34,7 @@ verified), and kept as a local replica.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -272,12 +273,15 @@ class TuttiWorker:
         idx = self._layer_index.get(layer_name)
         if idx is None or not self._loads:
             return
+        t0 = time.perf_counter()
         for f in self._loads:
             try:
                 self.store.wait_layer(idx, f.handle)
             except TuttiError as e:
                 log.warning("Tutti load of request %s, layer %d: %s", f.transfer.req_id, idx, e)
                 f.error = True
+        # The forward's stall on storage: zero where every layer lands before the engine needs it.
+        self._stats.add("load_wait_us", (time.perf_counter() - t0) * 1e6)
 
     def _finish_loads(self, flights: list[_InFlight]) -> None:
         for f in flights:
