@@ -191,7 +191,6 @@ class HostBackend final : public Backend {
   }
   void run_mapped(uint32_t id);
   void move_mapped(uint32_t id, uint32_t off);
-  bool first_layer_in_flight(uint32_t id) const;
   void parallel_for(uint32_t n, const std::function<void(uint32_t)>& fn);
   void work();
   void help();
@@ -239,13 +238,7 @@ void HostBackend::run() {
     // IOCTXs that need no I/O.
     auto post_all = [&] {
       bool posted_any = false;
-      for (uint32_t a : active_) {
-        posted_any |= post(a, sq);
-        // A retrieve's first layer has the storage to itself until it lands: it is what the engine
-        // waits for before any compute can hide the rest, and later layers sharing the queue slow
-        // it (on the 2-core VM's disk, 19 ms for its 33 reads of 1 MiB beside the rest, 13 alone).
-        if (first_layer_in_flight(a)) break;
-      }
+      for (uint32_t a : active_) posted_any |= post(a, sq);
       if (posted_any) {
         k_->agent->kick();
         progress = true;
@@ -278,12 +271,6 @@ void HostBackend::run() {
   }
   last_cpu_s_ = thread_cpu_seconds(clock_);
   has_clock_ = false;
-}
-
-bool HostBackend::first_layer_in_flight(uint32_t id) const {
-  if (done_[id] == count_[id]) return false;  // then the IOCB may already be given back: not read
-  const Iocb& b = k_->iocbs[id];
-  return static_cast<IoOp>(b.op) == IoOp::kRead && b.layer == 0;
 }
 
 // IOCTXs that go in one storage I/O: K and V of one unit and layer are adjacent in the GPU file, so
