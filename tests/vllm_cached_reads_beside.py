@@ -1,5 +1,5 @@
 """Diagnostic: the bench's system ``cached`` (vLLM's own prefix cache, the engine's second request),
-optionally with 258 MiB of O_DIRECT reads by four ``dd`` processes started as the timed request
+optionally with 260 MiB of O_DIRECT reads by four ``dd`` processes started as the timed request
 starts: what plain disk reads beside the forward cost the engine, with none of the store's code
 running. Give it a ``cached`` spec that ``tutti bench vllm --keep`` wrote and, for the reads, a file
 of at least 260 MiB on the store's disk (the run's pool file). Not part of the suite.
@@ -9,6 +9,7 @@ of at least 260 MiB on the store's disk (the run's pool file). Not part of the s
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -22,12 +23,15 @@ def main(spec: str, out: str, path: str | None) -> None:
 
     gen = vllm.LLM.generate
     calls = [0]
+    with open(spec) as f:
+        s = json.load(f)
+    timed = 1 + bool(s.get("warm_up")) + bool(s.get("warm_first"))  # child_run's requests, in order
 
     def generate(self: Any, *a: Any, **k: Any) -> Any:
         calls[0] += 1
         procs = []
         t0 = time.monotonic()
-        if calls[0] == 2 and path:  # the timed request
+        if calls[0] == timed and path:
             procs = [subprocess.Popen(["dd", f"if={path}", "of=/dev/null", "bs=1M", "count=65", f"skip={i * 65}",
                                        "iflag=direct", "status=none"]) for i in range(4)]
         try:
