@@ -600,6 +600,49 @@ def test_many_connections_at_once(served):
             assert seen[-1].get("miss") == "busy", seen
 
 
+def test_a_requester_waiting_on_the_owner_is_not_idle(engines):
+    """Regression (once failed in CI, in the test above on a loaded host): the owner's idle timeout
+    was the socket's read timeout, so it closed a connection whose requester was waiting for the
+    owner itself (a unit still being read, or a free slot, which may take up to slot_timeout_s).
+    Idle is now the requester's silence after an answer that asks for its next line. A reader that
+    sleeps stands in for a slow disk (a fault a test cannot otherwise cause on demand)."""
+    from tutti_cluster.cluster.stage import StageServer
+
+    owner, _ = engines
+    units = {k: os.urandom(UNIT) for k in (1, 2)}
+
+    def slow_read(key: int) -> bytes | None:
+        time.sleep(1.0)
+        return units.get(key)
+
+    srv = StageServer(owner, slow_read, max_window=1, idle_timeout_s=0.3).start()
+    try:
+        c = StageConn(srv.address, timeout=10)
+        try:
+            c.send({"op": "stage", "keys": [1, 2], "window": 1})
+            for k in (1, 2):
+                m = c.recv()
+                assert m["key"] == k and m["len"] == UNIT
+                c.send({"op": "done", "addr": m["addr"]})
+            assert c.recv() == {"end": True}
+        finally:
+            c.close()
+        # A requester that holds a slot and goes silent is still cut off, and the slot comes back.
+        reclaimed = srv.stats.reclaimed_slots
+        c = StageConn(srv.address, timeout=10)
+        try:
+            c.send({"op": "stage", "keys": [1], "window": 1})
+            assert c.recv()["key"] == 1
+            assert c.recv() == {"end": True}
+            assert c.f.readline() == b""
+        finally:
+            c.close()
+        assert srv.stats.reclaimed_slots == reclaimed + 1
+    finally:
+        srv.stop()
+    assert wait_slots_free(owner, 4), "an owner slot was not returned"
+
+
 # ==== 3. StageStream (requester side), hold mode ========================================================
 
 def test_a_held_slot_stays_the_callers_after_the_stream_ends(served):

@@ -154,6 +154,54 @@ def test_a_line_over_the_limit_is_refused_and_the_connection_stays(served, monke
         c.close()
 
 
+class _Chunks:
+    """The socket side of the owner's line reader: recv hands out the given chunks in order, an
+    exception among them is raised (a read timeout), then b"" (the end)."""
+
+    def __init__(self, chunks: list) -> None:
+        self.chunks = chunks
+
+    def recv(self, _n: int) -> bytes:
+        if not self.chunks:
+            return b""
+        c = self.chunks.pop(0)
+        if isinstance(c, BaseException):
+            raise c
+        return c
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(st.binary(max_size=40).map(lambda b: b.replace(b"\n", b"")), max_size=8),
+       tail=st.binary(max_size=20).map(lambda b: b.replace(b"\n", b"")),
+       cuts=st.lists(st.integers(0, 50), max_size=12), limit=st.integers(4, 30))
+def test_lines_are_split_like_a_bounded_readline_whatever_the_chunks(lines, tail, cuts, limit):
+    """The owner's line reader (it outlives its socket's read timeouts, which a socket.makefile
+    reader does not), the bytes in arbitrary chunks with read timeouts between them while the
+    connection is not idle: the lines come out as they went in, one over the limit as b"" (too
+    long), an unterminated last one as it is, then None. While idle, a timeout is raised."""
+    from tutti_cluster.cluster import stage
+
+    data = b"".join(x + b"\n" for x in lines) + tail
+    chunks: list = []
+    pos = 0
+    for n in cuts:  # a cut of 0 is a read timeout there
+        chunks.append(data[pos:pos + n] if n else TimeoutError())
+        pos += n
+    chunks.append(data[pos:])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stage, "MAX_LINE", limit)
+        reader = stage._Lines(_Chunks([c for c in chunks if c != b""]))
+        got = []
+        while (line := reader.next(lambda: False)) is not None:
+            got.append(line)
+    want = [x + b"\n" if len(x) + 1 <= limit else b"" for x in lines]
+    if tail:
+        want.append(tail if len(tail) <= limit else b"")
+    assert got == want
+    with pytest.raises(TimeoutError):
+        stage._Lines(_Chunks([b"{", TimeoutError()])).next(lambda: True)
+
+
 class FakeOwner:
     """A stage endpoint that answers a scripted line to the requester's stage request: the faults
     an owner could send over the network, which a real server never does (hence the fake)."""

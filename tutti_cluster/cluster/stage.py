@@ -161,6 +161,45 @@ def _read_line(rfile) -> bytes | None:  # type: ignore[no-untyped-def]
     return line
 
 
+class _Lines:
+    """Lines from a connection whose read timeout may pass without ending it: a timed-out
+    ``socket.makefile`` reader refuses every later read, so this one keeps its own buffer.
+    ``next(idle)`` is one line of at most MAX_LINE bytes, b"" for a longer one (read to its end,
+    bounded memory), None at the end of the stream; a read timeout raises only while ``idle()``."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buf = bytearray()
+        self.skipping = False  # inside a line longer than MAX_LINE
+
+    def next(self, idle: Callable[[], bool]) -> bytes | None:
+        while True:
+            i = self.buf.find(b"\n")
+            if i >= 0:
+                line = bytes(self.buf[:i + 1])
+                del self.buf[:i + 1]
+                if self.skipping or len(line) > MAX_LINE:
+                    self.skipping = False
+                    return b""
+                return line
+            if len(self.buf) > MAX_LINE:
+                self.skipping = True
+                self.buf.clear()
+            try:
+                chunk = self.conn.recv(1 << 16)
+            except TimeoutError:
+                if idle():
+                    raise
+                continue
+            if not chunk:  # the end: what is left is a last line without its newline
+                line, self.buf = bytes(self.buf), bytearray()
+                if self.skipping:
+                    self.skipping = False
+                    return b""
+                return line or None
+            self.buf += chunk
+
+
 @dataclass
 class StageStats:
     streams: int = 0
@@ -202,7 +241,7 @@ class StageServer:
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
-                outer._serve_connection(self.connection, self.rfile, self.wfile)
+                outer._serve_connection(self.connection, self.wfile)
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -223,7 +262,7 @@ class StageServer:
         self._server.server_close()
 
     # -- one connection ---------------------------------------------------------------------------
-    def _serve_connection(self, conn: socket.socket, rfile, wfile) -> None:  # type: ignore[no-untyped-def]
+    def _serve_connection(self, conn: socket.socket, wfile) -> None:  # type: ignore[no-untyped-def]
         outstanding: set[int] = set()
         credit = threading.Semaphore(0)
         wlock = threading.Lock()
@@ -231,10 +270,23 @@ class StageServer:
         closed = threading.Event()
         lent = threading.Lock()  # `outstanding` and `closed`: a slot is announced only while open
 
+        sent_at = time.monotonic()
+
         def send(msg: _Line) -> None:
+            nonlocal sent_at
             with wlock:
                 wfile.write(msg.line())
                 wfile.flush()
+                sent_at = time.monotonic()
+
+        def idle() -> bool:
+            # The connection is idle when the requester owes the next line (its request, a `done`)
+            # and has not sent it within idle_timeout_s of our last answer; not while its stream
+            # is still reading a unit or waiting for a free slot (up to slot_timeout_s).
+            if time.monotonic() - sent_at < self.idle_timeout_s:
+                return False
+            with lent:
+                return stream is None or not stream.is_alive() or bool(outstanding)
 
         def run_stream(keys: list[int], window: int) -> None:
             # Up to `window` units are prepared at once (SSD read + copy into a slot, in worker
@@ -291,8 +343,9 @@ class StageServer:
                 pool.shutdown(wait=True)
 
         conn.settimeout(self.idle_timeout_s)
+        lines = _Lines(conn)
         try:
-            while (line := _read_line(rfile)) is not None:
+            while (line := lines.next(idle)) is not None:
                 if not line:
                     send(Failure(error=f"request line longer than {MAX_LINE} bytes"))
                     continue
