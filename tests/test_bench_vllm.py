@@ -38,6 +38,10 @@ def test_bench_vllm_tiny(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "| tutti | 256 |" in proc.stdout and "| example |" in proc.stdout, proc.stdout
+    # The storing runs first, then the round: every system once, in the order given.
+    progress = [line.split("] ", 1)[1].split(":")[0] for line in proc.stdout.splitlines() if line.startswith("[")]
+    assert progress == ["tutti unit_tokens=256 storing run", "example storing run", "recompute run 1/1",
+                        "tutti unit_tokens=256 restore 1/1", "example restore 1/1", "cached run 1/1"], progress
     report = json.loads(out.read_text())
     assert report["bench"] == "vllm_restore"
     for key in ("model", "layers", "prompt_tokens", "prefix_tokens", "block_size", "repeat", "unit_tokens",

@@ -7,8 +7,10 @@ Systems:
 * ``tutti``: the TuttiConnector (``tutti_cluster.vllm``), once per ``--unit-tokens-list`` value.
 * ``example``: vLLM's ExampleConnector (one safetensors file per layer in a directory).
 
-For each connector a *storing* run (engine A prefills the prompt and its connector stores the KV)
-is followed by ``--repeat`` *restore* runs; ``recompute`` has ``--repeat`` runs of its own. Every
+Each connector first has a *storing* run (an engine prefills the prompt and its connector stores
+the KV); then ``--repeat`` rounds each run every system once, in the order given (``recompute``
+first): a restore per connector, a run of ``recompute`` and of ``cached``. Interleaved rounds keep
+a host whose speed drifts over minutes from favouring the system that happened to run first. Every
 engine run is a fresh process (``python -m tutti_cluster.bench.vllm_restore run SPEC OUT``): vLLM
 engines do not shut down cleanly inside one process, and a fresh process is what proves the KV
 comes from storage (its vLLM prefix cache starts empty). With ``--drop-caches`` the kernel's page
@@ -359,8 +361,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
         raise ConfigError(f"unknown systems {bad}; choose from {','.join(SYSTEMS)}")
-    if "recompute" not in systems:
-        systems.insert(0, "recompute")  # the reference outputs and TTFT
+    systems = ["recompute"] + [s for s in dict.fromkeys(systems) if s != "recompute"]  # the reference first
     units = _int_list(args.unit_tokens_list) if args.unit_tokens_list else [args.unit_tokens]
     if args.prefix_tokens > args.prompt_tokens or args.prefix_tokens <= 0:
         raise ConfigError("--prefix-tokens must be in 1..--prompt-tokens")
@@ -408,7 +409,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             plan.append((s, None))
     total = sum(args.repeat if s in RUN_ONLY else 1 + args.repeat for s, _ in plan)
     n = 0
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = [{"system": system, "unit_tokens": unit, "runs": []} for system, unit in plan]
     reference: list[int] | None = None
     split = args.split_engine
 
@@ -438,9 +439,10 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             args.json.write_text(json.dumps({"bench": "vllm_restore", "partial": True, "rows": rows,
                                              "failures": failures, "reference_outputs": reference}, indent=2) + "\n")
 
+    kv_configs: list[dict[str, Any] | None] = []
     try:
-        for system, unit in plan:
-            row: dict[str, Any] = {"system": system, "unit_tokens": unit, "runs": []}
+        for row in rows:  # the storing runs
+            system, unit = row["system"], row["unit_tokens"]
             kv_config: dict[str, Any] | None = None
             if system == "tutti":
                 store = root / f"tutti-u{unit}"
@@ -452,6 +454,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                 shutil.rmtree(store, ignore_errors=True)
                 store.mkdir()
                 kv_config = example_kv_config(store)
+            kv_configs.append(kv_config)
             if kv_config is not None:
                 n += 1
                 # The warm-up too: every restore then finds the warm-up prompt stored, the first as the rest.
@@ -470,7 +473,9 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                 row["stored_bytes"] = stored
                 emit(f"[{n}/{total}] {label(system, unit)} storing run: TTFT {r['ttft_s']:.3f} s, "
                      f"{stored / 2**20:.1f} MiB on disk, engine start {r['engine_start_s']:.1f} s")
-            for i in range(args.repeat):
+        for i in range(args.repeat):  # the rounds: every system once each, recompute first
+            for row, kv_config in zip(rows, kv_configs):
+                system, unit = row["system"], row["unit_tokens"]
                 n += 1
                 note = ""
                 restore = system not in RUN_ONLY
@@ -493,6 +498,8 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                      f"{i + 1}/{args.repeat}{note}: TTFT {r['ttft_s']:.3f} s ({r['ttft_source']}){hit}, "
                      f"engine start {r['engine_start_s']:.1f} s, outputs "
                      f"{'equal' if r['outputs_equal'] else 'differ at token ' + str(r['first_diff'])}")
+            partial()
+        for row in rows:
             ttfts = [r["ttft_s"] for r in row["runs"]]
             row["ttft_s"] = _summary(ttfts)
             row["outputs_equal"] = all(r["outputs_equal"] for r in row["runs"])
@@ -501,8 +508,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             row["tail_tokens"] = (args.prompt_tokens - row["hit_tokens"]) if row["hit_tokens"] is not None else None
             row["ttft_source"] = sorted({r["ttft_source"] for r in row["runs"]})
             row["outputs"] = row["runs"][-1]["outputs"]
-            rows.append(row)
-            partial()
+        partial()
     except BaseException:
         failed = True
         emit(f"the run's directory is kept: {root}")
