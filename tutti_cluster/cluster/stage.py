@@ -17,7 +17,9 @@ Protocol (one stream per connection, requests and answers are single JSON lines)
     <- {"end": true}                               after the last unit or a miss
     -> {"op": "ping"}  <- {"pong": true}
 
-Slots not returned when the connection closes (the requester died) are reclaimed at once. Every
+Slots not returned when the connection closes (the requester died) are reclaimed at once. A
+requester silent for ``idle_timeout_s`` while it owes a line (its request, a ``done``) is cut off
+and its slots reclaimed; the owner's own wait for a unit's read or a free slot does not count. Every
 line is validated (pydantic models below, both directions): a malformed request gets
 ``{"error": "..."}`` and the connection reads on; a malformed answer ends the requester's stream
 with ``error`` set.
