@@ -643,6 +643,32 @@ def test_a_requester_waiting_on_the_owner_is_not_idle(engines):
     assert wait_slots_free(owner, 4), "an owner slot was not returned"
 
 
+def test_an_owner_out_of_slots_answers_busy_before_its_requester_gives_up(engines):
+    """Regression (once failed): an owner whose slots are all lent waits up to ``slot_timeout_s`` for
+    one, then answers 'busy'. That wait was 10 s by default, the requester's line timeout 5 s (the
+    default of StageStream and ClusterClient): the requester cut a healthy owner off as silent (an
+    error, and ClusterClient forgets its node record) while the owner was still waiting on our
+    behalf. With both sides' defaults, the owner's answer now comes first: a 'busy' miss, no
+    error, and the owner's slots are all its own again."""
+    from tutti_cluster.cluster.stage import StageServer, StageStream
+
+    owner, requester = engines
+    units = {1: os.urandom(UNIT)}
+    taken = [owner.acquire(0) for _ in range(4)]  # other requesters hold every slot meanwhile
+    assert None not in taken
+    srv = StageServer(owner, units.get).start()
+    try:
+        stream = StageStream(requester, srv.address, owner.segment, [1])
+        assert list(stream) == []
+        assert (stream.miss, stream.error) == ("busy", None)
+    finally:
+        srv.stop()
+        for a in taken:
+            owner.release(a)
+    assert wait_slots_free(owner, 4), "an owner slot was not returned"
+    assert free_slots(requester, 3) == 3
+
+
 # ==== 3. StageStream (requester side), hold mode ========================================================
 
 def test_a_held_slot_stays_the_callers_after_the_stream_ends(served):

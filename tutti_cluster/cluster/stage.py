@@ -58,6 +58,12 @@ UnitCheck = Callable[[int], None]
 
 # The completer may be waiting out a pull's deadline (Mooncake's transfer timeout plus 1 s per GiB).
 _TRANSFER_JOIN_S = 10.0
+# An owner whose slots are all lent waits this long for one, then answers 'busy'. This wait plus
+# the unit's read must stay below the requester's line timeout (StageStream's and ClusterClient's
+# timeout_s: 5 s by default, 3 s in the cluster tests): a requester that hears nothing within it
+# cuts the owner off as silent (an error; ClusterClient then forgets the owner's node record) while
+# the owner is still waiting on its behalf.
+SLOT_TIMEOUT_S = 2.0
 MAX_LINE = 16 << 20  # a stage request of 4096 keys is ~100 KiB; anything far larger is an error
 MAX_KEYS = 1 << 20
 
@@ -221,7 +227,7 @@ class StageServer:
     """Serves stage requests on ``host:port`` (port 0 picks one) from a background thread."""
 
     def __init__(self, transfer: TransferNode, read_unit: UnitReader | None, host: str = "127.0.0.1", port: int = 0,
-                 max_window: int = 4, slot_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 max_window: int = 4, slot_timeout_s: float = SLOT_TIMEOUT_S, idle_timeout_s: float = 30.0,
                  read_into: UnitReaderInto | None = None, readers: int | None = None,
                  check: UnitCheck | None = None) -> None:
         self.transfer = transfer
