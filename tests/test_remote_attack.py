@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_fixtures import (EtcdServer, StageConn, engines, free_slots, require_etcd, require_mooncake,
-                              wait_slots_free)  # noqa: F401 (fixture: engines)
+                              wait_for, wait_slots_free)  # noqa: F401 (fixture: engines)
 from conftest import make_kv, open_store, run_threads, snapshot
 from tutti_cluster import TuttiStore
 from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError, NotFound, TuttiError
@@ -908,6 +908,10 @@ def test_the_first_failing_unit_in_order_decides_what_was_placed(etcd, engines, 
         assert placed == 1
         for l in range(len(kv)):
             np.testing.assert_array_equal(kv2[l][:, 40:40 + ub], kv[l][:, :ub])
+        # The report reaches the owner's connection thread after the fetch has returned: wait for
+        # the one due (a fixed 0.3 s was too short on a loaded host), then leave a wrong one time to come.
+        if fault == "corrupt middle unit":
+            assert wait_for(lambda: checked, 10, step=0.02), "the owner was not told that its unit 12 is corrupt"
         time.sleep(0.3)
         assert checked == ([12] if fault == "corrupt middle unit" else [])
         assert b.lookup([11]) == 1  # the replica of the placed unit was kept
