@@ -319,6 +319,52 @@ def node(tmp_path: Path) -> Iterator[tuple[TuttiConfig, NodeDaemon]]:
         d.stop()
 
 
+class _SlowDirectory:
+    """The replica directory of a daemon in cluster mode whose etcd answers slowly (a loaded host,
+    which a test cannot cause on demand: a stand-in): each registration or removal of keys takes
+    1.5 s, within the directory's own deadline (NodeDaemon's directory_timeout_s, 2 s)."""
+
+    def __init__(self) -> None:
+        self.registered: list[int] = []
+
+    def register(self, keys) -> bool:  # type: ignore[no-untyped-def]
+        if keys:
+            time.sleep(1.5)
+            self.registered.extend(keys)
+        return True
+
+    def unregister(self, keys) -> bool:  # type: ignore[no-untyped-def]
+        if keys:
+            time.sleep(1.5)
+        return True
+
+    def stop(self, revoke: bool = True) -> None:
+        pass
+
+
+def test_an_engines_notification_outwaits_the_daemons_directory(node):
+    """Regression (once failed): the daemon answers a commit notification once it has registered
+    the keys in etcd, which may take up to its directory's deadline (2 s), but the engine's link
+    gave up after 1 s: it counted the notification dropped and re-attached with its next batch
+    (the daemon rescans the instance's pools), again and again while etcd stayed slow. The link's
+    default timeout now outlasts the daemon's own wait: nothing is dropped, no re-attach."""
+    cfg, d = node
+    d.directory = _SlowDirectory()  # type: ignore[assignment]
+    link = DaemonLink(cfg)
+    try:
+        assert link.attach_geometry(GEO) is not None
+        attaches = d.counters["attaches"]
+        link._enqueue("commit", 0x77)
+        assert link.flush(10)
+        assert link.dropped == 0 and d.directory.registered == [0x77]  # type: ignore[union-attr]
+        link._enqueue("commit", 0x78)  # a link that timed out re-attaches with its next batch
+        assert link.flush(10)
+        assert link.dropped == 0 and d.counters["attaches"] == attaches
+        assert d.handle({"op": "lookup", "keys": [0x77, 0x78], "remote": False})["local"] == 2
+    finally:
+        link.close()
+
+
 def test_an_attach_with_a_bad_geometry_is_refused_and_never_stored(tmp_path: Path):
     cfg = daemon_config(tmp_path)
     d = DaemonProcess(cfg, tmp_path / "daemon.log")

@@ -67,6 +67,12 @@ PINS_NAME = "pins.json"
 COMMAND_WAIT_MS = 2000
 ADMIN_TIMEOUT_S = 10.0
 COMMAND_KEYS = 16384
+# The daemon's etcd calls give up after DIRECTORY_TIMEOUT_S. A commit or evict notification is
+# answered once its keys are (un)registered in etcd, so an engine's link waits longer than that
+# (notifications go from a background thread: the engine never waits on them); a link that gave up
+# first counted them dropped and re-attached, a rescan of its pools, while etcd was merely slow.
+DIRECTORY_TIMEOUT_S = 2.0
+LINK_TIMEOUT_S = 5.0
 # Longest request or reply line in bytes, newline included. A commit batch of 65536 keys (the
 # link's queue) is about 1.4 MB.
 MAX_LINE = 16 << 20
@@ -569,7 +575,7 @@ class NodeDaemon:
     """The daemon of one node. :meth:`start` returns once it serves; :meth:`stop` ends it."""
 
     def __init__(self, config: TuttiConfig, *, host: str | None = None, stage_port: int = 0,
-                 arena_bytes: int = 256 << 20, directory_timeout_s: float = 2.0,
+                 arena_bytes: int = 256 << 20, directory_timeout_s: float = DIRECTORY_TIMEOUT_S,
                  advertise: dict[str, Any] | None = None) -> None:
         self.config = config
         self.data_dir = Path(config.data_dir)
@@ -1422,7 +1428,7 @@ class DaemonLink:
     (re)attach makes the daemon rescan this instance's headers.
     """
 
-    def __init__(self, config: TuttiConfig, timeout_s: float = 1.0, max_queue: int = 1 << 16,
+    def __init__(self, config: TuttiConfig, timeout_s: float = LINK_TIMEOUT_S, max_queue: int = 1 << 16,
                  attach_timeout_s: float = 10.0, connect_retry_s: float = 4.0) -> None:
         self.config = config
         self.path = str(socket_path(config))
