@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cluster_fixtures import DaemonProcess, EtcdServer, NodeProcess, require_etcd, require_mooncake
+from cluster_fixtures import DaemonProcess, EtcdServer, NodeProcess, require_etcd, require_mooncake, wait_for
 from tutti_cluster import TuttiConfig
 from tutti_cluster.daemon import DaemonLink, NodeDaemon, socket_path
 from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError
@@ -597,8 +597,8 @@ def test_an_engine_retries_a_connect_refused_by_a_full_backlog(node):
         result: list[Any] = []
         t = threading.Thread(target=lambda: result.append(link.attach_geometry(GEO)))
         t.start()
-        time.sleep(0.5)
-        assert not result and link.connect_retries > 0  # refused so far, still trying
+        # Refused so far, still trying (waited for: the first retry comes whenever the thread runs).
+        assert wait_for(lambda: link.connect_retries > 0, 10) and not result
         threading.Thread(target=d._server.serve_forever, daemon=True).start()
         t.join(20)
         assert result and result[0] is not None and result[0]["ok"], result
