@@ -612,10 +612,12 @@ def test_a_requester_waiting_on_the_owner_is_not_idle(engines):
     units = {k: os.urandom(UNIT) for k in (1, 2)}
 
     def slow_read(key: int) -> bytes | None:
-        time.sleep(1.0)
+        time.sleep(2.0)
         return units.get(key)
 
-    srv = StageServer(owner, slow_read, max_window=1, idle_timeout_s=0.3).start()
+    # Idle 1 s: the test's own requester answers each announcement well within it, even on a
+    # loaded host; each read takes twice as long.
+    srv = StageServer(owner, slow_read, max_window=1, idle_timeout_s=1.0).start()
     try:
         c = StageConn(srv.address, timeout=10)
         try:
