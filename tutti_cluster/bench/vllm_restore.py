@@ -482,8 +482,8 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                 emit(f"[{n}/{total}] {label(system, unit)} storing run: TTFT {r['ttft_s']:.3f} s, "
                      f"{stored / 2**20:.1f} MiB on disk, engine start {r['engine_start_s']:.1f} s")
         for i in range(args.repeat):  # the rounds: every system once each, recompute first
-            # The others take turns right after recompute's long prefill (a restore that followed
-            # it read up to 0.1 s slower on the 2-core VM: docs/PERF.md), so no system always has it.
+            # The others take turns at the place right after recompute's long prefill, so that no
+            # system always has it (suspected once of slowing a restore, not confirmed: docs/PERF.md).
             for row, kv_config in round_order(list(zip(rows, kv_configs)), i):
                 system, unit = row["system"], row["unit_tokens"]
                 n += 1
