@@ -156,22 +156,10 @@ def _host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _read_line(rfile) -> bytes | None:  # type: ignore[no-untyped-def]
-    """One line of at most MAX_LINE bytes; a longer one is read to its end (bounded memory) and
-    returned as b"" (too long). None at the end of the stream."""
-    line = rfile.readline(MAX_LINE)
-    if not line:
-        return None
-    if len(line) >= MAX_LINE and not line.endswith(b"\n"):
-        while (more := rfile.readline(1 << 20)) and not more.endswith(b"\n"):
-            pass
-        return b""
-    return line
-
-
 class _Lines:
-    """Lines from a connection whose read timeout may pass without ending it: a timed-out
-    ``socket.makefile`` reader refuses every later read, so this one keeps its own buffer.
+    """Lines from a connection, both ends' reader; on the owner's end a read timeout may pass
+    without ending the connection: a timed-out ``socket.makefile`` reader refuses every later read,
+    so this one keeps its own buffer.
     ``next(idle)`` is one line of at most MAX_LINE bytes, b"" for a longer one (read to its end,
     bounded memory), None at the end of the stream; a read timeout raises only while ``idle()``."""
 
@@ -566,7 +554,7 @@ class StageStream:
         def puller() -> None:
             try:
                 sock.settimeout(self.timeout_s)
-                rfile = sock.makefile("rb")
+                lines = _Lines(sock)
                 self._send(sock, StageOp(keys=self.keys, window=max(1, self.window)))
                 expected = iter(self.keys)
                 while not stop.is_set():
@@ -576,7 +564,7 @@ class StageStream:
                     watchdog.daemon = True
                     watchdog.start()
                     try:
-                        line = _read_line(rfile)
+                        line = lines.next(lambda: True)  # any read timeout ends the stream
                     finally:
                         watchdog.cancel()
                     if line is None:
