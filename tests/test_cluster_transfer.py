@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 
 import pytest
 
@@ -69,6 +70,28 @@ def test_held_slots_stay_the_callers_until_done(served):
         assert bytes(v) == units[k]
         d()
     assert got == keys and stream.error is None
+    assert wait_slots_free(owner, 4) and wait_slots_free(requester, 3)
+
+
+def test_an_owner_waiting_for_our_done_is_not_silent(served, monkeypatch):
+    """The owner announces `window` units and then waits for their `done`: while our pulls are
+    slower than our line timeout, its silence is ours and must not cut it off. Slow pulls are a
+    slow network, which the loopback does not make: each wait is stretched by a sleep (a fake)."""
+    from tutti_cluster.cluster.stage import StageStream
+
+    owner, requester, units, srv = served
+    real_wait = requester.wait
+
+    def slow_wait(pull):
+        time.sleep(1.5)
+        return real_wait(pull)
+
+    monkeypatch.setattr(requester, "wait", slow_wait)
+    keys = [1, 2, 3]
+    stream = StageStream(requester, srv.address, owner.segment, keys, window=1, depth=2, timeout_s=1.0)
+    got = [(k, bytes(v)) for k, v in stream]
+    assert stream.error is None, stream.error
+    assert [k for k, _ in got] == keys and all(v == units[k] for k, v in got)
     assert wait_slots_free(owner, 4) and wait_slots_free(requester, 3)
 
 

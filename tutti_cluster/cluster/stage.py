@@ -526,6 +526,11 @@ class StageStream:
         held: list[int] = []
         stop = threading.Event()
         in_flight = threading.Semaphore(self.depth - 1)  # pulls at once; the last slot is the caller's
+        window = max(1, self.window)
+        # Units announced and not yet answered with `done`. With `window` of them the owner waits on
+        # us (our pulls) and is silent by rule: the line timeout runs only while we owe it nothing.
+        owed = 0
+        owed_cv = threading.Condition()
 
         def local_slot() -> int | None:
             if len(held) < self.depth:
@@ -552,12 +557,17 @@ class StageStream:
                 pass
 
         def puller() -> None:
+            nonlocal owed
             try:
                 sock.settimeout(self.timeout_s)
                 lines = _Lines(sock)
-                self._send(sock, StageOp(keys=self.keys, window=max(1, self.window)))
+                self._send(sock, StageOp(keys=self.keys, window=window))
                 expected = iter(self.keys)
                 while not stop.is_set():
+                    with owed_cv:
+                        owed_cv.wait_for(lambda: owed < window or stop.is_set())
+                    if stop.is_set():
+                        return
                     # The socket's timeout bounds each read; this bounds the whole line, which an
                     # owner sending a byte now and then would otherwise stretch without end.
                     watchdog = threading.Timer(self.timeout_s, cut)
@@ -609,6 +619,8 @@ class StageStream:
                         in_flight.release()
                         free.put(local)
                         raise
+                    with owed_cv:
+                        owed += 1
                     submitted.put((key, local, msg.addr, pull))
             except (OSError, TuttiError) as exc:
                 if not stop.is_set():
@@ -617,6 +629,7 @@ class StageStream:
                 submitted.put(None)
 
         def completer() -> None:
+            nonlocal owed
             failed = False
             while (item := submitted.get()) is not None:
                 key, local, remote, pull = item
@@ -630,11 +643,16 @@ class StageStream:
                         continue
                     self.pull_s += pull.seconds
                     self._send(sock, DoneOp(addr=remote))
+                    with owed_cv:
+                        owed -= 1
+                        owed_cv.notify()
                 except (OSError, TuttiError) as exc:
                     if not failed and not stop.is_set():
                         self.error = f"{type(exc).__name__}: {exc}"
                     failed = True
-                    stop.set()
+                    with owed_cv:
+                        stop.set()
+                        owed_cv.notify()
                     continue
                 self.bytes += pull.length
                 ready.put((key, local, pull.length))
@@ -672,7 +690,9 @@ class StageStream:
                     yield key, self.transfer.view(local, n)
                     free.put(local)
         finally:
-            stop.set()
+            with owed_cv:
+                stop.set()
+                owed_cv.notify()
             self._sock = None
             try:
                 sock.shutdown(socket.SHUT_RDWR)
