@@ -365,6 +365,48 @@ def test_an_engines_notification_outwaits_the_daemons_directory(node):
         link.close()
 
 
+def test_an_engine_applying_a_long_command_is_still_connected(node):
+    """Regression (once failed): the daemon took an engine for gone 3 s after its last command
+    poll, also while the engine was applying the commands that poll had handed it: an admin op
+    in that time found the engine's units unreachable. A scripted engine on the real socket, which
+    takes 4 s over its first command, stands in for a store that slow (a test cannot make one)."""
+    import threading
+
+    cfg, d = node
+    link = DaemonLink(cfg)
+
+    def connected() -> bool:
+        return d.handle({"op": "stats"})["instances"]["slow"]["engine_connected"]
+
+    try:
+        assert link.request({"op": "attach", "instance": "slow", "geometry": GEO})["ok"]
+        assert link.request({"op": "commit", "instance": "slow", "keys": [0x91, 0x92]})["ok"]
+        first: dict[str, Any] = {}
+        pin = threading.Thread(target=lambda: first.update(d.handle({"op": "pin", "keys": [0x91]})))
+        poll = {"op": "commands", "instance": "slow", "wait_ms": 2000}
+        sync = link.request({**poll, "wait_ms": 0})["commands"]  # the engine is connected
+        assert [c["cmd"] for c in sync] == ["drain"]  # what a new engine applies first
+        pin.start()
+        cmds = link.request(poll)["commands"]
+        assert [c["cmd"] for c in cmds] == ["pin"]
+        time.sleep(3.5)  # still applying it
+        assert connected()
+        second: dict[str, Any] = {}
+        later = threading.Thread(target=lambda: second.update(d.handle({"op": "pin", "keys": [0x92]})))
+        later.start()
+        time.sleep(0.5)
+        reply = link.request({**poll, "results": [{"id": cmds[0]["id"], "done": [0x91]}]})
+        assert [c["keys"] for c in reply["commands"]] == [[0x92]]
+        link.request({**poll, "wait_ms": 0, "results": [{"id": reply["commands"][0]["id"], "done": [0x92]}]})
+        pin.join(10)
+        later.join(10)
+        assert first["pinned"] == [0x91] and second["pinned"] == [0x92], (first, second)
+        # An engine that stops polling is still taken for gone once it has no command to apply.
+        assert wait_for(lambda: not connected(), 6)
+    finally:
+        link.close()
+
+
 def test_an_attach_with_a_bad_geometry_is_refused_and_never_stored(tmp_path: Path):
     cfg = daemon_config(tmp_path)
     d = DaemonProcess(cfg, tmp_path / "daemon.log")
@@ -556,6 +598,100 @@ def test_32_engines_attaching_at_once_all_attach(tmp_path: Path):
         d.stop()
         for st in stores:
             st.close()
+
+
+def test_engines_attaching_to_slow_pools_at_once_are_not_served_one_by_one(tmp_path: Path, monkeypatch):
+    """Regression (once failed): the daemon opened the pools of one attaching instance at a time,
+    so engines starting together on large pools waited for each other's header scans and the last
+    ones passed their attach timeout. Each open is stretched to 1 s here (a stand-in for large
+    pools); eight attaches within a 4 s timeout must all be confirmed. An engine whose attach
+    did time out still gets its command channel once the daemon has it attached."""
+    import threading
+
+    from conftest import BLOCK_TOKENS, make_kv
+    from tutti_cluster import TuttiStore
+    from tutti_cluster.daemon import _InstanceView
+
+    real_open = _InstanceView.open
+
+    def slow_open(self):  # type: ignore[no-untyped-def]
+        time.sleep(1.0)
+        return real_open(self)
+
+    monkeypatch.setattr(_InstanceView, "open", slow_open)
+    n = 8
+    cfg = TuttiConfig(**daemon_config(tmp_path))
+    kv = make_kv(layers=1, blocks=8)
+    stores, links = [], []
+    for i in range(n + 1):
+        ecfg = TuttiConfig(**{**daemon_config(tmp_path), "capacity_gb": 0.001, "instance": f"engine{i}",
+                              "staging_mb": 1, "min_io_bytes": 4096})
+        st = TuttiStore(ecfg)
+        st.register_kv_caches(kv, block_tokens=BLOCK_TOKENS)
+        stores.append(st)
+        links.append(DaemonLink(ecfg, attach_timeout_s=4.0 if i < n else 0.3))
+    d = NodeDaemon(cfg).start()
+    results: list[Any] = [None] * n
+    gate = threading.Barrier(n)
+
+    def attach(i: int) -> None:
+        gate.wait()
+        results[i] = links[i].attach(stores[i])
+
+    threads = [threading.Thread(target=attach, args=(i,)) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(r is not None and r["ok"] for r in results), [i for i, r in enumerate(results) if r is None]
+        assert links[n].attach(stores[n]) is None  # 0.3 s: not confirmed in time
+        assert wait_for(lambda: d.stats()["instances"].get(f"engine{n}", {}).get("engine_connected"), 10)
+    finally:
+        for link in links:
+            link.close()
+        d.stop()
+        for st in stores:
+            st.close()
+
+
+def test_shares_granted_at_once_never_add_up_past_the_node(node, monkeypatch):
+    """Attaches of several instances run at once; the share of each is reserved while its pools
+    open (stretched to 0.5 s here), so that three requests of 60 % of the node get 60 %, 40 % and
+    a refusal, whichever order they come in, rather than 180 %."""
+    import threading
+
+    from tutti_cluster.daemon import _InstanceView
+
+    cfg, d = node
+    real_open = _InstanceView.open
+
+    def slow_open(self):  # type: ignore[no-untyped-def]
+        time.sleep(0.5)
+        return real_open(self)
+
+    monkeypatch.setattr(_InstanceView, "open", slow_open)
+    total = d.capacity[0]
+    want = total * 6 // 10
+    replies: dict[str, dict] = {}
+    refused: list[CapacityExceeded] = []
+    gate = threading.Barrier(3)
+
+    def attach(name: str) -> None:
+        gate.wait()
+        try:
+            replies[name] = d.handle({"op": "attach", "instance": name, "geometry": GEO, "capacity": [want]})
+        except CapacityExceeded as exc:
+            refused.append(exc)
+
+    threads = [threading.Thread(target=attach, args=(f"e{i}",)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(r["capacity"][0] for r in replies.values()) == [total - want, want], replies
+    assert len(refused) == 1, refused
+    assert sorted(d.stats()["instances"]) == sorted(replies)
 
 
 def test_the_daemon_listens_with_a_backlog_of_at_least_128(node):

@@ -589,7 +589,9 @@ class NodeDaemon:
         self.capacity = config.capacity_bytes()
         self.paths = [str(p) for p in config.storage_paths()]
         self._lock = threading.RLock()
-        self._attach_lock = threading.Lock()
+        self._attach_locks = [threading.Lock() for _ in range(16)]  # by instance name (see _attach)
+        self._reserved: dict[str, list[int]] = {}  # shares granted to attaches still opening their pools
+        self._slots_lock = threading.Lock()
         self._instances: dict[str, _InstanceView] = {}
         self._index: dict[int, set[str]] = {}
         self._server: socketserver.ThreadingUnixStreamServer | None = None
@@ -817,15 +819,16 @@ class NodeDaemon:
         if self.transfer is None:
             return
         need = view.slot_bytes()
-        if need <= self.transfer.slot_bytes:
-            return
-        try:
-            self.transfer.configure(need)
-        except TuttiError as exc:
-            # Slots are out (a stream is running) or the arena is too small: units of this instance
-            # are misses for other nodes until the next attach resizes the slots.
-            log.warning("staging slots stay at %d bytes, instance %s needs %d: %s",
-                        self.transfer.slot_bytes, view.name, need, exc)
+        with self._slots_lock:  # attaches run at once: a smaller size must never follow a larger one
+            if need <= self.transfer.slot_bytes:
+                return
+            try:
+                self.transfer.configure(need)
+            except TuttiError as exc:
+                # Slots are out (a stream is running) or the arena is too small: units of this
+                # instance are misses for other nodes until the next attach resizes the slots.
+                log.warning("staging slots stay at %d bytes, instance %s needs %d: %s",
+                            self.transfer.slot_bytes, view.name, need, exc)
 
     def _read_into(self, key: int, view: memoryview) -> int | None:
         """Stage endpoint reader: the unit, from whichever local instance holds it, into a registered slot."""
@@ -959,12 +962,15 @@ class NodeDaemon:
         the daemon cannot see (another path, not created yet) are logged, and the share is granted.
         """
         name, geometry = req.instance, req.geometry.model_dump()
-        with self._attach_lock:  # one attach at a time: shares and views change together
+        # One attach of an instance at a time; other instances' attaches run beside it (the engines
+        # of a node start together, and opening large pools takes a while): a new instance's share
+        # is reserved while its pools open, so that shares granted at once never add up past the node.
+        with self._attach_locks[hash(name) % len(self._attach_locks)]:
             with self._lock:
                 old = self._instances.get(name)
                 if old is None:
-                    used = [sum(v.capacity[i] for v in self._instances.values() if i < len(v.capacity))
-                            for i in range(len(self.paths))]
+                    shares = [*(v.capacity for v in self._instances.values()), *self._reserved.values()]
+                    used = [sum(c[i] for c in shares if i < len(c)) for i in range(len(self.paths))]
                     left = [max(0, c - u) for c, u in zip(self.capacity, used)]
                     want = list(req.capacity) if req.capacity is not None else left
                     if len(want) != len(self.paths):
@@ -974,18 +980,23 @@ class NodeDaemon:
                         raise CapacityExceeded(f"no capacity left on this node for instance {name!r}")
                     if self._drain is not None:
                         raise CapacityExceeded(f"node {self.node_id} is draining: it takes no new instance ({name!r})")
+                    self._reserved[name] = grant
                 else:
                     grant = old.capacity
-            if old is not None and old.geometry == geometry:
-                view = old
-                keys = self._open_view(view)
-            else:
-                view = _InstanceView(self.config, name, geometry, grant)
-                keys = self._open_view(view, refuse=(LayoutError, ConfigError))  # raises: nothing stored
-            with self._lock:
-                self._instances[name] = view
-                self._save_state()
-                self.counters["attaches"] += 1
+            try:
+                if old is not None and old.geometry == geometry:
+                    view = old
+                    keys = self._open_view(view)
+                else:
+                    view = _InstanceView(self.config, name, geometry, grant)
+                    keys = self._open_view(view, refuse=(LayoutError, ConfigError))  # raises: nothing stored
+                with self._lock:
+                    self._instances[name] = view
+                    self._save_state()
+                    self.counters["attaches"] += 1
+            finally:
+                with self._lock:
+                    self._reserved.pop(name, None)
             if old is not None and old is not view:
                 old.close()
             self._index_instance(view, keys)  # a returning engine may have committed while we were apart
@@ -1070,8 +1081,11 @@ class NodeDaemon:
     def _engine_live(self, name: str) -> bool:
         """Whether ``name``'s engine polls its command channel (call with _cmd_cv held)."""
         e = self._engines.get(name)
-        # A live link polls again as soon as a poll returns: a gap of 3 s means the engine is gone.
-        return e is not None and (e["polling"] > 0 or time.monotonic() - e["seen"] < 3.0)
+        # A live link polls again as soon as a poll returns: a gap of 3 s means the engine is gone,
+        # unless the poll handed it commands; it polls again once it has applied them (the results
+        # come with that poll), which may take up to ADMIN_TIMEOUT_S, the wait for those results.
+        return e is not None and (e["polling"] > 0 or time.monotonic() - e["seen"] < 3.0
+                                  or time.monotonic() < e["applying_until"])
 
     def _owners_of(self, keys: list[int]) -> dict[str, list[int]]:
         """Local instances holding each key: instance -> its keys, in the order given."""
@@ -1123,7 +1137,8 @@ class NodeDaemon:
         sync: list[dict[str, Any]] | None = None
         with self._cmd_cv:
             e = self._engines.setdefault(name, {"seen": now, "polling": 0, "synced": False, "stats": None,
-                                                "base": None, "rates": {}, "cluster": None, "queued": 0})
+                                                "base": None, "rates": {}, "cluster": None, "queued": 0,
+                                                "applying_until": 0.0})
             synced = e["synced"]
         if not synced:
             sync = self._sync_commands(name)  # reads _lock: not under _cmd_cv
@@ -1148,6 +1163,7 @@ class NodeDaemon:
                 e["polling"] -= 1
             cmds = self._commands.pop(name, [])
             e["seen"] = time.monotonic()
+            e["applying_until"] = e["seen"] + ADMIN_TIMEOUT_S if cmds else 0.0
         return CommandsReply(commands=cmds)
 
     def _sync_commands(self, name: str) -> list[dict[str, Any]]:
@@ -1525,12 +1541,8 @@ class DaemonLink:
         geometry = geometry_of(store)
         store.on_commit = lambda k: self._enqueue("commit", k)
         store.on_evict = lambda k: self._enqueue("evict", k)
-        reply = self.attach_geometry(geometry)
         self._store = store
-        if reply is not None and self._cmd_thread is None:
-            self._cmd_thread = threading.Thread(target=self._command_loop, name="tutti-daemon-commands", daemon=True)
-            self._cmd_thread.start()
-        return reply
+        return self.attach_geometry(geometry)
 
     def attach_geometry(self, geometry: dict[str, Any]) -> dict[str, Any] | None:
         """Announce this instance's pools by their geometry (see :func:`geometry_of`); what
@@ -1540,11 +1552,28 @@ class DaemonLink:
 
     def _attach(self) -> dict[str, Any] | None:
         try:
-            return self.request({"op": "attach", "instance": self.config.instance, "geometry": self._geometry,
-                                 "capacity": self.config.capacity_bytes()}, timeout_s=self.attach_timeout_s)
+            reply = self.request({"op": "attach", "instance": self.config.instance, "geometry": self._geometry,
+                                  "capacity": self.config.capacity_bytes()}, timeout_s=self.attach_timeout_s)
+        except TimeoutError as exc:
+            # A daemon busy with many attaches finishes ours on its own; the command channel then
+            # finds us attached (or attaches again).
+            log.warning("node daemon at %s did not confirm the attach within %s s (%s); the store works "
+                        "alone until it does", self.path, self.attach_timeout_s, exc)
+            self._start_commands()
+            return None
         except OSError as exc:
             log.info("no node daemon at %s (%s); the store works alone", self.path, exc)
             return None
+        self._start_commands()
+        return reply
+
+    def _start_commands(self) -> None:
+        """The command channel of an attached store, once a daemon took (or is taking) its attach."""
+        with self._cv:
+            if self._store is None or self._cmd_thread is not None or self._stop:
+                return
+            self._cmd_thread = threading.Thread(target=self._command_loop, name="tutti-daemon-commands", daemon=True)
+        self._cmd_thread.start()
 
     def _enqueue(self, op: str, key: int) -> None:
         with self._cv:
