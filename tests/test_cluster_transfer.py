@@ -75,7 +75,8 @@ def test_held_slots_stay_the_callers_until_done(served):
 
 def test_an_owner_waiting_for_our_done_is_not_silent(served, monkeypatch):
     """The owner announces `window` units and then waits for their `done`: while our pulls are
-    slower than our line timeout, its silence is ours and must not cut it off. Slow pulls are a
+    slower than our line timeout, its silence is ours and must not cut it off, also where we ask
+    for a window above the owner's (3 here), which it then answers with its own. Slow pulls are a
     slow network, which the loopback does not make: each wait is stretched by a sleep (a fake)."""
     from tutti_cluster.cluster.stage import StageStream
 
@@ -87,12 +88,12 @@ def test_an_owner_waiting_for_our_done_is_not_silent(served, monkeypatch):
         return real_wait(pull)
 
     monkeypatch.setattr(requester, "wait", slow_wait)
-    keys = [1, 2, 3]
-    stream = StageStream(requester, srv.address, owner.segment, keys, window=1, depth=2, timeout_s=1.0)
-    got = [(k, bytes(v)) for k, v in stream]
-    assert stream.error is None, stream.error
-    assert [k for k, _ in got] == keys and all(v == units[k] for k, v in got)
-    assert wait_slots_free(owner, 4) and wait_slots_free(requester, 3)
+    for keys, window, depth in (([1, 2, 3], 1, 2), ([1, 2, 3, 4, 5], 4, 4)):
+        stream = StageStream(requester, srv.address, owner.segment, keys, window=window, depth=depth, timeout_s=1.0)
+        got = [(k, bytes(v)) for k, v in stream]
+        assert stream.error is None, (window, stream.error)
+        assert [k for k, _ in got] == keys and all(v == units[k] for k, v in got)
+        assert wait_slots_free(owner, 4) and wait_slots_free(requester, 3)
 
 
 def test_stream_stops_at_the_first_miss(served):

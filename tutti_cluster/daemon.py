@@ -589,7 +589,7 @@ class NodeDaemon:
         self.capacity = config.capacity_bytes()
         self.paths = [str(p) for p in config.storage_paths()]
         self._lock = threading.RLock()
-        self._attach_locks = [threading.Lock() for _ in range(16)]  # by instance name (see _attach)
+        self._attach_locks: dict[str, threading.Lock] = {}  # one per instance name (see _attach)
         self._reserved: dict[str, list[int]] = {}  # shares granted to attaches still opening their pools
         self._slots_lock = threading.Lock()
         self._instances: dict[str, _InstanceView] = {}
@@ -965,7 +965,9 @@ class NodeDaemon:
         # One attach of an instance at a time; other instances' attaches run beside it (the engines
         # of a node start together, and opening large pools takes a while): a new instance's share
         # is reserved while its pools open, so that shares granted at once never add up past the node.
-        with self._attach_locks[hash(name) % len(self._attach_locks)]:
+        with self._lock:
+            attach_lock = self._attach_locks.setdefault(name, threading.Lock())
+        with attach_lock:
             with self._lock:
                 old = self._instances.get(name)
                 if old is None:
@@ -992,11 +994,12 @@ class NodeDaemon:
                     keys = self._open_view(view, refuse=(LayoutError, ConfigError))  # raises: nothing stored
                 with self._lock:
                     self._instances[name] = view
+                    self._reserved.pop(name, None)  # with the line above: never counted twice
                     self._save_state()
                     self.counters["attaches"] += 1
             finally:
                 with self._lock:
-                    self._reserved.pop(name, None)
+                    self._reserved.pop(name, None)  # the attach failed: its share is free again
             if old is not None and old is not view:
                 old.close()
             self._index_instance(view, keys)  # a returning engine may have committed while we were apart
@@ -1470,6 +1473,7 @@ class DaemonLink:
         self.draining = False
         self.cluster_stats: Callable[[], dict[str, Any]] | None = None  # e.g. a ClusterClient's stats
         self.commands_applied = 0
+        self.pending = False  # an attach the daemon did not confirm in time: it may still take it
         self._closed = threading.Event()
         self._cmd_sock: socket.socket | None = None
         self._cmd_thread: threading.Thread | None = None
@@ -1551,6 +1555,8 @@ class DaemonLink:
         return self._attach()
 
     def _attach(self) -> dict[str, Any] | None:
+        if self._closed.is_set():
+            return None
         try:
             reply = self.request({"op": "attach", "instance": self.config.instance, "geometry": self._geometry,
                                   "capacity": self.config.capacity_bytes()}, timeout_s=self.attach_timeout_s)
@@ -1559,11 +1565,13 @@ class DaemonLink:
             # finds us attached (or attaches again).
             log.warning("node daemon at %s did not confirm the attach within %s s (%s); the store works "
                         "alone until it does", self.path, self.attach_timeout_s, exc)
+            self.pending = True
             self._start_commands()
             return None
         except OSError as exc:
             log.info("no node daemon at %s (%s); the store works alone", self.path, exc)
             return None
+        self.pending = False
         self._start_commands()
         return reply
 
@@ -1656,7 +1664,13 @@ class DaemonLink:
                 if reply.get("ok") is not True:
                     exc = ErrorReply.model_validate(reply).exception()
                     if isinstance(exc, NotFound):  # a daemon that does not know us: attach again
-                        self._attach()
+                        try:
+                            self._attach()
+                        except TuttiError as refused:  # for good (no capacity, a bad geometry): stop asking
+                            log.warning("node daemon at %s refused this instance (%s); the store works alone",
+                                        self.path, refused)
+                            self.pending = False
+                            break
                     raise exc
                 for cmd in reply["commands"]:
                     results.append(self._apply(cmd))
@@ -1668,6 +1682,10 @@ class DaemonLink:
                 self._cmd_sock = rfile = None
                 log.debug("daemon command channel: %s", exc)
                 self._closed.wait(0.5)
+        if self._cmd_sock is not None:
+            with contextlib.suppress(OSError):
+                self._cmd_sock.close()
+            self._cmd_sock = None
 
     def _store_stats(self) -> dict[str, Any]:
         try:
@@ -1732,8 +1750,13 @@ class DaemonLink:
             self._stop = True
             self._cv.notify()
         self._thread.join(self.timeout_s + 1)
-        self._drop()
         self._closed.set()
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # ends a request of the command thread (a re-attach)
+        with self._lock:
+            self._drop()
         sock = self._cmd_sock
         if sock is not None:
             with contextlib.suppress(OSError):

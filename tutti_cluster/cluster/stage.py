@@ -526,10 +526,13 @@ class StageStream:
         held: list[int] = []
         stop = threading.Event()
         in_flight = threading.Semaphore(self.depth - 1)  # pulls at once; the last slot is the caller's
-        window = max(1, self.window)
-        # Units announced and not yet answered with `done`. With `window` of them the owner waits on
-        # us (our pulls) and is silent by rule: the line timeout runs only while we owe it nothing.
+        # The line timeout: the owner must answer within timeout_s of our asking for a line, counted
+        # only while we owe it nothing. Units announced and not yet answered with `done` are owed;
+        # with a window's worth of them (the owner's window, which may be smaller than ours) the
+        # owner waits on our pulls and is silent by rule.
         owed = 0
+        line_since: float | None = None  # when the puller began waiting for the current line
+        quiet_since = time.monotonic()  # when we last came to owe the owner nothing
         owed_cv = threading.Condition()
 
         def local_slot() -> int | None:
@@ -556,27 +559,34 @@ class StageStream:
             except OSError:
                 pass
 
+        def watchdog() -> None:
+            # Bounds the whole line, which an owner sending a byte now and then would otherwise
+            # stretch without end; the socket's read timeouts alone do not end the stream.
+            with owed_cv:
+                while not stop.is_set():
+                    if line_since is None or owed:
+                        owed_cv.wait()
+                        continue
+                    left = max(line_since, quiet_since) + self.timeout_s - time.monotonic()
+                    if left <= 0:
+                        cut()
+                        return
+                    owed_cv.wait(left)
+
         def puller() -> None:
-            nonlocal owed
+            nonlocal owed, line_since
             try:
-                sock.settimeout(self.timeout_s)
+                sock.settimeout(self.timeout_s)  # sends; reads are bounded by the watchdog
                 lines = _Lines(sock)
-                self._send(sock, StageOp(keys=self.keys, window=window))
+                self._send(sock, StageOp(keys=self.keys, window=max(1, self.window)))
                 expected = iter(self.keys)
                 while not stop.is_set():
                     with owed_cv:
-                        owed_cv.wait_for(lambda: owed < window or stop.is_set())
-                    if stop.is_set():
-                        return
-                    # The socket's timeout bounds each read; this bounds the whole line, which an
-                    # owner sending a byte now and then would otherwise stretch without end.
-                    watchdog = threading.Timer(self.timeout_s, cut)
-                    watchdog.daemon = True
-                    watchdog.start()
-                    try:
-                        line = lines.next(lambda: True)  # any read timeout ends the stream
-                    finally:
-                        watchdog.cancel()
+                        line_since = time.monotonic()
+                        owed_cv.notify_all()
+                    line = lines.next(lambda: False)
+                    with owed_cv:
+                        line_since = None
                     if line is None:
                         self.error = self.error or "owner closed the stream"
                         return
@@ -624,12 +634,12 @@ class StageStream:
                     submitted.put((key, local, msg.addr, pull))
             except (OSError, TuttiError) as exc:
                 if not stop.is_set():
-                    self.error = f"{type(exc).__name__}: {exc}"
+                    self.error = self.error or f"{type(exc).__name__}: {exc}"
             finally:
                 submitted.put(None)
 
         def completer() -> None:
-            nonlocal owed
+            nonlocal owed, quiet_since
             failed = False
             while (item := submitted.get()) is not None:
                 key, local, remote, pull = item
@@ -645,21 +655,24 @@ class StageStream:
                     self._send(sock, DoneOp(addr=remote))
                     with owed_cv:
                         owed -= 1
-                        owed_cv.notify()
+                        if not owed:
+                            quiet_since = time.monotonic()
+                            owed_cv.notify_all()
                 except (OSError, TuttiError) as exc:
                     if not failed and not stop.is_set():
-                        self.error = f"{type(exc).__name__}: {exc}"
+                        self.error = self.error or f"{type(exc).__name__}: {exc}"  # a cut() said why first
                     failed = True
                     with owed_cv:
                         stop.set()
-                        owed_cv.notify()
+                        owed_cv.notify_all()
                     continue
                 self.bytes += pull.length
                 ready.put((key, local, pull.length))
             ready.put(None)
 
         threads = [threading.Thread(target=puller, name="tutti-stage-pull", daemon=True),
-                   threading.Thread(target=completer, name="tutti-stage-wait", daemon=True)]
+                   threading.Thread(target=completer, name="tutti-stage-wait", daemon=True),
+                   threading.Thread(target=watchdog, name="tutti-stage-watch", daemon=True)]
         for t in threads:
             t.start()
         # Hold mode: slots lent to the caller are its own until its done(), even past the stream's
@@ -692,7 +705,7 @@ class StageStream:
         finally:
             with owed_cv:
                 stop.set()
-                owed_cv.notify()
+                owed_cv.notify_all()
             self._sock = None
             try:
                 sock.shutdown(socket.SHUT_RDWR)

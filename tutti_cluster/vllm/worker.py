@@ -163,7 +163,7 @@ class TuttiWorker:
         from tutti_cluster.daemon import DaemonLink
 
         link = DaemonLink(cfg)
-        if link.attach(self.store) is not None:
+        if link.attach(self.store) is not None or link.pending:  # pending: the daemon is there, busy
             self._link = link
             to_daemon_commit, to_daemon_evict = self.store.on_commit, self.store.on_evict
         else:
