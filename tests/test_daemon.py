@@ -772,7 +772,7 @@ def test_an_attach_the_daemon_refuses_after_a_timeout_is_not_asked_again(node, m
         assert link._attach() is None and link.pending
         time.sleep(0.5)
         busy.release()
-        assert wait_for(lambda: link._cmd_thread is not None and not link._cmd_thread.is_alive(), 10)
+        assert wait_for(lambda: link._cmd_thread is None, 10)  # the channel ended
         asked = calls.count("late")  # the first attach, those that timed out too, the refused one
         time.sleep(1.5)
         assert calls.count("late") == asked <= 4 and not link.pending
@@ -828,3 +828,28 @@ def test_an_engine_retries_a_connect_refused_by_a_full_backlog(node):
     finally:
         for s in fillers:
             s.close()
+
+
+def test_a_command_channel_ended_by_a_refusal_comes_back_with_a_later_attach(node):
+    """A re-attach refused while the node drains ends the command channel; once the node is
+    undrained, the link's next attach (the sender's, after a dropped notification) succeeds, and
+    the engine must poll its commands again, or the daemon takes it for gone for good."""
+    import threading
+
+    cfg, d = node
+    d.handle({"op": "drain", "mode": "none"})
+    busy = d._attach_locks.setdefault("late", threading.Lock())
+    busy.acquire()
+    link = DaemonLink(cfg.model_copy(update={"instance": "late"}), attach_timeout_s=0.3)
+    link._store, link._geometry = object(), GEO
+    try:
+        assert link._attach() is None and link.pending
+        time.sleep(0.5)
+        busy.release()  # the daemon's attach now runs: refused (draining), as is the channel's
+        assert wait_for(lambda: link._cmd_thread is None, 10)  # the channel ended
+        d.handle({"op": "undrain"})
+        assert link._attach() is not None  # as the sender re-attaches on its next batch
+        assert wait_for(lambda: d.stats()["instances"].get("late", {}).get("engine_connected"), 5), \
+            "attached, but its command channel never came back"
+    finally:
+        link.close()

@@ -281,3 +281,51 @@ def test_a_trickling_owner_is_cut_off_after_the_timeout(served):
         assert time.monotonic() - t0 < 10  # the socket's own timeout (1 s per read) never fired
     finally:
         fake.close()
+
+
+class AnnounceThenWaitOwner(FakeOwner):
+    """Announces one unit of a real slot and then waits for its `done`, silent, as an owner whose
+    window is full does (a real one cuts after idle_timeout_s, 30 s by default; a partitioned one
+    never reaches us at all)."""
+
+    def __init__(self, addr: int, hold_s: float) -> None:
+        self.addr, self.hold_s = addr, hold_s
+        super().__init__(b"")
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            f = conn.makefile("rwb")
+            f.readline()
+            f.write(json.dumps({"key": 1, "addr": self.addr, "len": UNIT}).encode() + b"\n")
+            f.flush()
+            time.sleep(self.hold_s)
+
+
+def test_a_failed_pull_ends_the_stream_while_the_owner_waits_for_our_done(served, monkeypatch):
+    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.errors import TuttiError
+
+    owner, requester, _units, _srv, _checked = served
+    real_wait = requester.wait
+
+    def failing_wait(pull):  # a transfer failure (the owner's host gone, a network fault)
+        real_wait(pull)
+        raise TuttiError("transfer failed (a fake)")
+
+    monkeypatch.setattr(requester, "wait", failing_wait)
+    addr = owner.acquire(1)
+    fake = AnnounceThenWaitOwner(addr, hold_s=20)
+    out: dict = {}
+    stream = StageStream(requester, fake.address, owner.segment, [1, 2], window=1, timeout_s=1.0)
+    t = threading.Thread(target=lambda: out.update(got=list(stream)), daemon=True)
+    try:
+        t0 = time.monotonic()
+        t.start()
+        t.join(8)
+        assert not t.is_alive(), f"stream still running after {time.monotonic() - t0:.1f} s: {stream.error}"
+        assert out["got"] == [] and "transfer failed" in (stream.error or "")
+    finally:
+        t.join(25)
+        fake.close()
+        owner.release(addr)

@@ -1580,8 +1580,9 @@ class DaemonLink:
         with self._cv:
             if self._store is None or self._cmd_thread is not None or self._stop:
                 return
-            self._cmd_thread = threading.Thread(target=self._command_loop, name="tutti-daemon-commands", daemon=True)
-        self._cmd_thread.start()
+            t = self._cmd_thread = threading.Thread(target=self._command_loop, name="tutti-daemon-commands",
+                                                    daemon=True)
+        t.start()
 
     def _enqueue(self, op: str, key: int) -> None:
         with self._cv:
@@ -1672,6 +1673,7 @@ class DaemonLink:
                             self.pending = False
                             break
                     raise exc
+                self.pending = False  # the daemon knows us
                 for cmd in reply["commands"]:
                     results.append(self._apply(cmd))
             except (OSError, ValueError, TuttiError, ValidationError) as exc:
@@ -1686,6 +1688,8 @@ class DaemonLink:
             with contextlib.suppress(OSError):
                 self._cmd_sock.close()
             self._cmd_sock = None
+        with self._cv:
+            self._cmd_thread = None  # a later attach opens the channel again
 
     def _store_stats(self) -> dict[str, Any]:
         try:
@@ -1761,5 +1765,6 @@ class DaemonLink:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # ends a wait in the daemon's command channel
-        if self._cmd_thread is not None:
-            self._cmd_thread.join(self.timeout_s + 1)
+        t = self._cmd_thread
+        if t is not None:
+            t.join(self.timeout_s + 1)

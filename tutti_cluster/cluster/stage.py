@@ -576,7 +576,7 @@ class StageStream:
         def puller() -> None:
             nonlocal owed, line_since
             try:
-                sock.settimeout(self.timeout_s)  # sends; reads are bounded by the watchdog
+                sock.settimeout(self.timeout_s)  # sends, and reads once stopped; the watchdog bounds lines
                 lines = _Lines(sock)
                 self._send(sock, StageOp(keys=self.keys, window=max(1, self.window)))
                 expected = iter(self.keys)
@@ -584,7 +584,7 @@ class StageStream:
                     with owed_cv:
                         line_since = time.monotonic()
                         owed_cv.notify_all()
-                    line = lines.next(lambda: False)
+                    line = lines.next(stop.is_set)  # read timeouts end only a stopped stream
                     with owed_cv:
                         line_since = None
                     if line is None:
