@@ -553,51 +553,65 @@ def test_a_line_past_the_limit_is_refused_and_the_connection_reads_on(node):
     assert p["ok"] is True
 
 
-def test_32_engines_attaching_at_once_all_attach(tmp_path: Path):
-    """Engines of a node start together: each real store announces itself at the same moment."""
-    import threading
-
+@contextlib.contextmanager
+def engines_of_a_node(tmp_path: Path, n: int, attach_timeouts: list[float]) -> Iterator[tuple[Any, list, list]]:
+    """A node daemon and ``n`` real stores with a link each (``attach_timeouts[i]`` for link i),
+    none attached yet; everything is closed at the end."""
     from conftest import BLOCK_TOKENS, make_kv
     from tutti_cluster import TuttiStore
 
-    n = 32
-    cfg = TuttiConfig(**daemon_config(tmp_path))
     kv = make_kv(layers=1, blocks=8)
     stores, links = [], []
-    for i in range(n):
-        ecfg = TuttiConfig(**{**daemon_config(tmp_path), "capacity_gb": 0.001, "instance": f"engine{i}",
-                              "staging_mb": 1, "min_io_bytes": 4096})
-        st = TuttiStore(ecfg)
-        st.register_kv_caches(kv, block_tokens=BLOCK_TOKENS)
-        stores.append(st)
-        links.append(DaemonLink(ecfg))
-    d = NodeDaemon(cfg).start()
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-    gate = threading.Barrier(n)
+    d = None
+    try:
+        for i in range(n):
+            ecfg = TuttiConfig(**{**daemon_config(tmp_path), "capacity_gb": 0.001, "instance": f"engine{i}",
+                                  "staging_mb": 1, "min_io_bytes": 4096})
+            st = TuttiStore(ecfg)
+            stores.append(st)
+            st.register_kv_caches(kv, block_tokens=BLOCK_TOKENS)
+            links.append(DaemonLink(ecfg, attach_timeout_s=attach_timeouts[i]))
+        d = NodeDaemon(TuttiConfig(**daemon_config(tmp_path))).start()
+        yield d, stores, links
+    finally:
+        for link in links:
+            link.close()
+        if d is not None:
+            d.stop()
+        for st in stores:
+            st.close()
+
+
+def attach_at_once(stores: list, links: list, join_s: float) -> list[Any]:
+    """Every ``links[i].attach(stores[i])`` at the same moment (a barrier): the replies, or the
+    exception raised in place of one."""
+    import threading
+
+    results: list[Any] = [None] * len(links)
+    gate = threading.Barrier(len(links))
 
     def attach(i: int) -> None:
         gate.wait()
         try:
             results[i] = links[i].attach(stores[i])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+        except BaseException as exc:  # noqa: BLE001 - returned
+            results[i] = exc
 
-    threads = [threading.Thread(target=attach, args=(i,)) for i in range(n)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors[:3]
-        assert all(r is not None and r["ok"] for r in results), [i for i, r in enumerate(results) if r is None]
+    threads = [threading.Thread(target=attach, args=(i,)) for i in range(len(links))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
+    return results
+
+
+def test_32_engines_attaching_at_once_all_attach(tmp_path: Path):
+    """Engines of a node start together: each real store announces itself at the same moment."""
+    n = 32
+    with engines_of_a_node(tmp_path, n, [10.0] * n) as (d, stores, links):
+        results = attach_at_once(stores, links, 60)
+        assert all(isinstance(r, dict) and r["ok"] for r in results), [r for r in results if not isinstance(r, dict)][:3]
         assert set(d.stats()["instances"]) == {f"engine{i}" for i in range(n)}
-    finally:
-        for link in links:
-            link.close()
-        d.stop()
-        for st in stores:
-            st.close()
 
 
 def test_engines_attaching_to_slow_pools_at_once_are_not_served_one_by_one(tmp_path: Path, monkeypatch):
@@ -606,10 +620,6 @@ def test_engines_attaching_to_slow_pools_at_once_are_not_served_one_by_one(tmp_p
     ones passed their attach timeout. Each open is stretched to 1 s here (a stand-in for large
     pools); eight attaches within a 4 s timeout must all be confirmed. An engine whose attach
     did time out still gets its command channel once the daemon has it attached."""
-    import threading
-
-    from conftest import BLOCK_TOKENS, make_kv
-    from tutti_cluster import TuttiStore
     from tutti_cluster.daemon import _InstanceView
 
     real_open = _InstanceView.open
@@ -620,39 +630,11 @@ def test_engines_attaching_to_slow_pools_at_once_are_not_served_one_by_one(tmp_p
 
     monkeypatch.setattr(_InstanceView, "open", slow_open)
     n = 8
-    cfg = TuttiConfig(**daemon_config(tmp_path))
-    kv = make_kv(layers=1, blocks=8)
-    stores, links = [], []
-    for i in range(n + 1):
-        ecfg = TuttiConfig(**{**daemon_config(tmp_path), "capacity_gb": 0.001, "instance": f"engine{i}",
-                              "staging_mb": 1, "min_io_bytes": 4096})
-        st = TuttiStore(ecfg)
-        st.register_kv_caches(kv, block_tokens=BLOCK_TOKENS)
-        stores.append(st)
-        links.append(DaemonLink(ecfg, attach_timeout_s=4.0 if i < n else 0.3))
-    d = NodeDaemon(cfg).start()
-    results: list[Any] = [None] * n
-    gate = threading.Barrier(n)
-
-    def attach(i: int) -> None:
-        gate.wait()
-        results[i] = links[i].attach(stores[i])
-
-    threads = [threading.Thread(target=attach, args=(i,)) for i in range(n)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert all(r is not None and r["ok"] for r in results), [i for i, r in enumerate(results) if r is None]
+    with engines_of_a_node(tmp_path, n + 1, [4.0] * n + [0.3]) as (d, stores, links):
+        results = attach_at_once(stores[:n], links[:n], 30)
+        assert all(isinstance(r, dict) and r["ok"] for r in results), results
         assert links[n].attach(stores[n]) is None and links[n].pending  # 0.3 s: not confirmed in time
         assert wait_for(lambda: d.stats()["instances"].get(f"engine{n}", {}).get("engine_connected"), 10)
-    finally:
-        for link in links:
-            link.close()
-        d.stop()
-        for st in stores:
-            st.close()
 
 
 def test_shares_granted_at_once_never_add_up_past_the_node(node, monkeypatch):
