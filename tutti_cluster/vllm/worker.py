@@ -281,7 +281,7 @@ class TuttiWorker:
                 log.warning("Tutti load of request %s, layer %d: %s", f.transfer.req_id, idx, e)
                 f.error = True
         # The forward's stall on storage: zero where every layer lands before the engine needs it.
-        self._stats.add("load_wait_us", (time.perf_counter() - t0) * 1e6)
+        self._stats.add("load_wait_us", round((time.perf_counter() - t0) * 1e6))
 
     def _finish_loads(self, flights: list[_InFlight]) -> None:
         for f in flights:
