@@ -614,21 +614,46 @@ def test_32_engines_attaching_at_once_all_attach(tmp_path: Path):
         assert set(d.stats()["instances"]) == {f"engine{i}" for i in range(n)}
 
 
+def slow_pool_opens(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every pool open of the daemon takes ``seconds`` longer (a stand-in for large pools)."""
+    from tutti_cluster.daemon import _InstanceView
+
+    real_open = _InstanceView.open
+
+    def slow_open(self):  # type: ignore[no-untyped-def]
+        time.sleep(seconds)
+        return real_open(self)
+
+    monkeypatch.setattr(_InstanceView, "open", slow_open)
+
+
+@contextlib.contextmanager
+def a_timed_out_attach(cfg: TuttiConfig, d: NodeDaemon) -> Iterator[DaemonLink]:
+    """A link of instance 'late' whose attach timed out (the daemon's attach of it held up by its
+    attach lock, as another attach of it would): pending, with its command channel open. The
+    daemon's attach then goes on while the body runs; the link is closed at the end."""
+    import threading
+
+    busy = d._attach_locks.setdefault("late", threading.Lock())
+    busy.acquire()
+    link = DaemonLink(cfg.model_copy(update={"instance": "late"}), attach_timeout_s=0.3)
+    link._store, link._geometry = object(), GEO  # the command channel needs only a store to be set
+    try:
+        assert link._attach() is None and link.pending
+        time.sleep(0.5)
+        busy.release()
+        yield link
+    finally:
+        link.close()
+
+
 def test_engines_attaching_to_slow_pools_at_once_are_not_served_one_by_one(tmp_path: Path, monkeypatch):
     """Regression (once failed): the daemon opened the pools of one attaching instance at a time,
     so engines starting together on large pools waited for each other's header scans and the last
     ones passed their attach timeout. Each open is stretched to 1 s here (a stand-in for large
     pools); eight attaches within a 4 s timeout must all be confirmed. An engine whose attach
     did time out still gets its command channel once the daemon has it attached."""
-    from tutti_cluster.daemon import _InstanceView
-
-    real_open = _InstanceView.open
-
-    def slow_open(self):  # type: ignore[no-untyped-def]
-        time.sleep(1.0)
-        return real_open(self)
-
-    monkeypatch.setattr(_InstanceView, "open", slow_open)
+    slow_pool_opens(monkeypatch, 1.0)
     n = 8
     with engines_of_a_node(tmp_path, n + 1, [4.0] * n + [0.3]) as (d, stores, links):
         results = attach_at_once(stores[:n], links[:n], 30)
@@ -643,16 +668,8 @@ def test_shares_granted_at_once_never_add_up_past_the_node(node, monkeypatch):
     a refusal, whichever order they come in, rather than 180 %."""
     import threading
 
-    from tutti_cluster.daemon import _InstanceView
-
     cfg, d = node
-    real_open = _InstanceView.open
-
-    def slow_open(self):  # type: ignore[no-untyped-def]
-        time.sleep(0.5)
-        return real_open(self)
-
-    monkeypatch.setattr(_InstanceView, "open", slow_open)
+    slow_pool_opens(monkeypatch, 0.5)
     total = d.capacity[0]
     want = total * 6 // 10
     replies: dict[str, dict] = {}
@@ -730,10 +747,7 @@ def test_a_finished_attach_is_never_counted_twice(node):
 def test_an_attach_the_daemon_refuses_after_a_timeout_is_not_asked_again(node, monkeypatch):
     """An engine whose attach timed out opens its command channel; when the daemon then refuses
     the instance (here: no capacity left), the link stops asking instead of attaching again every
-    half second for as long as the engine runs. The daemon's attach is held up by holding the
-    instance's attach lock, as another attach of it would."""
-    import threading
-
+    half second for as long as the engine runs."""
     from tutti_cluster import daemon as daemon_mod
 
     cfg, d = node
@@ -746,20 +760,11 @@ def test_an_attach_the_daemon_refuses_after_a_timeout_is_not_asked_again(node, m
         return handler(self, req)
 
     monkeypatch.setitem(daemon_mod._HANDLERS, "attach", (model, counting))
-    busy = d._attach_locks.setdefault("late", threading.Lock())
-    busy.acquire()
-    link = DaemonLink(cfg.model_copy(update={"instance": "late"}), attach_timeout_s=0.3)
-    link._store, link._geometry = object(), GEO  # the command channel needs only a store to be set
-    try:
-        assert link._attach() is None and link.pending
-        time.sleep(0.5)
-        busy.release()
+    with a_timed_out_attach(cfg, d) as link:
         assert wait_for(lambda: link._cmd_thread is None, 10)  # the channel ended
         asked = calls.count("late")  # the first attach, those that timed out too, the refused one
         time.sleep(1.5)
         assert calls.count("late") == asked <= 4 and not link.pending
-    finally:
-        link.close()
 
 
 def test_the_daemon_listens_with_a_backlog_of_at_least_128(node):
@@ -816,22 +821,11 @@ def test_a_command_channel_ended_by_a_refusal_comes_back_with_a_later_attach(nod
     """A re-attach refused while the node drains ends the command channel; once the node is
     undrained, the link's next attach (the sender's, after a dropped notification) succeeds, and
     the engine must poll its commands again, or the daemon takes it for gone for good."""
-    import threading
-
     cfg, d = node
     d.handle({"op": "drain", "mode": "none"})
-    busy = d._attach_locks.setdefault("late", threading.Lock())
-    busy.acquire()
-    link = DaemonLink(cfg.model_copy(update={"instance": "late"}), attach_timeout_s=0.3)
-    link._store, link._geometry = object(), GEO
-    try:
-        assert link._attach() is None and link.pending
-        time.sleep(0.5)
-        busy.release()  # the daemon's attach now runs: refused (draining), as is the channel's
+    with a_timed_out_attach(cfg, d) as link:  # the daemon's attach is refused (draining), as is the channel's
         assert wait_for(lambda: link._cmd_thread is None, 10)  # the channel ended
         d.handle({"op": "undrain"})
         assert link._attach() is not None  # as the sender re-attaches on its next batch
         assert wait_for(lambda: d.stats()["instances"].get("late", {}).get("engine_connected"), 5), \
             "attached, but its command channel never came back"
-    finally:
-        link.close()

@@ -997,9 +997,10 @@ class NodeDaemon:
                     self._reserved.pop(name, None)  # with the line above: never counted twice
                     self._save_state()
                     self.counters["attaches"] += 1
-            finally:
+            except BaseException:
                 with self._lock:
                     self._reserved.pop(name, None)  # the attach failed: its share is free again
+                raise
             if old is not None and old is not view:
                 old.close()
             self._index_instance(view, keys)  # a returning engine may have committed while we were apart
