@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tutti_cluster.bench.vllm_restore import round_order
+from tutti_cluster.bench.vllm_restore import round_order, slow_bf16_note
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,6 +33,17 @@ def test_every_system_takes_each_place_after_recompute_in_turn() -> None:
     assert round_order(["recompute"], 3) == ["recompute"]
 
 PROMPT_TOKENS = 600
+
+
+def test_a_bf16_run_on_a_cpu_without_bf16_instructions_is_told_so() -> None:
+    plain = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw\n"
+    note = slow_bf16_note("bfloat16", plain, gpu=False)
+    assert note is not None and "--dtype float32" in note
+    assert slow_bf16_note("float32", plain, gpu=False) is None
+    assert slow_bf16_note("bfloat16", plain, gpu=True) is None
+    assert slow_bf16_note("bfloat16", plain.replace("avx512bw", "avx512bw avx512_bf16"), gpu=False) is None
+    assert slow_bf16_note("bfloat16", plain.replace("avx512bw", "amx_bf16 amx_tile"), gpu=False) is None
+    assert slow_bf16_note("bfloat16", "Features\t: fp asimd bf16\n", gpu=False) is None  # not x86: no flags line
 
 
 def test_bench_vllm_tiny(tmp_path: Path) -> None:

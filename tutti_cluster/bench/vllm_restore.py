@@ -644,6 +644,17 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def slow_bf16_note(dtype: str, cpuinfo: str, gpu: bool) -> str | None:
+    """A note for a bfloat16 run of the CPU build on an x86 CPU with neither AVX512-BF16 nor AMX,
+    where bfloat16 matrix products run several times slower than float32 (docs/PERF.md, 2026-12-06:
+    55.8 against 284.5 GFLOP/s on 2 vCPUs, and a whole prefill of the default prompt 9 minutes)."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
+    if dtype != "bfloat16" or gpu or flags is None or {"avx512_bf16", "amx_bf16"} & set(flags):
+        return None
+    return ("note: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 matrix products run several times "
+            "slower than float32 here: each recompute and storing run takes minutes (--dtype float32 is faster)")
+
+
 def run_args(args: argparse.Namespace) -> int:
     import importlib.util
 
@@ -654,6 +665,13 @@ def run_args(args: argparse.Namespace) -> int:
     print(f"tutti bench vllm: {args.layers}-layer {args.model}-shaped Llama ({args.dtype}), {args.prompt_tokens}-token "
           f"prompt, systems {args.systems}, unit_tokens {args.unit_tokens_list or args.unit_tokens}, "
           f"{args.repeat} restore(s) each", flush=True)
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    note = slow_bf16_note(args.dtype, cpuinfo, gpu=Path("/dev/nvidia0").exists())
+    if note:
+        print(note, flush=True)
     report = run_bench(args, emit=lambda s: print(s, flush=True))
     report["wall_s"] = time.monotonic() - t0
     print(format_table(report))
