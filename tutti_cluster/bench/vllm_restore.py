@@ -652,7 +652,7 @@ def slow_bf16_note(dtype: str, cpuinfo: str, gpu: bool) -> str | None:
     if dtype != "bfloat16" or gpu or flags is None or {"avx512_bf16", "amx_bf16"} & set(flags):
         return None
     return ("note: this CPU has neither AVX512-BF16 nor AMX, so bfloat16 matrix products run several times "
-            "slower than float32 here: each recompute and storing run takes minutes (--dtype float32 is faster)")
+            "slower than float32 here, and so does every prefill (--dtype float32 is faster)")
 
 
 def run_args(args: argparse.Namespace) -> int:
