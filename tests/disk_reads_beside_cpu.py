@@ -11,13 +11,14 @@ matrices that stay in cache (compute-bound). Needs root (drop_caches) and fio; n
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess
 import time
 
 import torch
+
+from tutti_cluster.bench import fsutil
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
         return time.perf_counter() - t
 
     def run(bs: str | None) -> float:
-        os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
+        fsutil.drop_caches()
         p = None
         if bs:
             p = subprocess.Popen(["fio", "--name=r", f"--filename={a.file}", "--rw=read", f"--bs={bs}",

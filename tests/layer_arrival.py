@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from tutti_cluster import TuttiConfig, TuttiStore
+from tutti_cluster.bench import fsutil
 
 LAYERS, BLOCKS, BLOCK_TOKENS, HEADS, HEAD, UNITS = 8, 600, 32, 8, 128, 33
 
@@ -56,7 +57,7 @@ def main() -> None:
         time.sleep(0.5)
     for _ in range(a.repeat):
         if a.drop_caches:
-            os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
+            fsutil.drop_caches()
         req = s.begin_retrieve(keys, np.arange(n, 2 * n))
         t0 = time.perf_counter()
         for layer in range(LAYERS):
