@@ -144,4 +144,218 @@ Kubernetes node name.
 {{- if and .Values.node.rdma.enabled (ne (toString (default "rdma" .Values.config.protocol)) "rdma") }}
 {{- fail "node.rdma.enabled needs config.protocol=rdma (or null)" }}
 {{- end }}
+{{- $np := .Values.networkPolicy }}
+{{- if and $np.enabled (not .Values.config.stage_port) }}
+{{- fail "networkPolicy.enabled admits the nodes' stage endpoint on a fixed port: set config.stage_port (e.g. 9482), not 0 or null" }}
+{{- end }}
+{{- if and $np.enabled .Values.node.rdma.enabled (not $np.nodeCIDRs) }}
+{{- fail "node.rdma.enabled puts the nodes and the engines on the host network, where NetworkPolicies see node addresses, not pod labels: list the nodes' CIDRs in networkPolicy.nodeCIDRs (or set networkPolicy.enabled=false)" }}
+{{- end }}
+{{- $ec := .Values.etcdClient }}
+{{- $chartEtcd := and .Values.etcd.enabled (not .Values.config.etcd) }}
+{{- if and .Values.etcd.tls.existingSecret $chartEtcd (not (and $ec.existingSecret $ec.caKey $ec.certKey $ec.keyKey)) }}
+{{- fail "etcd.tls.existingSecret makes the chart's etcd require client certificates: set etcdClient.existingSecret with caKey, certKey and keyKey (a client certificate from the same CA)" }}
+{{- end }}
+{{- if $ec.existingSecret }}
+{{- if not (include "tutti.etcdEndpoints" .) }}
+{{- fail "etcdClient.existingSecret is for the etcd clients of a cluster: enable etcd (etcd.enabled=true) or set config.etcd" }}
+{{- end }}
+{{- if ne (not $ec.certKey) (not $ec.keyKey) }}
+{{- fail "etcdClient: a client certificate needs both certKey and keyKey" }}
+{{- end }}
+{{- if ne (not $ec.user) (not $ec.passwordKey) }}
+{{- fail "etcdClient: etcd's authentication needs both user and passwordKey" }}
+{{- end }}
+{{- else if $ec.user }}
+{{- fail "etcdClient.user needs etcdClient.existingSecret holding the password (passwordKey)" }}
+{{- end }}
+{{- if and .Values.clusterSecret.value .Values.clusterSecret.existingSecret }}
+{{- fail "clusterSecret: give either value or existingSecret, not both" }}
+{{- end }}
+{{- if and .Values.metrics.token.value .Values.metrics.token.existingSecret }}
+{{- fail "metrics.token: give either value or existingSecret, not both" }}
+{{- end }}
+{{- end }}
+
+{{- define "tutti.clusterSecretName" -}}
+{{- .Values.clusterSecret.existingSecret | default (include "tutti.component" (dict "root" . "name" "cluster-secret")) }}
+{{- end }}
+
+{{- define "tutti.metricsSecretName" -}}
+{{- .Values.metrics.token.existingSecret | default (include "tutti.component" (dict "root" . "name" "metrics-token")) }}
+{{- end }}
+
+{{/* Where the credentials init container puts the owner-only copies of the credential files. */}}
+{{- define "tutti.credentialsDir" -}}/run/tutti/credentials{{- end }}
+
+{{/*
+The credential files of one component, call with (dict "root" $ "component" "node"|"admin"|"vllm"):
+a JSON list of {file, secret, key, env}. Each Secret's key is mounted (group-readable, the pod's
+fsGroup) and copied by the init container "credentials" to <credentialsDir>/<file>, owned by the
+pod's user with mode 0400, because the Tutti processes refuse a credential file that its group or
+others may read; env is the TUTTI_* setting that names the copy.
+- the cluster credential: the nodes and the engines (stage connections, directory records);
+- etcd's client files: every Tutti process that reaches etcd;
+- the scrape token: the nodes and the admin plane (they serve /metrics).
+*/}}
+{{- define "tutti.credentials" -}}
+{{- $r := .root }}
+{{- $out := list }}
+{{- if include "tutti.etcdEndpoints" $r }}
+{{- if ne .component "admin" }}
+{{- $out = append $out (dict "file" "cluster.key" "secret" (include "tutti.clusterSecretName" $r) "key" $r.Values.clusterSecret.existingSecretKey "env" "TUTTI_CLUSTER_SECRET_FILE") }}
+{{- end }}
+{{- $e := $r.Values.etcdClient }}
+{{- if $e.existingSecret }}
+{{- range $k := list (list "caKey" "etcd-ca.crt" "TUTTI_ETCD_CA_FILE") (list "certKey" "etcd-client.crt" "TUTTI_ETCD_CERT_FILE") (list "keyKey" "etcd-client.key" "TUTTI_ETCD_KEY_FILE") (list "passwordKey" "etcd-password" "TUTTI_ETCD_PASSWORD_FILE") }}
+{{- with get $e (index $k 0) }}
+{{- $out = append $out (dict "file" (index $k 1) "secret" $e.existingSecret "key" . "env" (index $k 2)) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if and $r.Values.metrics.token.enabled (ne .component "vllm") }}
+{{- $out = append $out (dict "file" "metrics-token" "secret" (include "tutti.metricsSecretName" $r) "key" $r.Values.metrics.token.existingSecretKey "env" "TUTTI_METRICS_TOKEN_FILE") }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
+
+{{/* The credentials' TUTTI_* settings (same call as tutti.credentials), and TUTTI_ETCD_USER. */}}
+{{- define "tutti.credentialsEnv" -}}
+{{- range (include "tutti.credentials" . | fromJsonArray) }}
+- name: {{ .env }}
+  value: {{ printf "%s/%s" (include "tutti.credentialsDir" nil) .file | quote }}
+{{- end }}
+{{- if and (include "tutti.etcdEndpoints" .root) .root.Values.etcdClient.user }}
+- name: TUTTI_ETCD_USER
+  value: {{ .root.Values.etcdClient.user | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The init container that copies the credentials owner-only (same call as tutti.credentials). */}}
+{{- define "tutti.credentialsInit" -}}
+{{- $creds := include "tutti.credentials" . | fromJsonArray }}
+{{- if $creds }}
+- name: credentials
+  image: {{ include "tutti.image" .root }}
+  imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+  # A Secret's files are root's, or group-readable with the pod's fsGroup; the Tutti processes
+  # accept owner-only credential files: copies owned by the pod's user, mode 0400, in memory.
+  command:
+    - sh
+    - -ec
+    - |
+      {{- range $creds }}
+      install -m 0400 /etc/tutti/secrets/{{ .secret }}/{{ .key }} {{ include "tutti.credentialsDir" nil }}/{{ .file }}
+      {{- end }}
+  securityContext:
+    {{- include "tutti.restrictedContainer" dict | nindent 4 }}
+  volumeMounts:
+    - name: credentials
+      mountPath: {{ include "tutti.credentialsDir" nil }}
+    {{- range $s := include "tutti.credentialSecrets" . | fromJsonArray }}
+    - name: {{ $s.volume }}
+      mountPath: /etc/tutti/secrets/{{ $s.secret }}
+      readOnly: true
+    {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The Secrets the credentials come from, one volume each: a JSON list of {volume, secret, keys}. */}}
+{{- define "tutti.credentialSecrets" -}}
+{{- $by := dict }}
+{{- $order := list }}
+{{- range (include "tutti.credentials" . | fromJsonArray) }}
+{{- if not (hasKey $by .secret) }}
+{{- $_ := set $by .secret (list) }}
+{{- $order = append $order .secret }}
+{{- end }}
+{{- $_ := set $by .secret (append (get $by .secret) .key | uniq) }}
+{{- end }}
+{{- $out := list }}
+{{- range $i, $s := $order }}
+{{- $out = append $out (dict "volume" (printf "secret-%d" $i) "secret" $s "keys" (get $by $s)) }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
+
+{{/* The main container's mount of the copies (same call as tutti.credentials). */}}
+{{- define "tutti.credentialsMount" -}}
+{{- if include "tutti.credentials" . | fromJsonArray }}
+- name: credentials
+  mountPath: {{ include "tutti.credentialsDir" nil }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{/* The pod's volumes for the credentials (same call as tutti.credentials). */}}
+{{- define "tutti.credentialsVolumes" -}}
+{{- if include "tutti.credentials" . | fromJsonArray }}
+# In memory only; the init container fills it and the main container reads it.
+- name: credentials
+  emptyDir:
+    medium: Memory
+    sizeLimit: 1Mi
+{{- range $s := include "tutti.credentialSecrets" . | fromJsonArray }}
+- name: {{ $s.volume }}
+  secret:
+    secretName: {{ $s.secret }}
+    # 0440 is what the kubelet makes of any mode with an fsGroup: readable by the pod's group,
+    # which only the credentials init container needs.
+    defaultMode: 0440
+    items:
+      {{- range $s.keys }}
+      - key: {{ . }}
+        path: {{ . }}
+      {{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The restricted Pod Security Standard at the container level: no privilege escalation, every
+capability dropped, a read-only root file system (not a PSS rule; where a process writes, the
+chart mounts a directory for it). runAsNonRoot and seccomp come from tutti.podSecurityContext.
+*/}}
+{{- define "tutti.restrictedContainer" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+{{- end }}
+
+{{/*
+The pod's securityContext: non-root, the release's user and group, seccomp RuntimeDefault; fsGroup
+(the group of the Secret, emptyDir and claim volumes; host paths keep their owner); file_group
+joined where it is a number. Call with (dict "root" $ "dataPath" true|false); dataPath: the
+nodes and engines (file_group). With node.rdma.privileged the nodes and engines run as root.
+*/}}
+{{- define "tutti.podSecurityContext" -}}
+{{- $p := .root.Values.podSecurity }}
+{{- if and .dataPath .root.Values.node.rdma.privileged }}
+# node.rdma.privileged: the devices are opened as root (README.md: "Pod security").
+runAsUser: 0
+runAsGroup: 0
+{{- else }}
+runAsNonRoot: true
+runAsUser: {{ $p.runAsUser }}
+runAsGroup: {{ $p.runAsGroup }}
+{{- end }}
+fsGroup: {{ $p.runAsGroup }}
+{{- $g := .root.Values.config.file_group }}
+{{- if and .dataPath (not (kindIs "invalid" $g)) (regexMatch "^[0-9]+$" (include "tutti.scalar" $g)) }}
+supplementalGroups: [{{ include "tutti.scalar" $g }}]
+{{- end }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/* A NetworkPolicy peer: pods with these labels in the namespace of this name. */}}
+{{- define "tutti.peer" -}}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ .namespace | quote }}
+  podSelector:
+    matchLabels:
+      {{- toYaml .podLabels | nindent 6 }}
 {{- end }}
