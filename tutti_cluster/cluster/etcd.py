@@ -14,11 +14,26 @@ Two things are set here rather than left to the library's defaults:
   marks it failed for 300 s, and with a single endpoint every call in that time is refused.
 
 Every call takes the client's deadline; failures raise :class:`EtcdError`.
+
+TLS and authentication (:class:`EtcdSecurity`, from the ``etcd_*`` settings): the channel is TLS when
+a CA, a client certificate or an ``https://`` endpoint is given (mutual TLS with a client certificate
+and key); with ``etcd_user`` the client authenticates with the password read from
+``etcd_password_file`` on its first call and again whenever etcd answers that the token is no longer
+valid (tokens expire, and an etcd restart forgets them). The password is sent only in etcd's
+``Authenticate`` call and never logged. A handshake that fails, a wrong password or a missing
+permission raise :class:`EtcdAuthError` at once (gRPC fails calls fast while a channel cannot
+connect, and every call has the deadline), naming the endpoint and the cause.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import ssl
+import stat
+import threading
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from tutti_cluster.errors import ConfigError, TuttiError
@@ -44,7 +59,14 @@ GRPC_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
-__all__ = ["EtcdClient", "EtcdError", "GRPC_OPTIONS", "KeyValue", "op_delete", "op_put", "op_range", "prefix_end"]
+__all__ = ["EtcdAuthError", "EtcdClient", "EtcdError", "EtcdSecurity", "GRPC_OPTIONS", "KeyValue", "op_delete",
+           "op_put", "op_range", "prefix_end", "read_credential_file"]
+
+#: Largest credential file read (a CA bundle of a few hundred certificates fits).
+MAX_CREDENTIAL_BYTES = 1 << 20
+# What gRPC's details say when a TLS handshake fails or the peer rejects it right after (etcd with
+# --client-cert-auth answers a client without a certificate with an alert: "Unwrap failed").
+_TLS_FAILURE = re.compile(r"handshake|TSI_|SSL|certificate|Unwrap failed", re.IGNORECASE)
 
 
 class EtcdError(TuttiError):
@@ -58,6 +80,131 @@ class EtcdError(TuttiError):
     def too_many_ops(self) -> bool:
         """etcd refused a transaction above its ``--max-txn-ops``."""
         return "too many operations" in str(self)
+
+
+class EtcdAuthError(EtcdError):
+    """etcd refused this client: the TLS handshake failed (CA, client certificate), the user or
+    password is wrong, or the user lacks a permission. Retrying does not help until the settings
+    (or etcd's users and roles) change."""
+
+
+def read_credential_file(path: str | os.PathLike[str], setting: str, limit: int = MAX_CREDENTIAL_BYTES,
+                         private: bool = False) -> bytes:
+    """The bytes of a credential file: a regular file (a symbolic link to one is followed, as a
+    Kubernetes Secret volume mounts them) of at most ``limit`` bytes, not empty, and with
+    ``private`` (a key, a password) one that neither its group nor others may access, as the
+    cluster credential. ConfigError naming the setting and the path otherwise (a FIFO or a device
+    is refused without reading from it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{setting} {path}: cannot open: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{setting} {path}: not a regular file")
+        if private and st.st_mode & 0o077:
+            raise ConfigError(f"{setting} {path}: mode {stat.S_IMODE(st.st_mode):04o} lets its group or others "
+                              f"access it; it must be owner-only (chmod 600 {path})")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"{setting} {path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise ConfigError(f"{setting} {path}: larger than {limit} bytes")
+    data = b"".join(chunks)
+    if not data.strip():
+        raise ConfigError(f"{setting} {path}: empty")
+    return data
+
+
+def _no_passphrase(*_: Any) -> bytes:
+    raise ConfigError("etcd_key_file is encrypted: give an unencrypted key (gRPC takes no passphrase)")
+
+
+@dataclass(frozen=True, repr=False)
+class EtcdSecurity:
+    """TLS and user authentication of the etcd connection, read once from the files.
+
+    ``tls``: a TLS channel (``ca`` None: the system's CA certificates verify etcd's); ``cert`` and
+    ``key``: the client certificate of mutual TLS; ``user`` and ``password``: etcd's user (role-based
+    access control).
+    """
+
+    tls: bool = False
+    ca: bytes | None = None
+    cert: bytes | None = None
+    key: bytes | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def __repr__(self) -> str:  # never the password or the key
+        return (f"EtcdSecurity(tls={self.tls}, ca={self.ca is not None}, client_cert={self.cert is not None}, "
+                f"user={self.user!r})")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "EtcdSecurity":
+        """From ``etcd_ca_file``, ``etcd_cert_file``, ``etcd_key_file``, ``etcd_user`` and
+        ``etcd_password_file`` (and ``https://`` endpoints in ``etcd``). ConfigError when a file is
+        missing, unreadable, not a regular file, not PEM, or the certificate and key do not match."""
+        ca_file = getattr(config, "etcd_ca_file", None)
+        cert_file = getattr(config, "etcd_cert_file", None)
+        key_file = getattr(config, "etcd_key_file", None)
+        user = getattr(config, "etcd_user", None) or None
+        password_file = getattr(config, "etcd_password_file", None)
+        if (cert_file is None) != (key_file is None):
+            raise ConfigError("etcd_cert_file and etcd_key_file go together (the client certificate and its key)")
+        if (user is None) != (password_file is None):
+            raise ConfigError("etcd_user and etcd_password_file go together (etcd's user and the file holding "
+                              "its password)")
+        probe = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # parses the PEM files as gRPC will use them
+        ca = cert = key = None
+        if ca_file is not None:
+            ca = read_credential_file(ca_file, "etcd_ca_file")
+            try:
+                probe.load_verify_locations(cadata=ca.decode("ascii"))
+            except (ssl.SSLError, UnicodeDecodeError, ValueError) as exc:
+                raise ConfigError(f"etcd_ca_file {ca_file}: not PEM certificates ({exc})") from None
+        if cert_file is not None and key_file is not None:
+            cert = read_credential_file(cert_file, "etcd_cert_file")
+            key = read_credential_file(key_file, "etcd_key_file", private=True)
+            try:
+                probe.load_cert_chain(str(cert_file), str(key_file), password=_no_passphrase)
+            except ssl.SSLError as exc:
+                raise ConfigError(f"etcd_cert_file {cert_file} and etcd_key_file {key_file}: not a PEM certificate "
+                                  f"and its private key ({exc.reason or exc})") from None
+            except OSError as exc:
+                raise ConfigError(f"etcd_cert_file {cert_file}: cannot read: {exc.strerror or exc}") from None
+        password = None
+        if user is not None and password_file is not None:
+            raw = read_credential_file(password_file, "etcd_password_file", limit=4096, private=True)
+            try:
+                password = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                raise ConfigError(f"etcd_password_file {password_file}: not UTF-8 text") from None
+        sec = cls(tls=ca is not None or cert is not None, ca=ca, cert=cert, key=key, user=user, password=password)
+        return sec.for_endpoints(",".join(getattr(config, "etcd", None) or ()))
+
+    def for_endpoints(self, endpoints: str) -> "EtcdSecurity":
+        """These settings for ``endpoints``: TLS on where they say ``https://``. ConfigError when
+        they mix schemes, or say ``http://`` while TLS files are given."""
+        schemes = {part.split("://", 1)[0].strip().lower() for part in endpoints.split(",") if "://" in part}
+        if not schemes <= {"http", "https"}:
+            raise ConfigError(f"etcd endpoints take http:// or https://, not {', '.join(sorted(schemes))}")
+        if len(schemes) > 1:
+            raise ConfigError("etcd endpoints mix http:// and https://: one etcd cluster speaks one of them")
+        if schemes == {"http"} and self.tls:
+            raise ConfigError("etcd endpoints say http:// but etcd_ca_file or etcd_cert_file is set (TLS): "
+                              "use https:// or host:port")
+        return replace(self, tls=True) if schemes == {"https"} and not self.tls else self
 
 
 def prefix_end(prefix: bytes) -> bytes:
@@ -92,16 +239,26 @@ def _results(resp: Any) -> list[list[Any] | None]:
 class EtcdClient:
     """One gRPC channel to one etcd endpoint ``host:port`` (the directory rotates over members)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 2.0, security: EtcdSecurity | None = None) -> None:
         if _IMPORT_ERROR is not None:
             raise ConfigError(f"cluster mode needs the 'python3-etcd3' package: {_IMPORT_ERROR}")
+        self.security = sec = (security or EtcdSecurity()).for_endpoints(endpoint)
+        endpoint = endpoint.split("://", 1)[-1]
         host, _, port = endpoint.rpartition(":")
         self.endpoint = endpoint
         self.timeout_s = timeout_s
-        ep = Endpoint(host, int(port), secure=False, time_retry=0, opts=GRPC_OPTIONS)
+        if sec.tls:
+            creds = grpc.ssl_channel_credentials(sec.ca, sec.key, sec.cert)
+            ep = Endpoint(host, int(port), secure=True, creds=creds, time_retry=0, opts=GRPC_OPTIONS)
+        else:
+            ep = Endpoint(host, int(port), secure=False, time_retry=0, opts=GRPC_OPTIONS)
         self._channel = ep.channel
         self._watchers: list[Any] = []
+        # The library would authenticate here, failing while etcd is down: the first call does it.
         self._etcd = MultiEndpointEtcd3Client(endpoints=[ep], timeout=timeout_s)
+        self._auth_lock = threading.Lock()
+        self._authenticated = sec.user is None
+        self.authentications = 0  # tokens taken (the first, and one after each expiry or etcd restart)
 
     def on_ready(self, callback: Any) -> None:
         """Call ``callback()`` (on a gRPC thread) whenever the channel becomes connected, and keep
@@ -113,20 +270,72 @@ class EtcdClient:
         self._watchers.append(watch)
         self._channel.subscribe(watch, try_to_connect=True)
 
-    def _error(self, exc: BaseException) -> EtcdError:
+    def _error(self, exc: BaseException, authenticating: bool = False) -> EtcdError:
         # The library maps some gRPC codes to its own exceptions without the details; the gRPC
         # error it was raised from keeps them.
         rpc = exc if isinstance(exc, grpc.RpcError) else exc.__context__
-        if isinstance(rpc, grpc.RpcError) and hasattr(rpc, "code"):
-            code = rpc.code()
-            return EtcdError(f"etcd {self.endpoint}: {code.name}: {rpc.details()}", code.name)
-        return EtcdError(f"etcd {self.endpoint}: {type(exc).__name__}: {exc}")
+        if not (isinstance(rpc, grpc.RpcError) and hasattr(rpc, "code")):
+            return EtcdError(f"etcd {self.endpoint}: {type(exc).__name__}: {exc}")
+        code, details = rpc.code(), rpc.details() or ""
+        sc = grpc.StatusCode
+        sec = self.security
+        who = f"user {sec.user!r}" if sec.user else (
+            "the client certificate's common name" if sec.cert else "this client (no etcd_user, no client certificate)")
+        if code == sc.UNAVAILABLE and sec.tls and _TLS_FAILURE.search(details):
+            return EtcdAuthError(f"etcd {self.endpoint}: TLS handshake failed ({details}); check etcd_ca_file (the CA "
+                                 "of etcd's server certificate), etcd_cert_file and etcd_key_file (a client "
+                                 "certificate etcd trusts)", code.name)
+        if authenticating and code == sc.INVALID_ARGUMENT:
+            return EtcdAuthError(f"etcd {self.endpoint}: authentication of {who} refused: {details} (check etcd_user "
+                                 "and etcd_password_file)", code.name)
+        if code == sc.INVALID_ARGUMENT and "user name is empty" in details:
+            return EtcdAuthError(f"etcd {self.endpoint}: etcd requires authentication ({details}): set etcd_user and "
+                                 "etcd_password_file, or a client certificate whose common name is an etcd user",
+                                 code.name)
+        if code in (sc.UNAUTHENTICATED, sc.PERMISSION_DENIED):
+            return EtcdAuthError(f"etcd {self.endpoint}: {code.name} for {who}: {details} (the role needs readwrite "
+                                 "on the key prefix tutti/: docs/CLUSTER.md)", code.name)
+        hint = ""
+        if code == sc.UNAVAILABLE and not sec.tls and "Socket closed" in details:
+            hint = " (if etcd serves TLS: an https:// endpoint or etcd_ca_file)"
+        return EtcdError(f"etcd {self.endpoint}: {code.name}: {details}{hint}", code.name)
+
+    def _authenticate(self, stale: Any) -> None:
+        """Take a token for the user, unless another thread replaced the ``stale`` one meanwhile."""
+        with self._auth_lock:
+            if self._authenticated and self._etcd.metadata is not stale:
+                return
+            req = etcdrpc.AuthenticateRequest(name=self.security.user, password=self.security.password)
+            try:
+                resp = self._etcd.authstub.Authenticate(req, self.timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "not enabled" in (exc.details() or ""):
+                    log.warning("etcd %s has authentication off: etcd_user %r is not used, and any client that "
+                                "reaches etcd may write the directory (docs/CLUSTER.md)", self.endpoint,
+                                self.security.user)
+                    self._etcd.metadata = None
+                    self._authenticated = True
+                    return
+                raise self._error(exc, authenticating=True) from None
+            self._etcd.metadata = (("token", resp.token),)
+            self._authenticated = True
+            self.authentications += 1
 
     def _guard(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except (grpc.RpcError, etcd3_exceptions.Etcd3Exception, ValueError) as exc:
-            raise self._error(exc) from None
+        for attempt in range(2):
+            token = self._etcd.metadata
+            try:
+                if not self._authenticated:
+                    self._authenticate(token)
+                return fn(*args, **kwargs)
+            except (grpc.RpcError, etcd3_exceptions.Etcd3Exception, ValueError) as exc:
+                err = self._error(exc)
+            if attempt == 0 and self.security.user and err.code == "UNAUTHENTICATED":
+                # The token expired, or etcd restarted and forgot it: authenticate again, once.
+                self._authenticated = False
+                continue
+            raise err
+        raise AssertionError("unreachable")
 
     def txn(self, ops: Sequence[Any]) -> list[list[Any] | None]:
         """Run the RequestOps unconditionally in one transaction; one entry per op (kvs for ranges)."""
@@ -135,8 +344,9 @@ class EtcdClient:
     def txn_many(self, batches: Sequence[Sequence[Any]]) -> list[list[list[Any] | None]]:
         """Several transactions sent at once (about one round trip of wall time); raises on any failure."""
         def run() -> list[list[list[Any] | None]]:
-            stub = self._etcd.kvstub
-            futures = [stub.Txn.future(etcdrpc.TxnRequest(success=ops), timeout=self.timeout_s) for ops in batches]
+            stub, md = self._etcd.kvstub, self._etcd.metadata  # md: the user's token, if any
+            futures = [stub.Txn.future(etcdrpc.TxnRequest(success=ops), timeout=self.timeout_s, metadata=md)
+                       for ops in batches]
             return [_results(f.result()) for f in futures]
 
         return self._guard(run)  # type: ignore[no-any-return]
