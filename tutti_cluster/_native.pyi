@@ -46,6 +46,7 @@ class StoreOptions:
     cuda_trace: bool
     read_only: bool
     map_memory: bool
+    file_gid: int
     def __init__(self) -> None: ...
 
 class Geometry:

@@ -31,6 +31,7 @@ import numpy as np
 from tutti_cluster import _native
 from tutti_cluster.config import TuttiConfig, load_config
 from tutti_cluster.errors import ConfigError, DeviceError, LayoutError, NotFound, TuttiError
+from tutti_cluster.files import group_id, make_dir
 from tutti_cluster.keys import Key, key_array, to_key
 from tutti_cluster.kv_layout import Layout, LayerKV, describe, describe_block, layer_kv_from_tensor
 
@@ -81,6 +82,8 @@ def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_
     o.cuda_trace = config.cuda_trace
     o.read_only = read_only
     o.map_memory = config.map_memory_paths
+    gid = group_id(config.file_group)
+    o.file_gid = -1 if gid is None else _fits("file_group (gid)", gid, _U32_MAX - 1)
     return o
 
 
@@ -294,10 +297,16 @@ class TuttiStore:
         unit_blocks = self.config.unit_tokens // block_tokens
         obj = unit_blocks * layers[0].block_bytes
         if obj < self.config.min_io_bytes:
-            log.warning("objects are %d bytes, below min_io_bytes=%d: raise unit_tokens for larger I/Os",
-                        obj, self.config.min_io_bytes)
-        if not self.config.paths:
-            self.config.storage_paths()[0].mkdir(parents=True, exist_ok=True)  # embedded default only
+            # Usual on small models (few KV heads): everything works, each disk I/O is only smaller
+            # than the size the layout aims for.
+            log.info("store %s: each storage I/O moves one object (a unit's KV of one layer) of %d bytes, below "
+                     "min_io_bytes=%d, so disk bandwidth may fall short of the disk's best; usual for small models. "
+                     "Raise unit_tokens (now %d) for larger I/Os, or lower min_io_bytes to silence this",
+                     self.config.instance, obj, self.config.min_io_bytes, self.config.unit_tokens)
+        if not self.config.paths:  # embedded default only: <data_dir>/store, owner-only as made
+            gid = group_id(self.config.file_group)
+            make_dir(self.config.data_dir, gid)
+            make_dir(self.config.storage_paths()[0], gid)
         if self.config.prewrite_pool:
             for p, cap in zip(self.config.storage_paths(), self.config.capacity_bytes()):
                 pool = p / f"tutti-{self.config.instance}.pool"

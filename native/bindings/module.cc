@@ -185,7 +185,8 @@ PYBIND11_MODULE(_native, m) {
       .def_readwrite("cuda_pair", &StoreOptions::cuda_pair)
       .def_readwrite("cuda_trace", &StoreOptions::cuda_trace)
       .def_readwrite("read_only", &StoreOptions::read_only)
-      .def_readwrite("map_memory", &StoreOptions::map_memory);
+      .def_readwrite("map_memory", &StoreOptions::map_memory)
+      .def_readwrite("file_gid", &StoreOptions::file_gid);
 
   // Results as the structs themselves (read-only attributes); the Python side turns them into
   // dicts and dataclasses by their attribute names.

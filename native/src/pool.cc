@@ -115,41 +115,170 @@ static uint32_t direct_buffer_align(int fd) {
   return 4096;
 }
 
-static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_only, bool prewrite) {
+static const char* file_kind(mode_t m) {
+  if (S_ISLNK(m)) return "a symbolic link";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  return "not a regular file";
+}
+
+static Status refuse(const std::string& file, const std::string& what) {
+  return {Code::kStorage, "refusing pool file " + file + ": " + what};
+}
+
+// Opens `file` without following a symbolic link at its name and without waiting (a FIFO opens at
+// once and is refused by the caller's fstat). O_DIRECT comes later, by fcntl (set_flags).
+static int open_file(const std::string& file, int flags, mode_t mode = 0) {
+  int fd;
+  do fd = ::open(file.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode);
+  while (fd < 0 && errno == EINTR);
+  return fd;
+}
+
+// The error of an open that failed with `err`: what is at the name when it is not a regular file.
+static Status open_error(const std::string& file, int err) {
+  struct stat st;
+  if (err != ENOENT && ::lstat(file.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    return refuse(file, std::string("it is ") + file_kind(st.st_mode) + " (a pool file must be a regular file)");
+  return {Code::kStorage, errno_message("open " + file, err)};
+}
+
+// A regular file, and for a writer one of this user with no other name (a hard link placed at the
+// pool's name may be anyone's file).
+static Status check_file(const std::string& file, int fd, bool writer, struct stat* st) {
+  if (::fstat(fd, st) != 0) return {Code::kStorage, errno_message("stat " + file, errno)};
+  if (!S_ISREG(st->st_mode)) return refuse(file, std::string("it is ") + file_kind(st->st_mode) + " (a pool file must be a regular file)");
+  if (!writer) return Status::Ok();
+  if (st->st_uid != ::geteuid())
+    return refuse(file, "it is owned by uid " + std::to_string(st->st_uid) + ", not by this process's uid " +
+                            std::to_string(::geteuid()));
+  if (st->st_nlink > 1)
+    return refuse(file, "it has " + std::to_string(st->st_nlink) + " hard links (a pool file has one name)");
+  return Status::Ok();
+}
+
+// Blocking from here on, and O_DIRECT where the mode asks and the file system takes it.
+static Status set_flags(PoolPath* p, DirectMode mode) {
+  const int fl = ::fcntl(p->fd, F_GETFL);
+  if (fl < 0) return {Code::kStorage, errno_message("fcntl " + p->file, errno)};
+  p->direct = false;
+  if (mode != DirectMode::kOff) {
+    if (::fcntl(p->fd, F_SETFL, (fl & ~O_NONBLOCK) | O_DIRECT) == 0) {
+      p->direct = true;
+      return Status::Ok();
+    }
+    if (errno != EINVAL) return {Code::kStorage, errno_message("fcntl " + p->file, errno)};
+    if (mode == DirectMode::kOn) return {Code::kStorage, "O_DIRECT refused by the file system of " + p->dir + " (direct_io=on)"};
+  }
+  if (::fcntl(p->fd, F_SETFL, fl & ~(O_NONBLOCK | O_DIRECT)) != 0)  // tmpfs and friends refuse O_DIRECT
+    return {Code::kStorage, errno_message("fcntl " + p->file, errno)};
+  return Status::Ok();
+}
+
+// Whether a non-empty file is a pool of ours: it begins with the header magic (the first slot of
+// every pool file holds a header from its creation on). The checksum is not asked for: a torn or
+// damaged first header is a miss for recovery to count, not a reason to refuse the whole file.
+static Status check_ours(const PoolPath& p, uint64_t size) {
+  const std::string foreign = "it is a non-empty file of " + std::to_string(size) +
+                              " bytes that is not a Tutti pool (it is never overwritten; move it away or use "
+                              "another path or instance name)";
+  if (size < kAlign) return refuse(p.file, foreign);
+  void* buf = nullptr;
+  if (::posix_memalign(&buf, kAlign, kAlign) != 0) return {Code::kCapacityExceeded, "out of memory"};
+  ssize_t r;
+  do r = ::pread(p.fd, buf, kAlign, 0);
+  while (r < 0 && errno == EINTR);
+  const int err = errno;
+  uint64_t magic = 0;
+  if (r >= static_cast<ssize_t>(sizeof(magic))) std::memcpy(&magic, buf, sizeof(magic));
+  std::free(buf);
+  if (r < 0) return {Code::kStorage, errno_message("read " + p.file, err)};
+  if (magic != kHeaderMagic) return refuse(p.file, foreign);
+  return Status::Ok();
+}
+
+// Opens (a writer: creating when absent) and checks one pool file, leaving p->fd set (also on
+// failure, for the caller's clean-up) and, for a writer, locked.
+static Status open_file_checked(PoolPath* p, DirectMode mode, bool read_only, int64_t gid) {
+  const mode_t file_mode = gid >= 0 ? 0640 : 0600;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    bool created = false;
+    int fd = open_file(p->file, read_only ? O_RDONLY : O_RDWR);
+    if (fd < 0 && errno == ENOENT && read_only) return {Code::kNotFound, errno_message("pool file " + p->file, errno)};
+    if (fd < 0 && errno == ENOENT) {
+      fd = open_file(p->file, O_RDWR | O_CREAT | O_EXCL, file_mode);
+      created = fd >= 0;
+      if (fd < 0 && errno == EEXIST) continue;  // made by someone else a moment ago: open it as it is
+    }
+    if (fd < 0) return open_error(p->file, errno);
+    p->fd = fd;
+    struct stat st;
+    Status s = check_file(p->file, fd, !read_only, &st);
+    if (!s.ok()) return s;
+    if (read_only) return set_flags(p, mode);
+    // A process that just died may hold the lock a moment longer: the kernel drops its io_uring's
+    // file references asynchronously. Give that up to two seconds.
+    for (int tries = 0; ::flock(fd, LOCK_EX | LOCK_NB) != 0; ++tries) {
+      if (errno != EWOULDBLOCK || tries == 40)
+        return {Code::kConfig, "pool file " + p->file + " is in use by another process (one instance per process)"};
+      ::usleep(50000);
+    }
+    // Only under the lock: another process's file is never taken for one this open made, and a
+    // file its maker removed again while this open waited for the lock is opened anew.
+    if (::fstat(fd, &st) != 0) return {Code::kStorage, errno_message("stat " + p->file, errno)};
+    if (st.st_nlink == 0) {
+      ::flock(fd, LOCK_UN);
+      ::close(fd);
+      p->fd = -1;
+      continue;
+    }
+    p->created = created;
+    p->fresh = st.st_size == 0;
+    s = set_flags(p, mode);  // under the lock: a file this open made is removed if O_DIRECT is refused
+    if (!s.ok()) return s;
+    if (!p->fresh) {
+      s = check_ours(*p, static_cast<uint64_t>(st.st_size));
+      if (!s.ok()) return s;
+    }
+    // The mode whatever the umask was, on new files and on files an older build made.
+    if ((st.st_mode & 07777) != file_mode && ::fchmod(fd, file_mode) != 0)
+      return {Code::kStorage, errno_message("chmod " + p->file, errno)};
+    if (gid >= 0 && st.st_gid != static_cast<gid_t>(gid) && ::fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(gid)) != 0)
+      return {Code::kStorage, errno_message("chgrp " + p->file + " to gid " + std::to_string(gid) +
+                                                " (this user must be a member of file_group)", errno)};
+    return Status::Ok();
+  }
+  return {Code::kStorage, "pool file " + p->file + " keeps being made and removed by another process"};
+}
+
+static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_only, bool prewrite,
+                       const PoolFileOptions& files, const Geometry& g) {
   struct stat st;
   if (::stat(p->dir.c_str(), &st) != 0) return {Code::kStorage, errno_message("storage path " + p->dir, errno)};
   if (!S_ISDIR(st.st_mode)) return {Code::kStorage, "storage path " + p->dir + " is not a directory"};
   if (!read_only && ::access(p->dir.c_str(), W_OK) != 0)
     return {Code::kStorage, errno_message("storage path " + p->dir + " is not writable", errno)};
-  int flags = (read_only ? O_RDONLY : (O_RDWR | O_CREAT)) | O_CLOEXEC;
-  int fd = -1;
-  if (mode != DirectMode::kOff) {
-    fd = ::open(p->file.c_str(), flags | O_DIRECT, 0644);
-    if (fd >= 0) {
-      p->direct = true;
-    } else if (errno != EINVAL || mode == DirectMode::kOn) {
-      if (errno == EINVAL) return {Code::kStorage, "O_DIRECT refused by the file system of " + p->dir + " (direct_io=on)"};
-      return {Code::kStorage, errno_message("open " + p->file, errno)};
-    }
-  }
-  if (fd < 0) {
-    fd = ::open(p->file.c_str(), flags, 0644);  // tmpfs and friends refuse O_DIRECT
-    if (fd < 0) return {Code::kStorage, errno_message("open " + p->file, errno)};
-    p->direct = false;
-  }
-  p->fd = fd;
+  Status s = open_file_checked(p, mode, read_only, files.gid);
+  if (!s.ok()) return s;
+  const int fd = p->fd;
   p->buffer_align = p->cached() ? 1 : direct_buffer_align(fd);
   if (read_only) return Status::Ok();
-  // A process that just died may hold the lock a moment longer: the kernel drops its io_uring's
-  // file references asynchronously. Give that up to two seconds.
-  for (int tries = 0; ::flock(fd, LOCK_EX | LOCK_NB) != 0; ++tries) {
-    if (errno != EWOULDBLOCK || tries == 40)
-      return {Code::kConfig, "pool file " + p->file + " is in use by another process (one instance per process)"};
-    ::usleep(50000);
+  if (p->fresh && files.stamp) {
+    // The layout's free-slot header first: a start killed while preallocating leaves a pool of ours.
+    void* hdr = nullptr;
+    if (::posix_memalign(&hdr, kAlign, g.header_bytes) != 0) return {Code::kCapacityExceeded, "out of memory"};
+    encode_free_header(g, files.desc, static_cast<uint8_t*>(hdr));
+    ssize_t w;
+    do w = ::pwrite(fd, hdr, g.header_bytes, 0);
+    while (w < 0 && errno == EINTR);
+    const int err = errno;
+    std::free(hdr);
+    if (w < 0) return {err == ENOSPC ? Code::kCapacityExceeded : Code::kStorage, errno_message("write " + p->file, err)};
+    if (static_cast<uint64_t>(w) != g.header_bytes) return {Code::kStorage, "short write to " + p->file};
   }
-  // Only under the lock: another process's file is never taken for one this open made.
-  struct stat fst;
-  p->fresh = ::fstat(fd, &fst) == 0 && fst.st_size == 0;
   // A larger existing file is left as it is (never truncated): its tail is simply not used.
   if (bytes > 0) {
     // Before fallocate: dirty pages of an existing file get their blocks as written data (see
@@ -199,7 +328,7 @@ static std::string pool_file_name(const std::string& dir, const std::string& ins
 
 Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<uint64_t>& capacity,
                       const std::string& instance, const Geometry& g, DirectMode mode, bool read_only,
-                      uint32_t files_per_path, bool prewrite) {
+                      uint32_t files_per_path, bool prewrite, const PoolFileOptions& pool_files) {
   if (dirs.empty()) return {Code::kConfig, "no storage paths configured"};
   if (capacity.size() != dirs.size()) return {Code::kConfig, "one capacity per storage path is required"};
   if (instance.empty() || instance.find('/') != std::string::npos)
@@ -215,9 +344,9 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
     if (n == 0)
       n = memory_fs(dirs[d]) ? static_cast<uint32_t>(std::clamp<uint64_t>(capacity[d] / g.slot_bytes, 1, 16)) : 1;
     if (read_only) {
-      struct stat st;
+      struct stat st;  // lstat: a symbolic link at a pool's name is counted, to be refused by name
       n = 0;
-      while (::stat(pool_file_name(dirs[d], instance, n).c_str(), &st) == 0) ++n;
+      while (::lstat(pool_file_name(dirs[d], instance, n).c_str(), &st) == 0) ++n;
       if (n == 0) return {Code::kNotFound, "no pool file " + pool_file_name(dirs[d], instance, 0)};
     }
     files[d] = n;
@@ -236,31 +365,39 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
       paths_.push_back(p);
     }
   free_.assign(paths_.size(), {});
-  // On failure, give back the space of files this open preallocated from empty (best effort);
-  // files that held data stay as they are.
+  // On failure, remove the files this open made and give back the space of files it preallocated
+  // from empty (best effort); files that held data stay as they are.
   auto fail = [this](Status s) {
     for (PoolPath& q : paths_) {
-      if (q.fd < 0 || !q.fresh) continue;
-      int rc = ::ftruncate(q.fd, 0);
-      (void)rc;
+      if (q.fd < 0) continue;
+      struct stat mine, named;
+      if (q.created) {
+        // Only while the name still is this file (never another one put there since).
+        if (::fstat(q.fd, &mine) == 0 && ::lstat(q.file.c_str(), &named) == 0 && mine.st_dev == named.st_dev &&
+            mine.st_ino == named.st_ino)
+          ::unlink(q.file.c_str());
+      } else if (q.fresh) {
+        int rc = ::ftruncate(q.fd, 0);
+        (void)rc;
+      }
     }
     close();
     return s;
   };
   for (PoolPath& p : paths_) {
     uint64_t n = p.capacity / g.slot_bytes;
-    if (read_only) {
-      struct stat st;
-      if (::stat(p.file.c_str(), &st) != 0) return fail({Code::kNotFound, errno_message("pool file " + p.file, errno)});
-      n = static_cast<uint64_t>(st.st_size) / g.slot_bytes;
-    }
     if (n == 0 && !read_only) {
       return fail({Code::kConfig, "capacity of " + p.dir + " (" + std::to_string(capacity[p.dir_index]) + " bytes over " +
                                  std::to_string(files[p.dir_index]) + " file(s)) is below one GPU file (" +
                                  std::to_string(g.slot_bytes) + " bytes)"});
     }
-    Status s = open_one(&p, n * g.slot_bytes, mode, read_only, prewrite);
+    Status s = open_one(&p, read_only ? 0 : n * g.slot_bytes, mode, read_only, prewrite, pool_files, g);
     if (!s.ok()) return fail(s);
+    if (read_only) {
+      struct stat st;
+      if (::fstat(p.fd, &st) != 0) return fail({Code::kStorage, errno_message("stat " + p.file, errno)});
+      n = static_cast<uint64_t>(st.st_size) / g.slot_bytes;
+    }
     p.first_slot = num_slots_;
     p.num_slots = static_cast<uint32_t>(n);
     num_slots_ += p.num_slots;

@@ -1,5 +1,6 @@
 // Native unit tests of the core's pieces: rings, checksum, index, extents, headers, file pool, store.
 // Prints "N passed, M failed"; exit status 0 only when all pass.
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -372,6 +373,80 @@ static void test_pool_slot_heads() {
   CHECK(std::system(cmd.c_str()) == 0);
 }
 
+static std::string read_all(const std::string& file) {
+  std::string out;
+  if (FILE* f = std::fopen(file.c_str(), "rb")) {
+    char buf[4096];
+    for (size_t n; (n = std::fread(buf, 1, sizeof(buf), f)) > 0;) out.append(buf, n);
+    std::fclose(f);
+  }
+  return out;
+}
+
+static void write_all(const std::string& file, const std::string& data) {
+  FILE* f = std::fopen(file.c_str(), "wb");
+  CHECK(f != nullptr);
+  CHECK(std::fwrite(data.data(), 1, data.size(), f) == data.size());
+  std::fclose(f);
+}
+
+// A writer takes only files of its own: a symbolic link, a foreign file or a FIFO at a pool's name
+// is refused (StorageError) and left as it was; new files are owner-only whatever the umask, begin
+// with the layout's free-slot header and open again; a file this open made is removed when it fails.
+static void test_pool_files_are_trusted_only_when_ours() {
+  std::string a = temp_dir();
+  const Geometry g = small_geometry();
+  const std::string pool = a + "/tutti-t.pool", victim = a + "/victim";
+  PoolFileOptions stamped;
+  stamped.stamp = true;
+  stamped.desc = "x";
+  write_all(victim, "precious bytes");
+  CHECK(::symlink(victim.c_str(), pool.c_str()) == 0);
+  FilePool p;
+  Status s = p.open({a}, {4 * g.slot_bytes}, "t", g, DirectMode::kAuto, false, 1, false, stamped);
+  CHECK(s.code() == Code::kStorage && s.message().find("symbolic link") != std::string::npos);
+  CHECK(read_all(victim) == "precious bytes");
+  s = p.open({a}, {4 * g.slot_bytes}, "t", g, DirectMode::kAuto, true);  // readers refuse it as well
+  CHECK(s.code() == Code::kStorage && s.message().find("symbolic link") != std::string::npos);
+  CHECK(::unlink(pool.c_str()) == 0);
+  write_all(pool, "not a pool");
+  s = p.open({a}, {4 * g.slot_bytes}, "t", g, DirectMode::kAuto, false, 1, false, stamped);
+  CHECK(s.code() == Code::kStorage && s.message().find("non-empty file of 10 bytes") != std::string::npos);
+  CHECK(read_all(pool) == "not a pool");
+  CHECK(::unlink(pool.c_str()) == 0);
+  CHECK(::mkfifo(pool.c_str(), 0600) == 0);
+  s = p.open({a}, {4 * g.slot_bytes}, "t", g, DirectMode::kAuto, false, 1, false, stamped);
+  CHECK(s.code() == Code::kStorage && s.message().find("FIFO") != std::string::npos);
+  s = p.open({a}, {4 * g.slot_bytes}, "t", g, DirectMode::kAuto, true);  // no wait for a writer
+  CHECK(s.code() == Code::kStorage && s.message().find("FIFO") != std::string::npos);
+  CHECK(::unlink(pool.c_str()) == 0);
+  const mode_t old_mask = ::umask(0);
+  s = p.open({a}, {4 * g.slot_bytes}, "t", g, DirectMode::kAuto, false, 1, false, stamped);
+  ::umask(old_mask);
+  CHECK(s.ok());
+  struct stat st;
+  CHECK(::stat(pool.c_str(), &st) == 0 && (st.st_mode & 07777) == 0600 && st.st_size == static_cast<off_t>(4 * g.slot_bytes));
+  p.close();
+  uint64_t magic = 0;
+  std::memcpy(&magic, read_all(pool).data(), sizeof(magic));
+  CHECK(magic == kHeaderMagic);
+  CHECK(::chmod(pool.c_str(), 0644) == 0);  // as an older build made them: tightened at the next open
+  CHECK(p.open({a}, {4 * g.slot_bytes}, "t", g, DirectMode::kAuto, false, 1, false, stamped).ok());
+  CHECK(::stat(pool.c_str(), &st) == 0 && (st.st_mode & 07777) == 0600);
+  p.close();
+  CHECK(::link(pool.c_str(), (a + "/second-name").c_str()) == 0);
+  s = p.open({a}, {4 * g.slot_bytes}, "t", g, DirectMode::kAuto, false, 1, false, stamped);
+  CHECK(s.code() == Code::kStorage && s.message().find("2 hard links") != std::string::npos);
+  CHECK(::unlink((a + "/second-name").c_str()) == 0);
+  // A file that cannot be preallocated (past any file size) is removed again when this open made it.
+  FilePool q;
+  s = q.open({a}, {1ull << 62}, "big", g, DirectMode::kAuto, false, 1, false, stamped);
+  CHECK(!s.ok());
+  CHECK(::access((a + "/tutti-big.pool").c_str(), F_OK) != 0);
+  std::string cmd = "rm -rf " + a;
+  CHECK(std::system(cmd.c_str()) == 0);
+}
+
 static void test_store_round_trip_with_random_blocks() {
   std::string dir = temp_dir();
   const uint32_t layers = 3, blocks = 64, unit_blocks = 4;
@@ -428,6 +503,7 @@ int main() {
   run("header_round_trip", test_header_round_trip);
   run("pool_round_robin", test_pool_round_robin);
   run("pool_slot_heads", test_pool_slot_heads);
+  run("pool_files_are_trusted_only_when_ours", test_pool_files_are_trusted_only_when_ours);
   run("store_round_trip_with_random_blocks", test_store_round_trip_with_random_blocks);
   std::printf("%d passed, %d failed\n", g_pass, g_fail);
   return g_fail == 0 ? 0 : 1;

@@ -25,6 +25,7 @@ struct PoolPath {
   int fd = -1;
   bool direct = false;    // O_DIRECT accepted by the file system
   bool fresh = false;     // empty when this open locked it (preallocated by this open)
+  bool created = false;   // made by this open, which holds its lock: removed again if the open fails
   bool memory = false;    // tmpfs or ramfs: requests complete inline unless punted to io_uring workers
   // Served from memory or the page cache: requests complete inline and take any buffer.
   bool cached() const { return memory || !direct; }
@@ -35,6 +36,18 @@ struct PoolPath {
   uint32_t num_slots = 0;
   uint8_t* map = nullptr;  // the whole file, mapped shared (map_memory_files), or null
   uint64_t map_bytes = 0;
+};
+
+// How a writer makes pool files and which existing files it takes (FilePool::open).
+struct PoolFileOptions {
+  // Group the files are given to, with mode 0640; -1: owner only, mode 0600. The mode is set on
+  // every file a writer opens, whatever the umask (a file made by an older build is tightened).
+  int64_t gid = -1;
+  // Write this layout's free-slot header (encode_free_header with `desc`) into the first slot of a
+  // new (empty) file before it is preallocated, so that the file is a pool of ours from the start:
+  // a writer takes an existing non-empty file only when it begins with the header magic.
+  bool stamp = false;
+  std::string desc;
 };
 
 class FilePool {
@@ -53,9 +66,17 @@ class FilePool {
   // without lock, for readers such as the node daemon. `prewrite` writes zeros once over what
   // fallocate left unwritten (O_DIRECT files on block devices), so that stores overwrite in place,
   // and touches the pages of new files on memory file systems once.
+  //
+  // Files are trusted only as far as they are ours (StorageError naming the file and what was
+  // found otherwise): every file is opened without following a symbolic link at its name (a
+  // storage directory itself may be one) and without waiting on a FIFO, and must be a regular
+  // file; a writer also needs it owned by the effective uid, with one link, and either empty or
+  // beginning with the header magic (a pool of any layout: recovery then tells a layout apart).
+  // New files are made with O_EXCL and the mode of `files`; one this open made is removed again
+  // when the open fails (no space to preallocate, say), one that was empty is cut back to empty.
   Status open(const std::vector<std::string>& dirs, const std::vector<uint64_t>& capacity,
               const std::string& instance, const Geometry& g, DirectMode mode, bool read_only,
-              uint32_t files_per_path = 1, bool prewrite = false);
+              uint32_t files_per_path = 1, bool prewrite = false, const PoolFileOptions& files = {});
   void close();
   // Maps every pool file on a memory file system (tmpfs, ramfs) shared and populated, so that the
   // I/O kernel can move objects between it and the KV blocks with loads and stores (byte-addressable

@@ -42,6 +42,8 @@ struct StoreOptions {
   // Map the pool files on memory file systems and move their objects with loads and stores
   // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
   bool map_memory = true;
+  // Group of the pool files (mode 0640), or -1: owner only (0600). See PoolFileOptions.
+  int64_t file_gid = -1;
 };
 
 struct StoreStats {
