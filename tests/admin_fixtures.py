@@ -1,14 +1,21 @@
 """A node for the admin plane's tests: a real node daemon (`run_daemon`, its own process) and an
 engine process with a real TuttiStore attached through the daemon socket (`cluster_fixtures`),
-and the admin app over them, in process (ASGI) or served by uvicorn on loopback."""
+and the admin app over them, in process (ASGI) or served by uvicorn on loopback; or a whole
+`tutti up` (daemon, admin API and health listener in one process)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
-from cluster_fixtures import DaemonProcess, NodeProcess, free_port, wait_for
+from cluster_fixtures import DaemonProcess, NodeProcess, free_port, stop_process, wait_for
 from tutti_cluster import TuttiConfig
 
 TOKEN = "test-admin-token-0123456789"
@@ -56,16 +63,51 @@ class AdminNode:
         self.daemon.stop()
 
 
+class TuttiUp:
+    """`tutti up` in its own process (node ``cli-node``); waits for the admin API's line. The health
+    listener takes any free port unless ``extra`` names one."""
+
+    def __init__(self, workdir: Path, port: int, env: dict[str, str] | None = None, *extra: str) -> None:
+        self.data_dir = workdir / "node"
+        ssd = workdir / "ssd"
+        ssd.mkdir(parents=True, exist_ok=True)
+        self.paths = [str(ssd)]
+        self.log = open(workdir / "up.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tutti_cluster.cli", "up", "--data-dir", str(self.data_dir), "--paths", str(ssd),
+             "--capacity-gb", "0.05", "--unit-tokens", "64", "--node-id", "cli-node", "--admin-host", "127.0.0.1",
+             "--admin-port", str(port), "--health-port", "0", *extra],
+            stdout=subprocess.PIPE, stderr=self.log, env={**os.environ, **(env or {})}, text=True)
+        self.lines: list[str] = []
+        assert self.proc.stdout is not None
+        while not any(line.startswith("tutti admin API on") for line in self.lines):
+            r, _, _ = select.select([self.proc.stdout], [], [], 60)
+            line = self.proc.stdout.readline() if r else ""
+            if not line:
+                self.stop()
+                raise RuntimeError(f"tutti up did not serve its admin API: {self.lines} (see {workdir / 'up.log'})")
+            self.lines.append(line.strip())
+        self.url = f"http://127.0.0.1:{port}"
+        m = re.search(r"\(health: (http://[^/ ]+)/livez", self.lines[-1])
+        self.health_url = m.group(1) if m else None
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        stop_process(self.proc, sig, 15)
+        self.log.close()
+        return self.proc.returncode
+
+
 @contextlib.contextmanager
-def served_admin(node: AdminNode, token: str = TOKEN) -> Iterator[str]:
-    """The node's admin app under uvicorn on a free loopback port; yields its base URL."""
+def served_admin(node: AdminNode, token: str = TOKEN, **app_options: Any) -> Iterator[str]:
+    """The node's admin app (``create_app``'s options) under uvicorn on a free loopback port; yields
+    its base URL."""
     from tutti_control.app import create_app
     from tutti_control.backend import NodeBackend
     from tutti_control.serve import AdminServer, bind
 
     sock = bind("127.0.0.1", free_port())
     backend = NodeBackend(node.config)
-    server = AdminServer(create_app(backend, token), sock, backend).start()
+    server = AdminServer(create_app(backend, token, **app_options), sock, backend).start()
     try:
         yield f"http://{server.address}"
     finally:

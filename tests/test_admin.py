@@ -180,16 +180,23 @@ def test_evict_by_prefix_node_and_all_keeps_pinned_units(client: TestClient, nod
     b = [0x4d00 + i for i in range(3)]
     node.store(a + b)
     client.post("/v1/pins", json={"keys": [hexkey(a[0])]}, headers=AUTH)
-    r = client.delete("/v1/cache", params={"prefix": "0000000000004c"}, headers=AUTH).json()
+    r = client.delete("/v1/cache", params={"all": "false", "prefix": "0000000000004c"}, headers=AUTH).json()
     assert (r["evicted"], r["pinned_kept"], r["unreachable"]) == (3, 1, 0)
     assert r["nodes"] == {"node-a": {"evicted": 3, "pinned_kept": 1, "unreachable": 0}}
     # Gone from the engine's store and from the daemon's index at once.
     assert [node.engine.call(op="lookup", keys=[k])["local"] for k in a] == [1, 0, 0, 0]
     left = client.get("/v1/objects", params={"prefix": "0000000000004"}, headers=AUTH).json()["objects"]
     assert [o["key"] for o in left] == [hexkey(a[0])] + [hexkey(k) for k in b]
-    is_error(client.delete("/v1/cache", params={"node": "elsewhere"}, headers=AUTH), 404, "node_not_found")
-    is_error(client.delete("/v1/cache", headers=AUTH), 400, "bad_request")
-    r = client.delete("/v1/cache", params={"node": "node-a", "prefix": "0000000000004d"}, headers=AUTH).json()
+    is_error(client.delete("/v1/cache", params={"all": "false", "node": "elsewhere"}, headers=AUTH), 404,
+             "node_not_found")
+    # An explicit selector is required (the schema says so): without `all` the request is invalid,
+    # and `all=false` alone selects, and evicts, nothing.
+    is_error(client.delete("/v1/cache", headers=AUTH), 422, "invalid_request")
+    is_error(client.delete("/v1/cache", params={"prefix": "0000000000004d"}, headers=AUTH), 422, "invalid_request")
+    assert client.delete("/v1/cache", params={"all": "false"}, headers=AUTH).json()["evicted"] == 0
+    assert node.engine.call(op="lookup", keys=b)["local"] == 3
+    r = client.delete("/v1/cache", params={"all": "false", "node": "node-a", "prefix": "0000000000004d"},
+                      headers=AUTH).json()
     assert r["evicted"] == 3 and node.engine.call(op="lookup", keys=b)["local"] == 0
     r = client.delete("/v1/cache", params={"all": "true"}, headers=AUTH).json()
     assert r["pinned_kept"] >= 1 and node.engine.call(op="lookup", keys=a[:1])["local"] == 1
@@ -273,7 +280,8 @@ BAD = [
     ("DELETE", "/v1/cache?all=yes-please", {}, 422, "invalid_request"),
     ("DELETE", "/v1/cache?all=true&everything=1", {}, 422, "invalid_request"),
     ("DELETE", "/v1/cache?node=..%2Fnode-a", {}, 422, "invalid_request"),
-    ("DELETE", "/v1/cache", {}, 400, "bad_request"),
+    ("DELETE", "/v1/cache", {}, 422, "invalid_request"),
+    ("DELETE", "/v1/cache?prefix=4c", {}, 422, "invalid_request"),
     ("POST", "/v1/nodes/node-a/drain", {"json": {"mode": 3}}, 422, "invalid_request"),
     ("POST", "/v1/nodes/node-a/drain", {"json": {"mode": "everything"}}, 422, "invalid_request"),
     ("POST", "/v1/nodes/node-a/drain", {"json": {"mode": "all", "now": True}}, 422, "invalid_request"),
@@ -466,7 +474,7 @@ def test_pins_come_back_with_a_restarted_engine_and_daemon(tmp_path: Path):
         n.engine.kill()
         assert wait_for(lambda: not c.get("/v1/nodes/node-p", headers=AUTH).json()["instances"][0]["engine_connected"], 10)
         assert c.post("/v1/pins", json={"keys": [hexkey(keys[2])]}, headers=AUTH).json()["unreachable"] == [hexkey(keys[2])]
-        r = c.delete("/v1/cache", params={"prefix": "0000000000006f"}, headers=AUTH).json()
+        r = c.delete("/v1/cache", params={"all": "false", "prefix": "0000000000006f"}, headers=AUTH).json()
         assert (r["evicted"], r["pinned_kept"], r["unreachable"]) == (0, 2, 1)
         assert c.get("/v1/objects", params={"prefix": "0000000000006f"}, headers=AUTH).json()["objects"][2]["nodes"]
 
@@ -547,7 +555,10 @@ def _imports(path: Path, top_level_only: bool) -> set[str]:
 
 
 def test_the_admin_plane_reaches_nodes_only_through_the_daemon_and_the_directory():
-    allowed = {"tutti_cluster.config", "tutti_cluster.errors", "tutti_cluster.daemon", "tutti_cluster.cluster.directory"}
+    # tutti_cluster.files: how the token file is created (owner-only), as every file the node writes;
+    # cluster.etcd and cluster.auth: the directory's client credentials.
+    allowed = {"tutti_cluster.config", "tutti_cluster.errors", "tutti_cluster.daemon", "tutti_cluster.cluster.directory",
+               "tutti_cluster.files", "tutti_cluster.cluster.etcd", "tutti_cluster.cluster.auth"}
     for path in sorted((REPO / "control" / "tutti_control").glob("*.py")):
         used = {m for m in _imports(path, top_level_only=False) if m.startswith("tutti_cluster")}
         modules = {m for m in used if m in allowed or m.rsplit(".", 1)[0] not in allowed}

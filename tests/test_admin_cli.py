@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import stat
 import subprocess
@@ -17,39 +16,8 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the admin extra is not installed (pip install '.[admin]')")
 
-from admin_fixtures import hexkey, wait_for  # noqa: E402
-from cluster_fixtures import NodeProcess, free_port, stop_process  # noqa: E402
-
-
-class TuttiUp:
-    """`tutti up` in its own process; waits for the admin API's line."""
-
-    def __init__(self, workdir: Path, port: int, env: dict[str, str] | None = None, *extra: str) -> None:
-        self.data_dir = workdir / "node"
-        ssd = workdir / "ssd"
-        ssd.mkdir(parents=True, exist_ok=True)
-        self.paths = [str(ssd)]
-        self.log = open(workdir / "up.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tutti_cluster.cli", "up", "--data-dir", str(self.data_dir), "--paths", str(ssd),
-             "--capacity-gb", "0.05", "--unit-tokens", "64", "--node-id", "cli-node", "--admin-host", "127.0.0.1",
-             "--admin-port", str(port), *extra],
-            stdout=subprocess.PIPE, stderr=self.log, env={**os.environ, **(env or {})}, text=True)
-        self.lines: list[str] = []
-        assert self.proc.stdout is not None
-        while not any(line.startswith("tutti admin API on") for line in self.lines):
-            r, _, _ = select.select([self.proc.stdout], [], [], 60)
-            line = self.proc.stdout.readline() if r else ""
-            if not line:
-                self.stop()
-                raise RuntimeError(f"tutti up did not serve its admin API: {self.lines} (see {workdir / 'up.log'})")
-            self.lines.append(line.strip())
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        stop_process(self.proc, sig, 15)
-        self.log.close()
-        return self.proc.returncode
+from admin_fixtures import TuttiUp, hexkey, wait_for  # noqa: E402
+from cluster_fixtures import NodeProcess, free_port  # noqa: E402
 
 
 def admin(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -163,4 +131,7 @@ def test_tutti_up_without_the_admin_extra_warns_and_serves_the_daemon(tmp_path: 
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 0
-    assert "admin API not served" in err and "pip install 'tutti-cluster[admin]'" in err
+    # The hint names the admin extra in the form that fits this install (tutti_cluster.cli.install_hint).
+    from tutti_cluster.cli import install_hint
+
+    assert "admin API not served" in err and install_hint("admin") in err and "[admin]'" in err

@@ -17,10 +17,10 @@ import pytest
 pytest.importorskip("fastapi", reason="the admin extra is not installed (pip install '.[admin]')")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from admin_fixtures import AUTH, TOKEN, hexkey, wait_for  # noqa: E402
-from cluster_fixtures import EtcdServer, NodeProcess, close_all, free_port, require_etcd, require_mooncake  # noqa: E402
+from admin_fixtures import AUTH, TOKEN, TuttiUp, hexkey, wait_for  # noqa: E402
+from cluster_fixtures import (EtcdServer, NodeProcess, close_all, cluster_secret, cluster_secret_file,  # noqa: E402
+                              free_port, require_etcd, require_mooncake)
 from test_admin import is_error  # noqa: E402
-from test_admin_cli import TuttiUp  # noqa: E402
 from tutti_cluster import TuttiConfig  # noqa: E402
 from tutti_control.app import create_app  # noqa: E402
 from tutti_control.cluster import ClusterBackend  # noqa: E402
@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 class ClusterNode:
     def __init__(self, workdir: Path, node_id: str, etcd: str) -> None:
         self.node_id = node_id
-        self.up = TuttiUp(workdir / node_id, free_port(), {"TUTTI_ADMIN_TOKEN": TOKEN}, "--etcd", etcd,
+        self.up = TuttiUp(workdir / node_id, free_port(), {"TUTTI_ADMIN_TOKEN": TOKEN,
+                                                           "TUTTI_CLUSTER_SECRET_FILE": str(cluster_secret_file())},
+                          "--etcd", etcd,
                           "--lease-ttl-s", "3", "--node-id", node_id)
         self.engine = NodeProcess(node_id, etcd, workdir / node_id, paths=self.up.paths, capacity_gb=0.02,
                                   with_daemon=False, instance="engine0", data_dir=self.up.data_dir, lease_ttl_s=3)
@@ -67,7 +69,8 @@ def test_cluster_admin_over_the_directory(cluster: tuple[EtcdServer, ClusterNode
     got = wait_for(lambda: (r := b.engine.call(op="fetch", keys=shared, keep=True))["placed"] == 4 and r, 15)
     assert got and all(got["exact"]), got
 
-    backend = ClusterBackend(TuttiConfig(etcd=[etcd.endpoint], admin_token=TOKEN), TOKEN)
+    backend = ClusterBackend(TuttiConfig(etcd=[etcd.endpoint], admin_token=TOKEN,
+                                         cluster_secret_file=cluster_secret_file()), TOKEN)
     c = TestClient(create_app(backend, TOKEN, title="Tutti cluster admin API"))
     try:
         assert c.get("/readyz").json() == {"ready": True, "reasons": [], "checks": {"etcd": True}}
@@ -117,7 +120,8 @@ def test_cluster_admin_over_the_directory(cluster: tuple[EtcdServer, ClusterNode
         assert all(o["nodes"] == ["node-b"] for o in objs) and len(objs) == 5
         assert c.delete("/v1/nodes/node-a/drain", headers=AUTH).json()["drain"]["state"] == "serving"
 
-        r = c.delete("/v1/cache", params={"node": "node-b", "prefix": "000000000000c1"}, headers=AUTH).json()
+        r = c.delete("/v1/cache", params={"all": "false", "node": "node-b", "prefix": "000000000000c1"},
+                     headers=AUTH).json()
         assert (r["evicted"], r["nodes"]["node-b"]["evicted"]) == (5, 5)
         assert c.get("/v1/objects", params={"prefix": "000000000000c1"}, headers=AUTH).json()["objects"] == []
         is_error(c.delete("/v1/cache", params={"node": "node-z", "all": "true"}, headers=AUTH), 404, "node_not_found")
@@ -126,12 +130,14 @@ def test_cluster_admin_over_the_directory(cluster: tuple[EtcdServer, ClusterNode
         port = free_port()
         serve = subprocess.Popen([sys.executable, "-m", "tutti_cluster.cli", "admin", "serve", "--etcd", etcd.endpoint,
                                   "--admin-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, env={**os.environ, "TUTTI_ADMIN_TOKEN": TOKEN})
+                                 text=True, env={**os.environ, "TUTTI_ADMIN_TOKEN": TOKEN,
+                                                 "TUTTI_CLUSTER_SECRET_FILE": str(cluster_secret_file())})
         try:
             assert serve.stdout is not None
             line = serve.stdout.readline()
-            assert f"cluster admin API on http://127.0.0.1:{port}" in line, line
+            assert f"cluster admin API on http://127.0.0.1:{port} (health: http://127.0.0.1:{port + 1}/livez" in line, line
             assert httpx.get(f"http://127.0.0.1:{port}/readyz").json()["ready"]
+            assert httpx.get(f"http://127.0.0.1:{port + 1}/readyz").json()["ready"]  # its health listener
             served = httpx.get(f"http://127.0.0.1:{port}/v1/nodes", headers=AUTH).json()["nodes"]
             assert [n["node_id"] for n in served] == ["node-a", "node-b"]
             assert httpx.get(f"http://127.0.0.1:{port}/v1/nodes").status_code == 401
@@ -220,10 +226,11 @@ def test_nodes_that_answer_wrongly_are_unreachable_not_a_broken_cluster_view(tmp
     records = {"says-404": liar.address, "odd-shape": liar.address, odd: liar.address,
                "elsewhere": f"{liar.address}/steal?x=", "userinfo": f"user@{liar.address}", "no-port": "127.0.0.1"}
     dirs = []
-    backend = ClusterBackend(TuttiConfig(etcd=[etcd.endpoint], admin_token=TOKEN), TOKEN)
+    backend = ClusterBackend(TuttiConfig(etcd=[etcd.endpoint], admin_token=TOKEN,
+                                         cluster_secret_file=cluster_secret_file()), TOKEN)
     try:
         for node_id, admin in records.items():
-            d = EtcdDirectory(etcd.endpoint, node_id, lease_ttl_s=5)
+            d = EtcdDirectory(etcd.endpoint, node_id, lease_ttl_s=5, secret=cluster_secret())
             d.start(NodeRecord(node_id, "", "", {"admin": admin}))
             dirs.append(d)
         c = TestClient(create_app(backend, TOKEN, title="Tutti cluster admin API"))

@@ -1,9 +1,14 @@
 """The admin API: FastAPI routes over a :class:`~tutti_control.backend.NodeBackend` (one node) or a
 :class:`~tutti_control.cluster.ClusterBackend` (every node in the cluster directory).
 
-Health (``/livez``, ``/readyz``) and ``/metrics`` are open; every ``/v1`` route needs
-``Authorization: Bearer <token>``. Every error, validation errors included, is one JSON shape
+Health (``/livez``, ``/readyz``) is open, and is also served apart from the API by
+:func:`create_health_app` (``serve.py`` runs it on its own listener); every ``/v1`` route, and the
+schema and its pages (``/openapi.json``, ``/docs``, ``/redoc``) unless ``open_docs``, need
+``Authorization: Bearer <token>``; ``/metrics`` is open, or needs the scrape token where one is set.
+Every error, validation errors included, is one JSON shape
 (:class:`~tutti_control.errors.ErrorBody`), and every status a route can answer is in the schema.
+The request metrics' labels come from closed sets (the app's route templates, the HTTP methods,
+status codes): whatever a client sends adds no series.
 """
 
 import logging
@@ -12,7 +17,8 @@ from typing import Annotated, Any, Callable, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -20,7 +26,7 @@ from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tutti_control import __version__
-from tutti_control.auth import CHALLENGE, token_matches
+from tutti_control.auth import CHALLENGE, TokenFile, token_matches
 from tutti_control.errors import ApiError, ErrorBody, error_body
 from tutti_control.metrics import TuttiCollector
 from tutti_control.models import (
@@ -70,6 +76,10 @@ COMMON: Responses = {400: _err("Bad request (a request the node refuses)"), 413:
 AUTHED: Responses = {**COMMON, 401: _err("Missing or wrong bearer token")}
 OPEN: Responses = {413: _err("Body larger than 1 MiB")}
 NOT_FOUND: Responses = {404: _err("No such node")}
+# The values of the request metrics' `method` label; any other method is counted as OTHER, as is a
+# request that matched no route (its `route` label).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"})
+OTHER = "other"
 
 
 class BodyLimit:
@@ -136,39 +146,10 @@ def _clean_errors(errors: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
-def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") -> FastAPI:
-    """The admin app over ``backend``; ``token`` guards the ``/v1`` routes."""
-    app = FastAPI(title=title, version=__version__, description=(
-        "Admin plane of Tutti-cluster, the SSD-backed KV-cache store: what each node holds, how full it is, "
-        "how well it hits; evict, pin and drain. Keys are 16 hex digits. Every error is "
-        "`{\"error\": {\"code\", \"message\", \"details\"}}`."), responses={})
-    app.state.backend = backend
-    registry = CollectorRegistry()
-    registry.register(TuttiCollector(backend))
-    requests = Counter("tutti_admin_requests", "Admin API requests answered", ["route", "method", "status"],
-                       registry=registry)
-    latency = Histogram("tutti_admin_request_seconds", "Admin API request latency", ["route"], registry=registry,
-                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-    app.state.registry = registry
-    bearer = HTTPBearer(auto_error=False, description="The node's admin token (TUTTI_ADMIN_TOKEN).")
-
-    def require_token(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
-        given = creds.credentials if creds is not None and creds.scheme.lower() == "bearer" else None
-        if not token_matches(given, token):
-            raise ApiError(401, "unauthorized", "missing or wrong bearer token" if given else "bearer token required",
-                           headers={"WWW-Authenticate": CHALLENGE})
-
-    @app.middleware("http")
-    async def count(request: Request, call_next: Any) -> Response:
-        t0 = time.perf_counter()
-        resp = await call_next(request)
-        route = request.scope.get("route")
-        name = getattr(route, "path", "unmatched")
-        requests.labels(name, request.method, str(resp.status_code)).inc()
-        latency.labels(name).observe(time.perf_counter() - t0)
-        return resp
-
-    app.add_middleware(BodyLimit)
+def _error_handlers(app: FastAPI, routes: list[Route]) -> None:
+    """Every error in the one shape: API errors, validation errors, Starlette's 404/405, crashes.
+    ``routes``: every route of the app, those of included routers too (newer FastAPI keeps an
+    included router as one entry of ``app.router.routes``)."""
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -189,8 +170,8 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
             # One route per method: Allow lists every method of every route on this path.
             probe = {"type": "http", "path": request.url.path, "method": "", "root_path": ""}
             allowed: set[str] = set()
-            for route in app.router.routes:
-                if isinstance(route, Route) and route.matches(probe)[0] != Match.NONE:
+            for route in routes:
+                if route.matches(probe)[0] != Match.NONE:
                     allowed |= set(route.methods or ())
             headers["Allow"] = ", ".join(sorted(allowed))
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
@@ -201,7 +182,8 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
         log.exception("admin request failed")
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)
 
-    # -- open routes ------------------------------------------------------------------------------
+
+def _health_routes(app: FastAPI, backend: Backend) -> None:
     @app.get("/livez", response_model=Health, tags=["health"], responses=OPEN, summary="The process is up")
     def livez() -> Health:
         return Health()
@@ -213,11 +195,96 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
         r = backend.readiness()
         return JSONResponse(r.model_dump(), status_code=200 if r.ready else 503)
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics",
-             responses={**OPEN, 200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                                      "description": "Prometheus text exposition"}}, response_class=Response)
+
+def create_health_app(backend: Backend) -> FastAPI:
+    """``GET /livez`` and ``GET /readyz`` alone, for the health listener: probes answered apart from
+    the API's connections (serve.py gives it its own socket, thread and limits). No schema, no docs."""
+    app = FastAPI(title="Tutti admin health", version=__version__, openapi_url=None, docs_url=None, redoc_url=None)
+    _health_routes(app, backend)
+    _error_handlers(app, [r for r in app.router.routes if isinstance(r, Route)])
+    return app
+
+
+def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API", open_docs: bool = False,
+               metrics_token: TokenFile | None = None) -> FastAPI:
+    """The admin app over ``backend``; ``token`` guards the ``/v1`` routes and, unless ``open_docs``,
+    the schema and its pages; ``metrics_token``, where given, guards ``/metrics``."""
+    app = FastAPI(title=title, version=__version__, description=(
+        "Admin plane of Tutti-cluster, the SSD-backed KV-cache store: what each node holds, how full it is, "
+        "how well it hits; evict, pin and drain. Keys are 16 hex digits. Every error is "
+        "`{\"error\": {\"code\", \"message\", \"details\"}}`."), responses={},
+        openapi_url=None, docs_url=None, redoc_url=None)  # served below, behind the token
+    app.state.backend = backend
+    registry = CollectorRegistry()
+    registry.register(TuttiCollector(backend))
+    requests = Counter("tutti_admin_requests", "Admin API requests answered", ["route", "method", "status"],
+                       registry=registry)
+    latency = Histogram("tutti_admin_request_seconds", "Admin API request latency", ["route"], registry=registry,
+                        buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+    app.state.registry = registry
+    bearer = HTTPBearer(auto_error=False, description="The node's admin token (TUTTI_ADMIN_TOKEN).")
+
+    def require_token(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        given = creds.credentials if creds is not None and creds.scheme.lower() == "bearer" else None
+        if not token_matches(given, token):
+            raise ApiError(401, "unauthorized", "missing or wrong bearer token" if given else "bearer token required",
+                           headers={"WWW-Authenticate": CHALLENGE})
+
+    routes: list[Route] = []  # every route of the app, filled once they all exist
+    route_names: set[str] = set()  # their path templates
+
+    @app.middleware("http")
+    async def count(request: Request, call_next: Any) -> Response:
+        t0 = time.perf_counter()
+        resp = await call_next(request)
+        # Label values from closed sets only: a method or a path of the client's own choosing would
+        # add series (and memory) per request.
+        name = getattr(request.scope.get("route"), "path", None)
+        name = name if name in route_names else OTHER
+        method = request.method if request.method in HTTP_METHODS else OTHER
+        status = str(resp.status_code) if 100 <= resp.status_code < 600 else OTHER
+        requests.labels(name, method, status).inc()
+        latency.labels(name).observe(time.perf_counter() - t0)
+        return resp
+
+    app.add_middleware(BodyLimit)
+    _error_handlers(app, routes)
+
+    # -- open routes ------------------------------------------------------------------------------
+    _health_routes(app, backend)
+
+    def require_scrape_token(creds: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
+        given = creds.credentials if creds is not None and creds.scheme.lower() == "bearer" else None
+        if metrics_token is not None and not metrics_token.matches(given):
+            raise ApiError(401, "unauthorized", "missing or wrong scrape token" if given else "scrape token required",
+                           headers={"WWW-Authenticate": CHALLENGE})
+
+    # The committed schema shows /metrics open; a node with a scrape token serves a schema that
+    # says /metrics needs it (and may answer 401).
+    scraped: Responses = {**OPEN, 200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                        "description": "Prometheus text exposition"}}
+    if metrics_token is not None:
+        scraped[401] = _err("Missing or wrong scrape token")
+
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics", responses=scraped, response_class=Response,
+             dependencies=[Depends(require_scrape_token)] if metrics_token is not None else [])
     def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- the schema and its pages: behind the admin token unless open_docs --------------------------
+    docs_guard = [] if open_docs else [Depends(require_token)]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=docs_guard)
+    def openapi_json() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=docs_guard)
+    def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{title} - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=docs_guard)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{title} - ReDoc")
 
     # -- /v1 --------------------------------------------------------------------------------------
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_token)], responses=AUTHED)
@@ -274,14 +341,17 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
     @v1.delete("/cache", response_model=EvictResult, tags=["cache"], responses=NOT_FOUND,
                dependencies=[Depends(only_params("all", "prefix", "node"))],
                summary="Evict units: all of them, by key prefix, or a node's")
-    def evict(all: Annotated[bool, Query(description="Every unpinned unit (of `node`, when given)")] = False,
+    def evict(all: Annotated[bool, Query(description=(
+                  "Required, so that an eviction never happens by default: `true` selects every unpinned unit, "
+                  "`false` only the units `prefix` and `node` select (none, without them)"))],
               prefix: Annotated[HexPrefix | None, Query(min_length=1, description="Only units whose key starts so")] = None,
               node: Annotated[NodeId | None, Query(description="Only this node's units")] = None) -> EvictResult:
         """Evicts unpinned units: ``all=true`` every one, ``prefix`` those whose key starts so,
-        ``node`` those of one node; given together, the units that match all of them. A request
-        that selects nothing is refused (400): an eviction never happens by default."""
+        ``node`` those of one node; given together, the units that match all of them. ``all`` is
+        required: a request without it is invalid (422), and ``all=false`` alone selects nothing
+        and evicts nothing."""
         if not all and prefix is None and node is None:
-            raise ApiError(400, "bad_request", "say what to evict: all=true, prefix=<hex> or node=<id>")
+            return EvictResult(evicted=0, pinned_kept=0, unreachable=0)
         return backend.evict(prefix.lower() if prefix is not None else None, node, all)
 
     @v1.get("/pins", response_model=PinList, tags=["pins"], dependencies=[Depends(only_params())])
@@ -299,4 +369,6 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API") 
         return backend.unpin(list(body.keys))
 
     app.include_router(v1)
+    routes.extend(r for r in (*app.router.routes, *v1.routes) if isinstance(r, Route))
+    route_names.update(r.path for r in routes)
     return app

@@ -3,18 +3,26 @@
 The token comes from ``TUTTI_ADMIN_TOKEN`` or the file named by ``TUTTI_ADMIN_TOKEN_FILE``
 (``TuttiConfig.admin_token`` / ``admin_token_file``; a Kubernetes Secret in the chart); on the
 embedded default ``tutti up`` writes one to ``<data_dir>/admin.token`` (mode 0600) on first start.
-Tokens are compared in constant time (:func:`hmac.compare_digest`).
+``/metrics`` may have a token of its own (``metrics_token_file``: a :class:`TokenFile`, read again
+when the file changes, so that it can be rotated while the node runs). Tokens are compared in
+constant time (:func:`hmac.compare_digest`).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import secrets
+import stat
+import threading
 from pathlib import Path
 
 from tutti_cluster.config import TuttiConfig
 from tutti_cluster.errors import ConfigError, StorageError
+from tutti_cluster.files import file_mode, group_id, make_dir, set_access
+
+log = logging.getLogger(__name__)
 
 TOKEN_FILE_NAME = "admin.token"
 CHALLENGE = 'Bearer realm="tutti-admin"'
@@ -24,14 +32,78 @@ def default_token_path(config: TuttiConfig) -> Path:
     return Path(config.data_dir) / TOKEN_FILE_NAME
 
 
-def read_token_file(path: Path) -> str:
+# A token file holds one token: anything larger is not one (and is never read whole).
+MAX_TOKEN_FILE_BYTES = 4096
+
+
+def read_token_file(path: Path, what: str = "admin token", *, private: bool = False) -> str:
+    """The token in ``path``: a regular file (a FIFO or a device would block or never end) of at most
+    MAX_TOKEN_FILE_BYTES, not empty, and with ``private`` one that neither its group nor others may
+    access; ConfigError otherwise. Symbolic links are followed (a Kubernetes Secret volume is links
+    to the current version)."""
     try:
-        token = Path(path).read_text().strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
-        raise ConfigError(f"cannot read the admin token file {path}: {exc}") from exc
+        raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"the {what} file {path} is not a regular file")
+        if private and st.st_mode & 0o077:
+            raise ConfigError(f"the {what} file {path} has mode {stat.S_IMODE(st.st_mode):04o}, which lets its "
+                              f"group or others access it; it must be owner-only (chmod 600 {path})")
+        raw = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
+        if st.st_size > MAX_TOKEN_FILE_BYTES or len(raw) > MAX_TOKEN_FILE_BYTES:
+            raise ConfigError(f"the {what} file {path} is larger than {MAX_TOKEN_FILE_BYTES} bytes")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    try:
+        token = raw.decode().strip()
+    except UnicodeDecodeError:
+        raise ConfigError(f"the {what} file {path} is not UTF-8 text") from None
     if not token:
-        raise ConfigError(f"the admin token file {path} is empty")
+        raise ConfigError(f"the {what} file {path} is empty")
     return token
+
+
+class TokenFile:
+    """A token kept in a file and read again when the file changes (its inode, size or mtime), so
+    that a rotated token (a Secret volume's new version, a file renamed into place) takes effect
+    at the next request. The file must be owner-only (``read_token_file``'s ``private``). A file
+    that cannot be read, or holds no token, matches nothing."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        self.path = Path(path)
+        self.what = what
+        self._lock = threading.Lock()
+        self._seen: tuple[int, int, int, int] | None = None
+        self._token: str | None = None
+        self.current()  # a bad file at start is a ConfigError, not a server that refuses everyone
+
+    def current(self) -> str:
+        try:
+            st = os.stat(self.path)
+        except OSError as exc:
+            raise ConfigError(f"cannot read the {self.what} file {self.path}: {exc.strerror or exc}") from None
+        seen = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        with self._lock:
+            if seen != self._seen or self._token is None:
+                self._token = read_token_file(self.path, self.what, private=True)
+                self._seen = seen
+            return self._token
+
+    def matches(self, given: str | None) -> bool:
+        try:
+            expected = self.current()
+        except ConfigError as exc:
+            with self._lock:
+                if self._token is not None:  # once per failure, not once per request
+                    log.warning("%s; refusing every request until it holds a token", exc)
+                self._token, self._seen = None, None
+            return False
+        return token_matches(given, expected)
 
 
 def configured_token(config: TuttiConfig) -> str | None:
@@ -53,9 +125,10 @@ def ensure_token(config: TuttiConfig) -> tuple[str, Path | None, bool]:
     if token is not None:
         return token, config.admin_token_file, False
     path = default_token_path(config)
+    gid = group_id(config.file_group)  # owner-only, or readable by file_group (tutti_cluster.files)
+    make_dir(path.parent, gid)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
         return read_token_file(path), path, False
     except OSError as exc:
@@ -64,10 +137,12 @@ def ensure_token(config: TuttiConfig) -> tuple[str, Path | None, bool]:
     token = secrets.token_urlsafe(32)
     try:
         with os.fdopen(fd, "w") as f:
+            set_access(f.fileno(), path, file_mode(gid), gid)
             f.write(token + "\n")
-    except OSError as exc:
+    except (OSError, StorageError) as exc:
         path.unlink(missing_ok=True)  # never leave an empty token file behind
-        raise StorageError(f"cannot write the admin token file {path}: {exc.strerror or exc}") from None
+        raise StorageError(f"cannot write the admin token file {path}: "
+                           f"{getattr(exc, 'strerror', None) or exc}") from None
     return token, path, True
 
 

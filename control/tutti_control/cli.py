@@ -80,8 +80,14 @@ class Client:
         return body
 
 
+# The etcd connection's TLS and user settings (docs/CLUSTER.md), taken by `tutti admin serve` as by `tutti up`.
+ETCD_TLS_FIELDS = ("etcd_ca_file", "etcd_cert_file", "etcd_key_file", "etcd_user", "etcd_password_file")
+
+
 def _config(a: argparse.Namespace) -> TuttiConfig:
-    return load_config(**config_arguments(a, ("data_dir", "etcd", "admin_host", "admin_port")))
+    return load_config(**config_arguments(a, ("data_dir", "etcd", *ETCD_TLS_FIELDS, "cluster_secret_file",
+                                              "admin_host", "admin_port",
+                                              "health_port", "metrics_token_file", "admin_docs")))
 
 
 def _url(a: argparse.Namespace, cfg: TuttiConfig) -> str:
@@ -152,7 +158,7 @@ def run(a: argparse.Namespace) -> int:
                 for o in body["objects"]]
         text = table(rows, ["KEY", "NODES", "INSTANCES", "PINNED"]) + ("\n(more match: raise --limit)" if body["truncated"] else "")
     elif a.admin_cmd == "evict":
-        params = {"all": "true"} if a.all else {}
+        params = {"all": "true" if a.all else "false"}
         if a.prefix:
             params["prefix"] = a.prefix.lower()
         if a.node:
@@ -186,21 +192,29 @@ def run(a: argparse.Namespace) -> int:
 
 
 def serve(cfg: TuttiConfig, a: argparse.Namespace) -> int:
-    from tutti_control.serve import bind, cluster_admin
+    from tutti_control.serve import bind, bind_health, cluster_admin
 
     sock = bind(cfg.admin_host, cfg.admin_port)
-    server, _ = cluster_admin(cfg, sock)
+    try:
+        health_sock = bind_health(cfg)
+    except TuttiError:
+        sock.close()
+        raise
+    server, _, health = cluster_admin(cfg, sock, health_sock)
+    assert health is not None
     done = threading.Event()
     old = {s: signal.signal(s, lambda *_: done.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        health.start()
         server.start()  # in a thread: SIGTERM ends it gracefully here, status 0
-        print(f"tutti cluster admin API on http://{server.address} (nodes from etcd {','.join(cfg.etcd)}). "
-              "Ctrl-C stops it.", flush=True)
+        print(f"tutti cluster admin API on http://{server.address} (health: http://{health.address}/livez, /readyz; "
+              f"nodes from etcd {','.join(cfg.etcd)}). Ctrl-C stops it.", flush=True)
         while not done.wait(1.0):
-            if server.thread is not None and not server.thread.is_alive():
+            if any(s.thread is not None and not s.thread.is_alive() for s in (server, health)):
                 return 1  # uvicorn ended on its own: the log says why
     finally:
         server.stop()
+        health.stop()
         for s, h in old.items():
             signal.signal(s, h)
     return 0
@@ -237,7 +251,9 @@ def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
     d.add_argument("--wait", type=float, default=0.0, help="seconds to wait until it is drained")
     d.add_argument("--undo", action="store_true", help="end the drain")
     s = sub.add_parser("serve", help="serve the cluster-wide admin API (nodes from the cluster directory)")
-    add_config_arguments(s, ["etcd", "admin_host", "admin_port"], groups=False)
+    add_config_arguments(s, ["etcd", *ETCD_TLS_FIELDS, "cluster_secret_file", "admin_host", "admin_port",
+                             "health_port", "metrics_token_file", "admin_docs"],
+                         groups=False)
     return p
 
 

@@ -16,7 +16,9 @@ from typing import Any, Callable, TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from tutti_cluster.cluster.auth import cluster_secret
 from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
+from tutti_cluster.cluster.etcd import EtcdSecurity
 from tutti_cluster.config import TuttiConfig
 
 from tutti_control.backend import sum_counters
@@ -65,7 +67,9 @@ class ClusterBackend:
     def __init__(self, config: TuttiConfig, token: str, timeout_s: float = 15.0) -> None:
         self.config = config
         self.directory = EtcdDirectory(",".join(config.etcd), f"admin-{socket.gethostname()}",
-                                       max(2, config.lease_ttl_s), timeout_s=2.0)
+                                       max(2, config.lease_ttl_s), timeout_s=2.0,
+                                       security=EtcdSecurity.from_config(config),
+                                       secret=cluster_secret(config))  # only signed node records are believed
         self.http = httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s,
                                  limits=httpx.Limits(max_connections=64, max_keepalive_connections=32))
         self.pool = ThreadPoolExecutor(16, thread_name_prefix="tutti-admin-fanout")
@@ -218,7 +222,7 @@ class ClusterBackend:
 
     # -- operations -------------------------------------------------------------------------------
     def evict(self, prefix: str | None, node: str | None, everything: bool, keys: list[str] | None = None) -> EvictResult:
-        params: dict[str, Any] = {"prefix": prefix} if prefix is not None else {"all": "true"}
+        params: dict[str, Any] = {"all": "false", "prefix": prefix} if prefix is not None else {"all": "true"}
         recs = self.records()
         if node is not None:
             if node not in recs:
