@@ -2,7 +2,7 @@
 over the served schema, and a bounded load test (no 5xx, p99 reported, concurrent pins all kept).
 
 The load test runs 4000 requests at concurrency 200 by default; TUTTI_ADMIN_LOAD_REQUESTS=20000
-gives the full run recorded in docs/PERF.md.
+gives the full run recorded in docs/perf/2026-12-01-control-plane.md.
 """
 
 from __future__ import annotations

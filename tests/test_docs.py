@@ -1,5 +1,6 @@
-"""Links in README.md and docs/*.md resolve: in-page anchors to a heading of the same file (as
-GitHub names headings), relative links to a file of the repository."""
+"""Links in README.md, docs/*.md and the performance journal (docs/perf/*.md) resolve: in-page
+anchors to a heading of the same file (as GitHub names headings), relative links to a file of the
+repository. docs/PERF.md stays a reference of at most 300 lines."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "perf").glob("*.md"))]
 
 
 def anchors(text: str) -> set[str]:
@@ -51,3 +52,11 @@ def test_links_resolve(doc: Path):
         assert dest.exists(), f"{doc.name}: {target} does not exist"
         if frag and dest.suffix == ".md":
             assert frag in anchors(dest.read_text()), f"{doc.name}: {path} has no heading for #{frag}"
+
+
+def test_perf_is_a_reference_that_links_to_the_journal():
+    text = (ROOT / "docs" / "PERF.md").read_text()
+    assert len(text.splitlines()) <= 300, "docs/PERF.md is the reference: full records go to docs/perf/"
+    journal = {p.name for p in (ROOT / "docs" / "perf").glob("*.md")}
+    linked = {m.split("#")[0].removeprefix("perf/") for m in re.findall(r"\]\((perf/[^)\s]+)\)", text)}
+    assert journal and journal <= linked, f"journal files PERF.md does not link: {sorted(journal - linked)}"

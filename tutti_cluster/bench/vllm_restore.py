@@ -483,7 +483,8 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                      f"{stored / 2**20:.1f} MiB on disk, engine start {r['engine_start_s']:.1f} s")
         for i in range(args.repeat):  # the rounds: every system once each, recompute first
             # The others take turns at the place right after recompute's long prefill, so that no
-            # system always has it (suspected once of slowing a restore, not confirmed: docs/PERF.md).
+            # system always has it (suspected once of slowing a restore, not confirmed:
+            # docs/perf/2026-12-06-vllm-restore-cpu.md).
             for row, kv_config in round_order(list(zip(rows, kv_configs)), i):
                 system, unit = row["system"], row["unit_tokens"]
                 n += 1
@@ -646,8 +647,9 @@ def format_table(report: dict[str, Any]) -> str:
 
 def slow_bf16_note(dtype: str, cpuinfo: str, gpu: bool) -> str | None:
     """A note for a bfloat16 run of the CPU build on an x86 CPU with neither AVX512-BF16 nor AMX,
-    where bfloat16 matrix products run several times slower than float32 (docs/PERF.md, 2026-12-06:
-    55.8 against 284.5 GFLOP/s on 2 vCPUs, and a whole prefill of the default prompt 9 minutes)."""
+    where bfloat16 matrix products run several times slower than float32 (2026-12-06 in
+    docs/perf/2026-12-06-vllm-restore-cpu.md: 55.8 against 284.5 GFLOP/s on 2 vCPUs, and a whole
+    prefill of the default prompt 9 minutes)."""
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), None)
     if dtype != "bfloat16" or gpu or flags is None or {"avx512_bf16", "amx_bf16"} & set(flags):
         return None

@@ -906,14 +906,15 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   // K and V of one unit and layer are adjacent in the GPU file: with one object per chunk, two
   // adjacent chunks can take both in one storage I/O. Off unless cuda_pair (TUTTI_CUDA_PAIR=1): on the H200 host
   // it made retrieves slower (640K tokens through 64 MiB of staging: 19.4 against 26.1 GB/s) and
-  // did not speed up stores (docs/PERF_GPU.md).
+  // did not speed up stores (docs/perf/2026-11-30-h200-cuda-morning.md, "K and V as one I/O").
   group_ = pair_io_ && ctx->geom.objs_per_layer == 2 && ctx->chunk_bytes == ctx->geom.obj_bytes && per_worker_ >= 4 ? 2 : 1;
   // The agent keeps at most queue_depth I/Os in flight, so the blocks of both lanes together keep
   // at most twice that many slots in use: one half in storage, the other being gathered or
   // scattered. More would only wait in the SQ. The free slots are a stack, so a block reuses the
   // slots it freed last and the staging it touches stays small enough for the CPU's last-level
   // cache (PCIe writes land there); on the H200 host this lifted the /dev/shm store at 128K tokens
-  // from 24-26 to 35-38 GB/s with a 2 GiB staging area (docs/PERF.md).
+  // from 24-26 to 35-38 GB/s with a 2 GiB staging area (docs/perf/2026-11-30-h200-cuda-afternoon.md,
+  // "A window of staging").
   const uint32_t per_block = (TUTTI_WINDOW_QD * ctx->queue_depth + kLanes * grid_ - 1) / (kLanes * grid_);
   window_ = std::clamp<uint32_t>(per_block, 1, per_worker_ / group_);
   const uint32_t nk = kLanes * workers;  // SQ/CQ pairs of the kernel
@@ -984,7 +985,8 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     return {Code::kConfig, cuda_msg("staging too large for the I/O kernel's shared memory", e)};
   }
   // Load both kernels now: with CUDA's lazy module loading the first launch would load them,
-  // inside the engine's first layer call (0.3-1.5 ms of its CPU on the H200 host, docs/PERF.md).
+  // inside the engine's first layer call (0.3-1.5 ms of its CPU on the H200 host,
+  // docs/perf/2026-12-01-crc32c-ab.md, "Lease 4").
   for (const void* fn : {reinterpret_cast<const void*>(io_kernel), reinterpret_cast<const void*>(scatter_kernel)}) {
     cudaFuncAttributes fa{};
     if ((e = cudaFuncGetAttributes(&fa, fn)) != cudaSuccess) {

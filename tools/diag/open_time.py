@@ -1,8 +1,8 @@
 """How long opening a store on /dev/shm takes, with and without map_memory_paths (an 8 GiB pool),
 twice in one process:
 
-    python tests/open_time.py 1    # mapped
-    python tests/open_time.py 0    # io_uring only
+    python tools/diag/open_time.py 1    # mapped
+    python tools/diag/open_time.py 0    # io_uring only
 """
 
 from __future__ import annotations

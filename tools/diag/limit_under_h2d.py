@@ -4,7 +4,7 @@ Answers whether host memory bandwidth binds the io_uring path on a memory file s
 tmpfs is a kernel copy (host memory read and written), and the GPU pulling staging over PCIe reads
 host memory once more. Run on the GPU host, with a directory on /dev/shm:
 
-    python tests/limit_under_h2d.py --path /dev/shm/lim --json lim.json
+    python tools/diag/limit_under_h2d.py --path /dev/shm/lim --json lim.json
 """
 
 from __future__ import annotations

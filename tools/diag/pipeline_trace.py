@@ -5,7 +5,7 @@ kernel on the compute stream with its duration and the gap before it (the GPU id
 the host or for an event), plus the I/O kernels beside them. A Chrome trace of each run goes to
 ``--out``.
 
-    python3 tests/pipeline_trace.py --paths /dev/shm/a /dev/shm/b --input 64K --prefix 32K --out DIR
+    python3 tools/diag/pipeline_trace.py --paths /dev/shm/a /dev/shm/b --input 64K --prefix 32K --out DIR
 """
 
 from __future__ import annotations

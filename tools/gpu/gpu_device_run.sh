@@ -1,5 +1,5 @@
 #!/bin/bash
-# Runs steps on the lent GPU host, from the repository root: tests/gpu_device_run.sh STEP...
+# Runs steps on the lent GPU host, from the repository root: tools/gpu/gpu_device_run.sh STEP...
 # Steps: tests (GPU tests), memory (host memory copy bandwidth by thread count; the storage read
 # limit alone and while the GPU copies from pinned memory), shm (bench, all
 # systems, /dev/shm as a stand-in for an NVMe array, tutti-mapped included),
@@ -65,8 +65,8 @@ for step in "$@"; do
     TUTTI_CUDA_TRACE=1 timeout 150 python3 -m pytest -q -m gpu --timeout=90 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -6 ;;
   memory)
     log "host memory copy bandwidth"
-    timeout "$(left)" python3 tests/host_copy_bandwidth.py --json "$OUT/copy.json"
-    timeout "$(left)" python3 tests/limit_under_h2d.py --path /dev/shm/lim --json "$OUT/limit_h2d.json"
+    timeout "$(left)" python3 tools/diag/host_copy_bandwidth.py --json "$OUT/copy.json"
+    timeout "$(left)" python3 tools/diag/limit_under_h2d.py --path /dev/shm/lim --json "$OUT/limit_h2d.json"
     rm -rf /dev/shm/lim ;;
   shm)
     log "bench /dev/shm (stand-in for an NVMe array), staging ${STAGING_MB:-2048} MiB, queue depth ${QD:-64}"
@@ -97,7 +97,7 @@ for step in "$@"; do
   driver)
     log "driver 640K"
     mkdir -p $SHM
-    timeout $(left) python3 tests/gpu_bench_driver.py --paths $SHM --tokens 640K --json "$OUT/driver.json" 2>&1 | tail -28
+    timeout $(left) python3 tools/gpu/gpu_bench_driver.py --paths $SHM --tokens 640K --json "$OUT/driver.json" 2>&1 | tail -28
     rm -rf $SHM ;;
   cluster)
     log "cluster: etcd and the Transfer Engine's libraries from .cdeb/"

@@ -1,7 +1,7 @@
 """Diagnostic: one engine run of ``tutti bench vllm`` (a spec it wrote, kept with ``--paths``) with a
 timeline of the connector's calls, to see where a restore's time to first token goes.
 
-    python tests/vllm_restore_timeline.py RUNS/tutti256-restore0.spec.json /tmp/out.json /tmp/timeline.txt
+    python tools/diag/vllm_restore_timeline.py RUNS/tutti256-restore0.spec.json /tmp/out.json /tmp/timeline.txt
 
 Each probe appends ``<seconds since generate> <event>`` to the timeline file (the engine run ends
 with ``os._exit``, so nothing is kept in memory). Not part of the suite.

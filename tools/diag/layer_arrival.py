@@ -3,7 +3,7 @@ bench's restore: 8 layers of 32-token blocks (8 KV heads of 128, bf16), 33 units
 A layer's compute can start once it has landed, so the first layer's time is what a restore adds to
 time to first token before any compute hides it. Not part of the suite.
 
-    python tests/layer_arrival.py /dev/shm/la [--busy] [--drop-caches] [--queue-depth 64]
+    python tools/diag/layer_arrival.py /dev/shm/la [--busy] [--drop-caches] [--queue-depth 64]
 
 ``--busy`` runs a 2048x2048 matmul loop on a thread beside (an engine's compute); under
 ``THP_MEM_ALLOC_ENABLE=1`` torch allocates the KV cache page-aligned and an O_DIRECT disk reads

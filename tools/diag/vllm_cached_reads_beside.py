@@ -4,7 +4,7 @@ starts: what plain disk reads beside the forward cost the engine, with none of t
 running. Give it a ``cached`` spec that ``tutti bench vllm --keep`` wrote and, for the reads, a file
 of at least 260 MiB on the store's disk (the run's pool file). Not part of the suite.
 
-    python tests/vllm_cached_reads_beside.py RUNS/cached-run0.spec.json /tmp/out.json [FILE]
+    python tools/diag/vllm_cached_reads_beside.py RUNS/cached-run0.spec.json /tmp/out.json [FILE]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ in alternating order. ``--loop memory`` streams 1.5 GiB of float32 weights throu
 (memory-bound, as a short prefill tail over a large model); ``--loop cache`` multiplies 1024x1024
 matrices that stay in cache (compute-bound). Needs root (drop_caches) and fio; not part of the suite.
 
-    python tests/disk_reads_beside_cpu.py FILE [--loop memory|cache] [--sizes 1M,4M] [--rounds 6]
+    python tools/diag/disk_reads_beside_cpu.py FILE [--loop memory|cache] [--sizes 1M,4M] [--rounds 6]
 """
 
 from __future__ import annotations

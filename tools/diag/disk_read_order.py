@@ -5,7 +5,7 @@ read it with 1 MiB O_DIRECT `preadv`s (the limit's reader), either in file order
 retrieve order (layer by layer, one 1 MiB K/V pair per unit, units 32 MiB apart). Passes alternate,
 page cache dropped before each:
 
-    python tests/disk_read_order.py --path /tmp/order
+    python tools/diag/disk_read_order.py --path /tmp/order
 """
 
 from __future__ import annotations

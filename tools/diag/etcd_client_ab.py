@@ -5,7 +5,7 @@ hand-encoded client of an older revision (loaded from git), alternating rounds o
 server, same keys, same transactions (4 concurrent transactions of 1024 keys-only range reads,
 each key held by 2 nodes), parsing included.
 
-    python tests/etcd_client_ab.py [--old-rev 7717fbf] [--rounds 30]
+    python tools/diag/etcd_client_ab.py [--old-rev 7717fbf] [--rounds 30]
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # the etcd fixtures of the tests
 
 from cluster_fixtures import EtcdServer, require_etcd  # noqa: E402
 
 
 def load_old(rev: str):  # type: ignore[no-untyped-def]
     src = subprocess.run(["git", "show", f"{rev}:tutti_cluster/cluster/etcd.py"], check=True,
-                         capture_output=True, text=True, cwd=Path(__file__).parent.parent).stdout
+                         capture_output=True, text=True, cwd=ROOT).stdout
     path = Path(tempfile.mkdtemp()) / "old_etcd.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("old_etcd", path)

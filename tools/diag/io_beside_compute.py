@@ -3,7 +3,7 @@ matrix multiplies run on the store's compute stream (the SMs outside the I/O par
 stream of the whole device. Times are CUDA events on a side stream around ``retrieve_layer`` and
 ``wait_layer``; the compute is queued after the reads are issued, so both run at once.
 
-    python3 tests/io_beside_compute.py --paths /dev/shm/a /dev/shm/b --tokens 32K [--pool-tokens 128K] --json out.json
+    python3 tools/diag/io_beside_compute.py --paths /dev/shm/a /dev/shm/b --tokens 32K [--pool-tokens 128K] --json out.json
 """
 
 from __future__ import annotations

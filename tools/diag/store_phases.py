@@ -5,7 +5,7 @@ Drives a TuttiStore (the CUDA backend when a GPU is present, else the CPU one) t
 as the bench's `tutti` system, Llama-3-8B shape, and prints milliseconds per phase for each round;
 each round stores a prefix, then retrieves it into other blocks:
 
-    python tests/store_phases.py --paths /dev/shm/tb0 /dev/shm/tb1 --prefix-tokens 16K 64K
+    python tools/diag/store_phases.py --paths /dev/shm/tb0 /dev/shm/tb1 --prefix-tokens 16K 64K
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each thread copies its own 256 MiB buffer into another, repeatedly; the figure i
 second (each byte copied is read once and written once). Used beside the /dev/shm benchmark to see
 how much of the host's memory bandwidth one extra pass over the data costs:
 
-    python tests/host_copy_bandwidth.py --json copy.json
+    python tools/diag/host_copy_bandwidth.py --json copy.json
 """
 
 from __future__ import annotations

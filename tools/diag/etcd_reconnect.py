@@ -5,7 +5,7 @@ B keeps looking them up (misses), then etcd starts again on the same port and da
 long after the restart B's lookups hit again and how many leases A had to take.
 ``--grpc-defaults`` runs the same with gRPC's default channel options (reconnect backoff up to 120 s).
 
-    python tests/etcd_reconnect.py [--outage 60] [--grpc-defaults]
+    python tools/diag/etcd_reconnect.py [--outage 60] [--grpc-defaults]
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # the etcd fixtures of the tests
 
 from cluster_fixtures import EtcdServer, require_etcd  # noqa: E402
 
@@ -28,6 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     require_etcd()
     import tutti_cluster.cluster.etcd as etcd_client
+    from tutti_cluster.cluster.auth import ClusterSecret
     from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 
     if args.grpc_defaults:
@@ -35,9 +37,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         e = EtcdServer(Path(tmp))
         e.start()
-        a = EtcdDirectory(e.endpoint, "A", lease_ttl_s=3)
+        secret = ClusterSecret.generate()  # both nodes' cluster credential
+        a = EtcdDirectory(e.endpoint, "A", lease_ttl_s=3, secret=secret)
         a.start(NodeRecord("A", "seg", "stage"))
-        b = EtcdDirectory(e.endpoint, "B", lease_ttl_s=3)
+        b = EtcdDirectory(e.endpoint, "B", lease_ttl_s=3, secret=secret)
         try:
             a.register([1, 2, 3])
             assert b.lookup([1, 2, 3]) == [["A"]] * 3

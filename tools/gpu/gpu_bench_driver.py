@@ -6,7 +6,7 @@ K/V), ``kv_first`` tensors on the GPU. Every retrieve is checked: the I/O kernel
 object's checksum (a mismatch fails the request here), and the KV tensors are compared against
 digests taken before the store.
 
-    python tests/gpu_bench_driver.py --paths /dev/shm/t0 /dev/shm/t1 --tokens 128K --json out.json
+    python tools/gpu/gpu_bench_driver.py --paths /dev/shm/t0 /dev/shm/t1 --tokens 128K --json out.json
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Two sets of limit files on one directory: A as `tutti bench` writes them (one ra
 repeated), B rewritten with distinct random data. Read passes alternate A and B (page cache dropped
 before each, O_DIRECT), so that the disk's drift falls on both alike:
 
-    python tests/limit_content_ab.py --path /tmp/ab
+    python tools/diag/limit_content_ab.py --path /tmp/ab
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and authentication (a user with readwrite on ``tutti/``), both started here from the same binary,
 alternating rounds, same keys (each held by 2 nodes), parsing included.
 
-    python tests/etcd_tls_ab.py [--rounds 30] [--keys 4096]
+    python tools/diag/etcd_tls_ab.py [--rounds 30] [--keys 4096]
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # the etcd fixtures of the tests
 
 from cluster_fixtures import EtcdServer, require_etcd  # noqa: E402
 from test_etcd_tls import PASSWORD, SecureEtcd, make_certificates  # noqa: E402

@@ -1,4 +1,4 @@
-"""The bench JSONs under a gpu_ab.sh output folder: python3 tests/bench_summary.py OUT.
+"""The bench JSONs under a gpu_ab.sh output folder: python3 tools/gpu/bench_summary.py OUT.
 
 One line per cell of every run, then, where the folder holds runs of more than one variant (old,
 new, new-NAME_VALUE), an A/B table: per cell each variant's GB/s in run order, and the ratio of
