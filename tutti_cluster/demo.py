@@ -7,7 +7,9 @@ paths (``<data_dir>/store`` by default); its pool files are removed when it ends
 from __future__ import annotations
 
 import logging
+import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,19 +47,32 @@ def pool_files(config: TuttiConfig) -> list[Path]:
     return sorted(f for p in config.storage_paths() if p.is_dir() for f in p.iterdir() if pattern.fullmatch(f.name))
 
 
+def _own_file(path: Path) -> os.stat_result | None:
+    """``path``'s status when it is a regular file of this user (never followed where it is a
+    link), else None."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() else None
+
+
 def run_demo(config: TuttiConfig, prefix_tokens: int = 8192, seed: int = 0, keep: bool = True) -> DemoResult:
     """Stores a random prefix, drops the KV, looks it up again and retrieves it into other blocks.
 
-    Unless ``keep``, the instance's pool files are removed afterwards (whatever the outcome), and so
-    are the default storage directory and data directory if the demo made them and they are empty.
+    Unless ``keep``, the instance's pool files are removed afterwards (whatever the outcome) where
+    the demo's store opened them: never a pool another store holds (the demo's open then fails), a
+    file of another user or a link put at their names. So are the default storage directory and
+    data directory if the demo made them and they are empty.
     """
     made = [d for d in (config.data_dir, config.storage_paths()[0]) if not config.paths and not d.exists()]
+    opened: list[bool] = []
     try:
-        result = _run(config, prefix_tokens, seed)
+        result = _run(config, prefix_tokens, seed, opened)
     finally:
-        files = pool_files(config)
-        size = sum(f.stat().st_size for f in files)
-        if not keep:
+        files = [f for f in pool_files(config) if _own_file(f) is not None]
+        size = sum(st.st_size for f in files if (st := _own_file(f)) is not None)
+        if not keep and opened:
             for f in files:
                 f.unlink(missing_ok=True)
             for d in reversed(made):
@@ -70,7 +85,7 @@ def run_demo(config: TuttiConfig, prefix_tokens: int = 8192, seed: int = 0, keep
     return result
 
 
-def _run(config: TuttiConfig, prefix_tokens: int, seed: int) -> DemoResult:
+def _run(config: TuttiConfig, prefix_tokens: int, seed: int, opened: list[bool]) -> DemoResult:
     unit = config.unit_tokens
     prefix_tokens = max(unit, prefix_tokens // unit * unit)
     blocks = prefix_tokens // BLOCK_TOKENS
@@ -94,6 +109,7 @@ def _run(config: TuttiConfig, prefix_tokens: int, seed: int) -> DemoResult:
         log.info("opening the demo's pool at %s: %.2f GiB (instance %r)", paths, gib, config.instance)
     with TuttiStore(config) as store:
         store.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first")
+        opened.append(True)  # its pool files are this store's: the clean-up may remove them
         log.info("storing %d tokens of KV (%.2f GiB, %d layers) and reading them back into other blocks",
                  prefix_tokens, kv_bytes / (1 << 30), LAYERS)
         for k in store.keys():  # a fresh start each time the demo runs

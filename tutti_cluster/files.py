@@ -58,19 +58,22 @@ def socket_mode(gid: int | None) -> int:
     return 0o660 if gid is not None else 0o600
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words ("a FIFO")."""
     for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
                        (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISREG, "a regular file")):
         if test(mode):
             return name
     return "not a regular file"
 
 
 def _apply(fd: int, mode: int, gid: int | None) -> None:
-    os.fchmod(fd, mode)  # whatever the umask took away at creation
+    # The group first: where it is refused (not a member), the mode stays as it was, never opened
+    # to the group the file happens to have (often one shared by every user, such as "users").
     if gid is not None and os.fstat(fd).st_gid != gid:
         os.fchown(fd, -1, gid)
+    os.fchmod(fd, mode)  # whatever the umask took away at creation
 
 
 def set_access(fd: int, path: Path | str, mode: int, gid: int | None) -> None:
@@ -82,29 +85,78 @@ def set_access(fd: int, path: Path | str, mode: int, gid: int | None) -> None:
         raise StorageError(f"cannot set the mode of {path}: {exc.strerror or exc}{hint}") from None
 
 
+def _mkdirs(path: Path) -> bool:
+    """Makes ``path`` (mode 0700) and its missing parents (mode 0755 at most, whatever the umask: a
+    parent others may write would let them replace ``path``). Whether ``path`` itself was made."""
+    missing = []
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            break
+        missing.append(p)
+    made = False
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700 if p == path else 0o755)
+            made = p == path
+        except FileExistsError:
+            pass  # made by another process a moment ago: checked like any existing directory
+    return made
+
+
+def check_dir(path: Path) -> None:
+    """StorageError unless directory ``path`` (followed where it is a symbolic link) is one that no
+    other user can put files in or take files from: it, and each directory above it, belongs to
+    this user or root and is writable by no one else. Group write is let pass where the group is
+    this process's own (a user private group); a directory above may be sticky (``/tmp``). A data
+    directory another user made (say in ``/tmp``, before the node first started) would let that user
+    choose the admin token and the cluster credential and replace the daemon's socket."""
+    real = Path(os.path.realpath(path))
+    uid, egid = os.geteuid(), os.getegid()
+    given = Path(os.path.abspath(path))
+    for p in (given, *given.parents):  # a link's owner may point it elsewhere at any time
+        with contextlib.suppress(OSError):
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode) and st.st_uid not in (uid, 0):
+                raise StorageError(f"refusing the directory {path}: {p} is a symbolic link of uid {st.st_uid}, not of "
+                                   f"this process's uid {uid} or root, so that user could point it elsewhere")
+    for p in (real, *real.parents):
+        try:
+            st = os.stat(p)
+        except OSError as exc:
+            raise StorageError(f"cannot check the directory {p}: {exc.strerror or exc}") from None
+        where = f"the directory {path}" + (f" (at {p})" if p != Path(path) else "")
+        if p == real and not stat.S_ISDIR(st.st_mode):
+            raise StorageError(f"{path} exists and is not a directory")
+        if st.st_uid not in (uid, 0):
+            raise StorageError(f"refusing {where}: it is owned by uid {st.st_uid}, not by this process's uid {uid} "
+                               "or root, so that user could replace the node's files in it; use a directory of "
+                               "this user's")
+        sticky = p != real and st.st_mode & stat.S_ISVTX
+        others = st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != egid)
+        if others and not sticky:
+            raise StorageError(f"refusing {where}: mode {stat.S_IMODE(st.st_mode):04o} lets other users write to it, "
+                               f"so they could replace the node's files in it (chmod go-w {p})")
+
+
 def make_dir(path: Path, gid: int | None = None) -> None:
     """Makes directory ``path`` (and missing parents) with :func:`dir_mode`; an existing directory
-    (or a symbolic link to one, as an operator may give) is left as it is. StorageError otherwise."""
+    (or a symbolic link to one, as an operator may give) keeps its mode. Either way it must pass
+    :func:`check_dir`. StorageError otherwise."""
     path = Path(path)
-    if path.is_dir():
-        return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        if path.is_dir():
-            return  # made by another process a moment ago
-        raise StorageError(f"{path} exists and is not a directory") from None
+        made = _mkdirs(path)
     except OSError as exc:
         raise StorageError(f"cannot create the directory {path}: {exc.strerror or exc}") from None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise StorageError(f"cannot open the directory {path} just made: {exc.strerror or exc}") from None
-    try:
-        set_access(fd, path, dir_mode(gid), gid)
-    finally:
-        os.close(fd)
+    if made:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise StorageError(f"cannot open the directory {path} just made: {exc.strerror or exc}") from None
+        try:
+            set_access(fd, path, dir_mode(gid), gid)
+        finally:
+            os.close(fd)
+    check_dir(path)
 
 
 def write_atomic(path: Path, data: bytes, gid: int | None = None, *, sync: bool = True) -> None:
@@ -159,12 +211,12 @@ def read_bounded(path: Path | str, limit: int, *, what: str, error: type[TuttiEr
         with contextlib.suppress(OSError):
             st = os.lstat(path)
             if not stat.S_ISREG(st.st_mode):
-                raise error(f"{what} {path} is {_kind(st.st_mode)}, not a regular file") from None
+                raise error(f"{what} {path} is {file_kind(st.st_mode)}, not a regular file") from None
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise error(f"{what} {path} is {_kind(st.st_mode)}, not a regular file")
+            raise error(f"{what} {path} is {file_kind(st.st_mode)}, not a regular file")
         if st.st_size > limit:
             raise error(f"{what} {path} has {st.st_size} bytes, more than the {limit} allowed")
         chunks, total = [], 0
@@ -181,3 +233,27 @@ def read_bounded(path: Path | str, limit: int, *, what: str, error: type[TuttiEr
         raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
     finally:
         os.close(fd)
+
+
+def tighten_files(directory: Path, gid: int | None = None) -> None:
+    """Takes away what no file of the node grants: every regular file of this user directly in
+    ``directory`` keeps at most owner read and write, and group read where its group is ``gid``
+    (files that an older build left readable by others, an ``admin.token`` or ``pins.json`` made
+    0644, are closed at the next start). Only ever narrows a mode, never changes a group. Files
+    are opened without following a link or waiting on a FIFO; other users' files are left alone."""
+    with os.scandir(directory) as entries:
+        names = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+    for name in names:
+        path = Path(directory) / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone, or not ours to open: nothing of ours to close
+        try:
+            st = os.fstat(fd)
+            allowed = 0o640 if gid is not None and st.st_gid == gid else 0o600
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and mode & ~allowed:
+                set_access(fd, path, mode & allowed, None)
+        finally:
+            os.close(fd)

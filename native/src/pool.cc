@@ -146,15 +146,20 @@ static Status open_error(const std::string& file, int err) {
   return {Code::kStorage, errno_message("open " + file, err)};
 }
 
-// A regular file, and for a writer one of this user with no other name (a hard link placed at the
-// pool's name may be anyone's file).
-static Status check_file(const std::string& file, int fd, bool writer, struct stat* st) {
+// A regular file of this user, and for a writer one with no other name (a hard link placed at the
+// pool's name may be anyone's file). A reader also takes a file of another user whose group is the
+// configured file group `gid` (a daemon running as another user than its engines); any other
+// user's file is one planted by someone who can write the storage directory, whose units the node
+// would otherwise index, advertise and serve as its own.
+static Status check_file(const std::string& file, int fd, bool writer, int64_t gid, struct stat* st) {
   if (::fstat(fd, st) != 0) return {Code::kStorage, errno_message("stat " + file, errno)};
   if (!S_ISREG(st->st_mode)) return refuse(file, std::string("it is ") + file_kind(st->st_mode) + " (a pool file must be a regular file)");
-  if (!writer) return Status::Ok();
-  if (st->st_uid != ::geteuid())
+  const bool group_shared = !writer && gid >= 0 && st->st_gid == static_cast<gid_t>(gid);
+  if (st->st_uid != ::geteuid() && !group_shared)
     return refuse(file, "it is owned by uid " + std::to_string(st->st_uid) + ", not by this process's uid " +
-                            std::to_string(::geteuid()));
+                            std::to_string(::geteuid()) +
+                            (writer ? std::string() : std::string(" (a reader running as another user needs file_group)")));
+  if (!writer) return Status::Ok();
   if (st->st_nlink > 1)
     return refuse(file, "it has " + std::to_string(st->st_nlink) + " hard links (a pool file has one name)");
   return Status::Ok();
@@ -216,7 +221,7 @@ static Status open_file_checked(PoolPath* p, DirectMode mode, bool read_only, in
     if (fd < 0) return open_error(p->file, errno);
     p->fd = fd;
     struct stat st;
-    Status s = check_file(p->file, fd, !read_only, &st);
+    Status s = check_file(p->file, fd, !read_only, gid, &st);
     if (!s.ok()) return s;
     if (read_only) return set_flags(p, mode);
     // A process that just died may hold the lock a moment longer: the kernel drops its io_uring's
@@ -243,12 +248,14 @@ static Status open_file_checked(PoolPath* p, DirectMode mode, bool read_only, in
       s = check_ours(*p, static_cast<uint64_t>(st.st_size));
       if (!s.ok()) return s;
     }
-    // The mode whatever the umask was, on new files and on files an older build made.
-    if ((st.st_mode & 07777) != file_mode && ::fchmod(fd, file_mode) != 0)
-      return {Code::kStorage, errno_message("chmod " + p->file, errno)};
+    // The group first: where it is refused, the mode stays as it was (never opened to the group
+    // the file happens to have). Then the mode whatever the umask was, on new files and on files
+    // an older build made.
     if (gid >= 0 && st.st_gid != static_cast<gid_t>(gid) && ::fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(gid)) != 0)
       return {Code::kStorage, errno_message("chgrp " + p->file + " to gid " + std::to_string(gid) +
                                                 " (this user must be a member of file_group)", errno)};
+    if ((st.st_mode & 07777) != file_mode && ::fchmod(fd, file_mode) != 0)
+      return {Code::kStorage, errno_message("chmod " + p->file, errno)};
     return Status::Ok();
   }
   return {Code::kStorage, "pool file " + p->file + " keeps being made and removed by another process"};
@@ -297,8 +304,8 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
 // Touches every page of new pool files on memory file systems once, writing, so that the first
 // store into them runs as fast as later ones. fallocate reserves tmpfs pages but leaves them to be
 // cleared on first use, and under a hypervisor the guest's first touch of memory is slower still:
-// on the H200 host the first store into a new pool ran at 8-15 GB/s, later ones at 28-37 (PERF.md,
-// "The first pass over a new pool"). Best effort: without MADV_POPULATE_WRITE (Linux < 5.14) the
+// on the H200 host the first store into a new pool ran at 8-15 GB/s, later ones at 28-37
+// (docs/perf/2026-11-30-h200-cuda-afternoon.md, "The first pass over a new pool"). Best effort: without MADV_POPULATE_WRITE (Linux < 5.14) the
 // first store pays it.
 static void touch_memory_files(const std::vector<PoolPath*>& files, uint64_t slot_bytes) {
   std::atomic<size_t> next{0};
