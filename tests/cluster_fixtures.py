@@ -4,6 +4,9 @@ Nothing here is a fake: `EtcdServer` runs Debian's `etcd` binary and `MooncakeMa
 `mooncake_master` console script from PyPI `mooncake-transfer-engine-non-cuda`. Each test module
 imports the fixtures it needs (``from cluster_fixtures import etcd_server, ...``); a module whose
 components are missing is skipped with the reason.
+
+Every node, engine and stage endpoint of the tests runs with the cluster credential on: one secret
+file per test process (:func:`cluster_secret_file`, mode 0600), as every node of a cluster shares it.
 """
 
 from __future__ import annotations
@@ -17,14 +20,62 @@ import socket
 import subprocess
 import sys
 import tempfile
+import atexit
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
+
+_SECRET_FILE: Path | None = None
+
+
+def cluster_secret_file() -> Path:
+    """The test process's cluster credential file (made once, mode 0600, removed at exit): every
+    node and engine of a test cluster is given it."""
+    global _SECRET_FILE
+    if _SECRET_FILE is None:
+        from tutti_cluster.cluster.auth import write_secret_file
+
+        d = Path(tempfile.mkdtemp(prefix="tutti-credential-"))
+        atexit.register(shutil.rmtree, d, True)
+        _SECRET_FILE = write_secret_file(d / "cluster.key")
+    return _SECRET_FILE
+
+
+def cluster_secret() -> Any:
+    """The test process's cluster credential (a ClusterSecret read from :func:`cluster_secret_file`)."""
+    from tutti_cluster.cluster.auth import ClusterSecret
+
+    return ClusterSecret.from_file(cluster_secret_file())
+
+
+def owner_handshake(conn: socket.socket, secret: Any = None) -> bool:
+    """The owner's side of the stage handshake on an accepted connection, for the tests' fake
+    owners (which then answer whatever they script); reads byte by byte, so that nothing past the
+    requester's auth line is consumed. False when the requester does not prove the credential."""
+    from tutti_cluster.cluster.auth import OWNER, REQUESTER, new_nonce
+    from tutti_cluster.cluster.stage import AuthOp, Hello, Welcome
+
+    secret = secret or cluster_secret()
+    nonce = new_nonce()
+    conn.sendall(Hello(nonce=nonce.hex()).line())
+    line = b""
+    while not line.endswith(b"\n"):
+        c = conn.recv(1)
+        if not c:
+            return False
+        line += c
+    msg = AuthOp.model_validate_json(line)
+    theirs = bytes.fromhex(msg.nonce)
+    index = secret.verify_proof(bytes.fromhex(msg.proof), REQUESTER, nonce, theirs)
+    if index is None:
+        return False
+    conn.sendall(Welcome(proof=secret.prove(OWNER, nonce, theirs, index).hex()).line())
+    return True
 
 
 _handed_out: set[int] = set()
@@ -249,12 +300,25 @@ def wait_slots_free(node, n: int, within_s: float = 5.0) -> bool:  # type: ignor
 
 
 class StageConn:
-    """A raw JSON-lines connection to a stage endpoint, as an attacker (or another version) talks."""
+    """A raw JSON-lines connection to a stage endpoint, as an attacker (or another version) talks:
+    authenticated with ``secret`` (by default the tests' cluster credential), or, with
+    ``secret=None``, left at the owner's hello (``self.hello``) for the caller to speak first."""
 
-    def __init__(self, address: str, timeout: float = 5.0) -> None:
+    _DEFAULT: Any = object()
+
+    def __init__(self, address: str, timeout: float = 5.0, secret: Any = _DEFAULT) -> None:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.hello: dict | None = None
+        if secret is not None:
+            from tutti_cluster.cluster.stage import _requester_handshake
+
+            rest = _requester_handshake(self.sock, cluster_secret() if secret is StageConn._DEFAULT else secret,
+                                        timeout)
+            assert not rest, rest  # the owner says nothing before a request
         self.f = self.sock.makefile("rwb")
+        if secret is None:
+            self.hello = self.recv()
 
     def send(self, obj) -> None:  # type: ignore[no-untyped-def]
         """A line (bytes, sent as they are) or an object (sent as JSON)."""
@@ -448,7 +512,7 @@ class NodeProcess:
     def __init__(self, name: str, etcd: str, workdir: Path, lease_ttl_s: int = 3, capacity_gb: float = 0.05,
                  paths: list[str] | None = None, timeout_s: float = 3.0, with_daemon: bool = True,
                  instance: str = "engine0", data_dir: Path | None = None, mooncake_master: str | None = None,
-                 prefix: list[str] | None = None, backend: str = "auto") -> None:
+                 prefix: list[str] | None = None, backend: str = "auto", secret_file: Path | None = None) -> None:
         self.name = name
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -458,7 +522,8 @@ class NodeProcess:
             paths = [str(store_dir)]
         self.config = {"paths": paths, "capacity_gb": capacity_gb, "unit_tokens": 64,
                        "data_dir": str(data_dir or self.workdir), "etcd": etcd, "node_id": name,
-                       "lease_ttl_s": lease_ttl_s, "instance": instance, "backend": backend}
+                       "lease_ttl_s": lease_ttl_s, "instance": instance, "backend": backend,
+                       "cluster_secret_file": str(secret_file or cluster_secret_file())}
         if mooncake_master:
             self.config["mooncake_master"] = mooncake_master
         self.timeout_s = timeout_s

@@ -7,17 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import EtcdServer, etcd_server, require_etcd, wait_for  # noqa: F401 (fixture)
+from cluster_fixtures import EtcdServer, cluster_secret, etcd_server, require_etcd, wait_for  # noqa: F401 (fixture)
 from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord, parse_endpoints, unit_key
 from tutti_cluster.cluster.etcd import EtcdClient, EtcdError, op_put, op_range, prefix_end
 from tutti_cluster.errors import ConfigError
 
 pytestmark = pytest.mark.cluster
 
+SECRET = cluster_secret()
 
 
 def node(etcd: EtcdServer, name: str, ttl: int = 3, **kw) -> EtcdDirectory:
-    d = EtcdDirectory(etcd.endpoint, name, lease_ttl_s=ttl, **kw)
+    d = EtcdDirectory(etcd.endpoint, name, lease_ttl_s=ttl, secret=SECRET, **kw)
     d.start(NodeRecord(name, f"seg-{name}", f"stage-{name}"))
     return d
 
@@ -31,9 +32,11 @@ def test_wire_helpers():
         with pytest.raises(ConfigError):
             parse_endpoints(bad)
     with pytest.raises(ConfigError):
-        EtcdDirectory("127.0.0.1:1", "a/b")
+        EtcdDirectory("127.0.0.1:1", "a/b", secret=SECRET)
     with pytest.raises(ConfigError):
-        EtcdDirectory("127.0.0.1:1", "a", lease_ttl_s=1)
+        EtcdDirectory("127.0.0.1:1", "a", lease_ttl_s=1, secret=SECRET)
+    with pytest.raises(TypeError):
+        EtcdDirectory("127.0.0.1:1", "a")  # type: ignore[call-arg]  # never without the cluster credential
 
 
 def test_client_round_trip(etcd_server):
@@ -85,7 +88,7 @@ def test_batches_larger_than_a_transaction_are_split(tmp_path: Path):
         assert a.unregister(keys[50:])
         assert len(b.lookup(keys)) == 50
         # A client that starts above the server's limit shrinks its transactions by itself.
-        big = EtcdDirectory(etcd.endpoint, "C", max_txn_ops=100)
+        big = EtcdDirectory(etcd.endpoint, "C", max_txn_ops=100, secret=SECRET)
         assert big.lookup(keys) == [["A"]] * 50
         assert big.max_txn_ops <= 16 and big.stats.lookup_errors == 0
         assert big.register(keys[:40]) is False  # C has no lease yet: queued, not an error
@@ -142,7 +145,7 @@ def test_etcd_down_lookups_miss_and_registrations_replay(etcd_server):
 def test_directory_survives_a_start_without_etcd(tmp_path: Path):
     require_etcd()
     etcd = EtcdServer(tmp_path)
-    a = EtcdDirectory(etcd.endpoint, "A", lease_ttl_s=2)
+    a = EtcdDirectory(etcd.endpoint, "A", lease_ttl_s=2, secret=SECRET)
     a.register([42])
     a.start(NodeRecord("A", "s", "t"))  # etcd is not running yet: no error
     etcd.start()
@@ -173,6 +176,8 @@ def test_bad_records_in_etcd_are_skipped_not_fatal(etcd_server):
     from tutti_cluster.cluster.stage import StageStream, ping
 
     a, b = node(etcd_server, "A"), node(etcd_server, "B")
+    e = EtcdDirectory(etcd_server.endpoint, "E", lease_ttl_s=3, secret=SECRET)
+    e.start(NodeRecord("E", "seg-E", "not-an-address", {"pid": 1}))  # signed, with a stage address that is not host:port
     c = EtcdClient(etcd_server.endpoint)
     try:
         bad = {
@@ -182,7 +187,6 @@ def test_bad_records_in_etcd_are_skipped_not_fatal(etcd_server):
         }
         for name, value in bad.items():
             c.put((NODE_PREFIX + name).encode(), value)
-        c.put((NODE_PREFIX + "E").encode(), NodeRecord("E", "seg-E", "not-an-address", {"pid": 1}).to_json().encode())
         c.put(unit_key(7, "").encode() + b"\xff\xfe", b"")  # a unit entry whose node is not UTF-8
         a.register([7])
         nodes = b.refresh_nodes()
@@ -192,10 +196,11 @@ def test_bad_records_in_etcd_are_skipped_not_fatal(etcd_server):
         assert b.lookup([7]) == [["A"]] and b.stats.bad_records == len(bad) + 1
         assert c.count_prefix(UNIT_PREFIX.encode()) == 2
         # A record's stage address that is not host:port is a failed stream, never an exception.
-        s = StageStream(None, nodes["E"].stage, nodes["E"].segment, [7], timeout_s=1)  # type: ignore[arg-type]
+        s = StageStream(None, nodes["E"].stage, nodes["E"].segment, [7], timeout_s=1, secret=SECRET)  # type: ignore[arg-type]
         assert list(s) == [] and "not a host:port address" in (s.error or "")
         assert not ping("not-an-address") and not ping("h:99999")
     finally:
         c.close()
         a.stop()
         b.stop()
+        e.stop()

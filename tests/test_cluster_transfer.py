@@ -6,19 +6,19 @@ inside units); the store-backed path is covered by test_cluster.py and test_daem
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import time
 
 import pytest
 
-from cluster_fixtures import engines, free_port, require_mooncake, wait_slots_free  # noqa: F401 (fixture)
+from cluster_fixtures import (StageConn, cluster_secret, engines, free_port, require_mooncake,  # noqa: F401 (fixture)
+                              wait_slots_free)
 from tutti_cluster.errors import ConfigError
 
 pytestmark = pytest.mark.cluster
 
 UNIT = 1 << 20
+SECRET = cluster_secret()
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def served(engines):
 
     owner, requester = engines
     units = {k: os.urandom(UNIT - 4096 * (k % 3)) for k in range(1, 9)}
-    srv = StageServer(owner, units.get, max_window=3, idle_timeout_s=5).start()
+    srv = StageServer(owner, units.get, max_window=3, idle_timeout_s=5, secret=SECRET).start()
     yield owner, requester, units, srv
     srv.stop()
 
@@ -39,7 +39,7 @@ def test_stream_is_byte_exact_and_in_order(served):
     keys = list(range(1, 9))
     for depth in (2, 3):  # one pull in flight, or two
         for window in (1, 2, 3, 8):
-            stream = StageStream(requester, srv.address, owner.segment, keys, window=window, depth=depth)
+            stream = StageStream(requester, srv.address, owner.segment, keys, window=window, depth=depth, secret=SECRET)
             got = [(k, bytes(v)) for k, v in stream]
             assert [k for k, _ in got] == keys and stream.error is None
             assert all(v == units[k] for k, v in got)
@@ -54,7 +54,7 @@ def test_held_slots_stay_the_callers_until_done(served):
 
     owner, requester, units, srv = served
     keys = list(range(1, 9))
-    stream = StageStream(requester, srv.address, owner.segment, keys, window=2, depth=3, hold=True)
+    stream = StageStream(requester, srv.address, owner.segment, keys, window=2, depth=3, hold=True, secret=SECRET)
     held: list = []
     got = []
     for key, view, done in stream:
@@ -89,7 +89,7 @@ def test_an_owner_waiting_for_our_done_is_not_silent(served, monkeypatch):
 
     monkeypatch.setattr(requester, "wait", slow_wait)
     for keys, window, depth in (([1, 2, 3], 1, 2), ([1, 2, 3, 4, 5], 4, 4)):
-        stream = StageStream(requester, srv.address, owner.segment, keys, window=window, depth=depth, timeout_s=1.0)
+        stream = StageStream(requester, srv.address, owner.segment, keys, window=window, depth=depth, timeout_s=1.0, secret=SECRET)
         got = [(k, bytes(v)) for k, v in stream]
         assert stream.error is None, (window, stream.error)
         assert [k for k, _ in got] == keys and all(v == units[k] for k, v in got)
@@ -100,7 +100,7 @@ def test_stream_stops_at_the_first_miss(served):
     from tutti_cluster.cluster.stage import StageStream
 
     owner, requester, units, srv = served
-    s = StageStream(requester, srv.address, owner.segment, [1, 2, 99, 3])
+    s = StageStream(requester, srv.address, owner.segment, [1, 2, 99, 3], secret=SECRET)
     assert [k for k, _ in s] == [1, 2]
     assert s.miss == "not found" and s.error is None
 
@@ -109,9 +109,9 @@ def test_unit_larger_than_a_slot_is_a_miss(engines):
     from tutti_cluster.cluster.stage import StageServer, StageStream
 
     owner, requester = engines
-    srv = StageServer(owner, {1: b"x" * 100, 2: b"y" * (UNIT + 1)}.get).start()
+    srv = StageServer(owner, {1: b"x" * 100, 2: b"y" * (UNIT + 1)}.get, secret=SECRET).start()
     try:
-        s = StageStream(requester, srv.address, owner.segment, [1, 2])
+        s = StageStream(requester, srv.address, owner.segment, [1, 2], secret=SECRET)
         assert [bytes(v) for _, v in s] == [b"x" * 100]
         assert s.miss and s.miss.startswith("staging")
     finally:
@@ -123,7 +123,7 @@ def test_unreachable_owner_ends_the_stream_without_raising(engines):
 
     owner, requester = engines
     addr = f"127.0.0.1:{free_port()}"
-    s = StageStream(requester, addr, owner.segment, [1, 2], timeout_s=1)
+    s = StageStream(requester, addr, owner.segment, [1, 2], timeout_s=1, secret=SECRET)
     assert list(s) == [] and s.error and "connect" in s.error
     assert not ping(addr, 0.5)
 
@@ -132,20 +132,17 @@ def test_wrong_segment_is_a_transfer_failure_not_an_exception(served):
     from tutti_cluster.cluster.stage import StageStream
 
     owner, requester, units, srv = served
-    s = StageStream(requester, srv.address, f"127.0.0.1:{free_port()}", [1, 2], timeout_s=2)
+    s = StageStream(requester, srv.address, f"127.0.0.1:{free_port()}", [1, 2], timeout_s=2, secret=SECRET)
     assert list(s) == [] and s.error
 
 
 def test_dropped_requester_returns_its_slots(served):
     owner, requester, units, srv = served
-    host, port = srv.address.rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=5) as s:
-        f = s.makefile("rwb")
-        f.write(json.dumps({"op": "stage", "keys": [1, 2, 3], "window": 3}).encode() + b"\n")
-        f.flush()
-        announced = [json.loads(f.readline()) for _ in range(3)]
-        assert all("addr" in m for m in announced)
-        f.close()  # else the file keeps the socket open past the with, until the server's idle timeout
+    c = StageConn(srv.address)
+    c.send({"op": "stage", "keys": [1, 2, 3], "window": 3})
+    announced = [c.recv() for _ in range(3)]
+    assert all("addr" in m for m in announced)
+    c.close()
     # The server notices the close and reclaims the three slots it had lent.
     import time
 
@@ -155,7 +152,7 @@ def test_dropped_requester_returns_its_slots(served):
     assert srv.stats.reclaimed_slots == 3
     from tutti_cluster.cluster.stage import ping
 
-    assert ping(srv.address)
+    assert ping(srv.address, secret=SECRET)
 
 
 def test_bad_settings_are_config_errors():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster_fixtures import EtcdServer, free_port, require_etcd, require_mooncake
+from cluster_fixtures import EtcdServer, cluster_secret_file, free_port, require_etcd, require_mooncake
 
 pytestmark = pytest.mark.cluster
 
@@ -36,14 +36,16 @@ def free_port_pair() -> int:
 
 
 class Up:
-    """`tutti up ...`; its stderr lines are collected by a thread (``lines``)."""
+    """`tutti up ...`; its stderr lines are collected by a thread (``lines``). ``credential``: the
+    tests' cluster credential file is passed (--cluster-secret-file)."""
 
-    def __init__(self, tmp: Path, *argv: str) -> None:
+    def __init__(self, tmp: Path, *argv: str, credential: bool = True) -> None:
         code = "import sys; from tutti_cluster.cli import main; sys.exit(main(sys.argv[1:]))"
         env = {k: v for k, v in os.environ.items() if not k.startswith("TUTTI_")}
+        creds = ["--cluster-secret-file", str(cluster_secret_file())] if credential else []
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, "up", "--data-dir", str(tmp / "node"), "--paths", str(tmp / "ssd"),
-             "--capacity-gb", "0.01", "--admin-port", "0", "--lease-ttl-s", "3", *argv],
+             "--capacity-gb", "0.01", "--admin-port", "0", "--lease-ttl-s", "3", *creds, *argv],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from cluster_fixtures import DaemonProcess, EtcdServer, NodeProcess, require_etcd, require_mooncake, wait_for
+from cluster_fixtures import (DaemonProcess, EtcdServer, NodeProcess, cluster_secret_file, require_etcd,
+                              require_mooncake, wait_for)
 from tutti_cluster import TuttiConfig
 from tutti_cluster.daemon import DaemonLink, NodeDaemon, socket_path
 from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError
@@ -111,7 +112,8 @@ def two_nodes(tmp_path: Path,
     require_mooncake()
     etcd = EtcdServer(tmp_path)
     etcd.start()
-    cfg = daemon_config(tmp_path, etcd=etcd.endpoint, node_id="A", lease_ttl_s=lease_ttl_s)
+    cfg = daemon_config(tmp_path, etcd=etcd.endpoint, node_id="A", lease_ttl_s=lease_ttl_s,
+                        cluster_secret_file=str(cluster_secret_file()))
     d = DaemonProcess(cfg, tmp_path / "daemon.log")
     a = engine(tmp_path, cfg, etcd=etcd.endpoint)
     b = NodeProcess("B", etcd.endpoint, tmp_path, lease_ttl_s=3)

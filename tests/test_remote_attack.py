@@ -8,7 +8,8 @@ owner that answers wrong things (a real StageServer never does), a disk read tha
 device whose scatter_wait blocks (a GPU's; the CPU backend's returns at once).
 
 Tests whose docstring starts with "Regression (once failed)" failed on the first version of this
-code, as the docstring says; the others guard behaviour that held.
+code, as the docstring says; the others guard behaviour that held. Every node, requester and fake
+owner here holds the cluster credential (peers without it: tests/test_cluster_auth_attack.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster_fixtures import (EtcdServer, StageConn, engines, free_slots, require_etcd, require_mooncake,
+from cluster_fixtures import (EtcdServer, StageConn, cluster_secret, engines, free_slots, owner_handshake,
+                              require_etcd, require_mooncake,
                               wait_for, wait_slots_free)  # noqa: F401 (fixture: engines)
 from conftest import make_kv, open_store, run_threads, snapshot
 from tutti_cluster import TuttiStore
@@ -35,6 +37,7 @@ from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError, Not
 pytestmark = pytest.mark.cluster
 
 UNIT = 64 << 10  # the raw-bytes tests' unit (the transfer path does not look inside units)
+SECRET = cluster_secret()  # the credential every node and requester here holds
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
@@ -62,6 +65,8 @@ class FakeOwner:
             return
         with conn:
             conn.settimeout(10)
+            if not owner_handshake(conn):
+                return
             f = conn.makefile("rwb")
             try:
                 req = json.loads(f.readline())
@@ -94,7 +99,7 @@ def served(engines):
 
     owner, requester = engines
     units = {k: os.urandom(UNIT) for k in range(1, 9)}
-    srv = StageServer(owner, units.get, max_window=2, idle_timeout_s=5).start()
+    srv = StageServer(owner, units.get, max_window=2, idle_timeout_s=5, secret=SECRET).start()
     try:
         yield owner, requester, units, srv
     finally:
@@ -137,7 +142,7 @@ def requester(etcd, store, name: str = "R"):  # type: ignore[no-untyped-def]
     from tutti_cluster.cluster.client import ClusterClient
     from tutti_cluster.cluster.directory import EtcdDirectory
 
-    d = EtcdDirectory(etcd.endpoint, name, lease_ttl_s=5)
+    d = EtcdDirectory(etcd.endpoint, name, lease_ttl_s=5, secret=SECRET)
     client = ClusterClient(store, store.config, directory=d, host="127.0.0.1")
     try:
         yield client
@@ -151,7 +156,7 @@ def owner_record(etcd, name: str, segment: str, stage: str):  # type: ignore[no-
     """The node record of an owner named ``name`` in the directory, for as long as the block runs."""
     from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 
-    d = EtcdDirectory(etcd.endpoint, name, lease_ttl_s=5)
+    d = EtcdDirectory(etcd.endpoint, name, lease_ttl_s=5, secret=SECRET)
     d.start(NodeRecord(name, segment, stage))
     try:
         yield d
@@ -167,7 +172,7 @@ def real_owner(etcd, name: str, source: dict, slot: int, check=None):  # type: i
     from tutti_cluster.cluster.transfer import TransferNode
 
     owner = TransferNode(arena_bytes=4 * slot, slot_bytes=slot)
-    srv = StageServer(owner, source.get, check=check).start()
+    srv = StageServer(owner, source.get, check=check, secret=SECRET).start()
     try:
         with owner_record(etcd, name, owner.segment, srv.address):
             yield owner
@@ -393,7 +398,7 @@ def test_streams_one_after_another_on_one_connection_lend_at_most_the_window(eng
 
     owner, _requester = engines
     units = {k: os.urandom(UNIT) for k in range(1, 9)}
-    srv = StageServer(owner, units.get, max_window=1, idle_timeout_s=5).start()
+    srv = StageServer(owner, units.get, max_window=1, idle_timeout_s=5, secret=SECRET).start()
     c = StageConn(srv.address)
 
     def stage(keys: list[int]) -> dict | None:
@@ -455,7 +460,7 @@ def test_a_unit_read_after_its_requester_left_is_not_leaked(engines):
         read.set()
         return data
 
-    srv = StageServer(owner, stalling_read, max_window=1, slot_timeout_s=0.2, idle_timeout_s=5).start()
+    srv = StageServer(owner, stalling_read, max_window=1, slot_timeout_s=0.2, idle_timeout_s=5, secret=SECRET).start()
     try:
         c = StageConn(srv.address)
         c.send({"op": "stage", "keys": [5], "window": 1})
@@ -537,7 +542,7 @@ def test_slow_partial_lines_and_a_cut_request(served):
     c.close()
     from tutti_cluster.cluster.stage import ping
 
-    assert ping(srv.address)
+    assert ping(srv.address, secret=SECRET)
 
 
 def test_a_stage_request_of_misses_only(served):
@@ -617,7 +622,7 @@ def test_a_requester_waiting_on_the_owner_is_not_idle(engines):
 
     # Idle 1 s: the test's own requester answers each announcement well within it, even on a
     # loaded host; each read takes twice as long.
-    srv = StageServer(owner, slow_read, max_window=1, idle_timeout_s=1.0).start()
+    srv = StageServer(owner, slow_read, max_window=1, idle_timeout_s=1.0, secret=SECRET).start()
     try:
         c = StageConn(srv.address, timeout=10)
         try:
@@ -658,9 +663,9 @@ def test_an_owner_out_of_slots_answers_busy_before_its_requester_gives_up(engine
     units = {1: os.urandom(UNIT)}
     taken = [owner.acquire(0) for _ in range(4)]  # other requesters hold every slot meanwhile
     assert None not in taken
-    srv = StageServer(owner, units.get).start()
+    srv = StageServer(owner, units.get, secret=SECRET).start()
     try:
-        stream = StageStream(requester, srv.address, owner.segment, [1])
+        stream = StageStream(requester, srv.address, owner.segment, [1], secret=SECRET)
         assert list(stream) == []
         assert (stream.miss, stream.error) == ("busy", None)
     finally:
@@ -684,7 +689,7 @@ def test_a_held_slot_stays_the_callers_after_the_stream_ends(served):
     from tutti_cluster.cluster.stage import StageStream
 
     owner, requester, units, srv = served
-    stream = StageStream(requester, srv.address, owner.segment, [1, 2, 3], window=2, depth=3, hold=True)
+    stream = StageStream(requester, srv.address, owner.segment, [1, 2, 3], window=2, depth=3, hold=True, secret=SECRET)
     held: list = []
     for item in stream:
         held.append(item)
@@ -716,7 +721,7 @@ def test_hold_mode_caller_that_never_calls_done(served):
 
     owner, requester, units, srv = served
     stream = StageStream(requester, srv.address, owner.segment, list(range(1, 9)), window=2, depth=2,
-                         timeout_s=1, hold=True)
+                         timeout_s=1, hold=True, secret=SECRET)
     t0 = time.monotonic()
     items = []
     for key, view, done in stream:
@@ -737,7 +742,7 @@ def test_hold_mode_consumer_breaking_early_after_its_dones(served):
     from tutti_cluster.cluster.stage import StageStream
 
     owner, requester, units, srv = served
-    stream = StageStream(requester, srv.address, owner.segment, list(range(1, 9)), window=2, depth=3, hold=True)
+    stream = StageStream(requester, srv.address, owner.segment, list(range(1, 9)), window=2, depth=3, hold=True, secret=SECRET)
     it = iter(stream)
     dones = []
     for _ in range(2):
@@ -779,7 +784,7 @@ def test_requester_against_an_owner_answering_wrong_things(engines, name, script
                 if hold:  # one stream per connection: a second fake for the hold-mode run
                     fake.close()
                     fake = FakeOwner(lambda keys: script(sorted(slots)))
-                stream = StageStream(requester, fake.address, owner.segment, [1, 2], timeout_s=1, hold=hold)
+                stream = StageStream(requester, fake.address, owner.segment, [1, 2], timeout_s=1, hold=hold, secret=SECRET)
                 got = []
                 for item in stream:
                     got.append((item[0], bytes(item[1])))
@@ -827,7 +832,7 @@ def test_requester_never_yields_a_unit_it_was_not_announced_correctly(engines, l
         fake = FakeOwner(lambda keys: script)
         try:
             keys = [1, 2, 3]
-            stream = StageStream(requester, fake.address, owner.segment, keys, timeout_s=0.5, hold=hold)
+            stream = StageStream(requester, fake.address, owner.segment, keys, timeout_s=0.5, hold=hold, secret=SECRET)
             got = []
             for item in stream:
                 got.append((item[0], bytes(item[1])))
@@ -1005,10 +1010,10 @@ def test_a_node_id_the_directory_accepts_is_visible_to_other_nodes(etcd, node_id
     from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 
     try:
-        a = EtcdDirectory(etcd.endpoint, node_id, lease_ttl_s=5)
+        a = EtcdDirectory(etcd.endpoint, node_id, lease_ttl_s=5, secret=SECRET)
     except ConfigError:
         return  # refused up front: fine
-    b = EtcdDirectory(etcd.endpoint, "B-" + str(len(node_id)), lease_ttl_s=5)
+    b = EtcdDirectory(etcd.endpoint, "B-" + str(len(node_id)), lease_ttl_s=5, secret=SECRET)
     key = 0x5EED0000 + len(node_id)
     try:
         a.start(NodeRecord(node_id, "127.0.0.1:1", "127.0.0.1:2"))
@@ -1023,13 +1028,14 @@ def test_a_node_id_the_directory_accepts_is_visible_to_other_nodes(etcd, node_id
 
 def test_more_bad_records_are_skipped_and_the_good_ones_read(etcd):
     """Records of every wrong shape under tutti/n/ (types, nulls, empty, not UTF-8, a key that is not
-    the node id's, a record of 2 MiB) are each skipped and counted; the good ones are read, and a
-    unit entry naming a skipped node makes that key's owner unusable, never an exception."""
+    the node id's, a well-formed record without a valid signature) are each skipped and counted; the
+    good ones are read (one of 1 MiB), and a unit entry naming a skipped node makes that key's owner
+    unusable, never an exception."""
     from tutti_cluster.cluster.directory import NODE_PREFIX, EtcdDirectory, NodeRecord
     from tutti_cluster.cluster.etcd import EtcdClient, op_delete
 
-    good = EtcdDirectory(etcd.endpoint, "G", lease_ttl_s=5)
-    b = EtcdDirectory(etcd.endpoint, "B2", lease_ttl_s=5)
+    good = EtcdDirectory(etcd.endpoint, "G", lease_ttl_s=5, secret=SECRET)
+    b = EtcdDirectory(etcd.endpoint, "B2", lease_ttl_s=5, secret=SECRET)
     c = EtcdClient(etcd.endpoint)
     bad = {
         "t1": b'{"node_id": "t1", "stage": null}', "t2": b'{"node_id": "t2", "segment": 7}',
@@ -1041,15 +1047,20 @@ def test_more_bad_records_are_skipped_and_the_good_ones_read(etcd):
         good.start(NodeRecord("G", "127.0.0.1:1", "127.0.0.1:2", {"pid": 5, "ports": [1, 2]}))
         for name, value in bad.items():
             c.put((NODE_PREFIX + name).encode(), value)
-        c.put((NODE_PREFIX + "t11").encode(), b'{"node_id": "t11", "x": "' + b"y" * (1 << 20) + b'"}')  # big, valid
+        big = (NODE_PREFIX + "t11").encode()
+        c.put(big, NodeRecord("t11", "", "", {"x": "y" * (1 << 20)}).signed(SECRET, big, 0))  # big, valid, signed
+        unsigned = {"t12": NodeRecord("t12", "127.0.0.1:1", "127.0.0.1:3").to_json().encode(),  # well-formed
+                    "t13": NodeRecord("t13", "", "", {"sig": "0" * 64}).to_json().encode()}  # a made-up signature
+        for name, value in unsigned.items():
+            c.put((NODE_PREFIX + name).encode(), value)
         nodes = b.refresh_nodes()
         assert "G" in nodes and nodes["G"].extra == {"pid": 5, "ports": [1, 2]} and nodes["G"].stage == "127.0.0.1:2"
         assert "t11" in nodes
-        assert not set(bad) & set(nodes) and "T5" not in nodes
-        assert b.stats.bad_records == len(bad)
+        assert not (set(bad) | set(unsigned)) & set(nodes) and "T5" not in nodes
+        assert b.stats.bad_records == len(bad) and b.stats.unverified == len(unsigned)
         assert b.node("t1") is None and b.node("G") is not None
     finally:
-        c.txn([op_delete((NODE_PREFIX + name).encode()) for name in (*bad, "t11")])
+        c.txn([op_delete((NODE_PREFIX + name).encode()) for name in (*bad, "t11", "t12", "t13")])
         c.close()
         good.stop()
         b.stop()

@@ -5,6 +5,9 @@ attacker would: every malformed line gets one error answer of one shape and the 
 usable; nothing is leaked (every slot lent comes back), the server keeps serving other requesters,
 and a requester facing an owner that answers garbage ends its stream with an error, never an
 exception or a unit it did not ask for. Hypothesis generates the lines.
+
+Every connection here first proves the cluster credential (the tests' shared one), as a
+requester holding it does; what a peer without it meets is tests/test_cluster_auth_attack.py.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster_fixtures import StageConn, transfer_nodes, wait_slots_free
+from cluster_fixtures import StageConn, cluster_secret, owner_handshake, transfer_nodes, wait_slots_free
 
 pytestmark = pytest.mark.cluster
 
 UNIT = 64 << 10
 KEYS = list(range(1, 5))
+SECRET = cluster_secret()
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,7 @@ def served():
     owner, requester = transfer_nodes(UNIT)
     units = {k: os.urandom(UNIT) for k in KEYS}
     checked: list[int] = []
-    srv = StageServer(owner, units.get, check=checked.append, max_window=2, idle_timeout_s=5).start()
+    srv = StageServer(owner, units.get, check=checked.append, max_window=2, idle_timeout_s=5, secret=SECRET).start()
     yield owner, requester, units, srv, checked
     srv.stop()
     owner.close()
@@ -49,7 +53,7 @@ def assert_still_serving(srv, owner, units) -> None:
     """A whole stream works on a fresh connection, and every owner slot comes back afterwards."""
     from tutti_cluster.cluster.stage import ping
 
-    assert ping(srv.address)
+    assert ping(srv.address, secret=SECRET)
     c = StageConn(srv.address)
     try:
         c.send(json.dumps({"op": "stage", "keys": KEYS[:2], "window": 2}).encode())
@@ -216,6 +220,7 @@ class FakeOwner:
     def _serve(self) -> None:
         conn, _ = self.sock.accept()
         with conn:
+            assert owner_handshake(conn)
             f = conn.makefile("rwb")
             f.readline()
             f.write(self.answer + b"\n")
@@ -238,7 +243,7 @@ def test_a_requester_ends_its_stream_on_a_garbage_answer(served, answer):
     owner, requester, _units, _srv, _checked = served
     fake = FakeOwner(answer)
     try:
-        stream = StageStream(requester, fake.address, owner.segment, [1, 2], timeout_s=2)
+        stream = StageStream(requester, fake.address, owner.segment, [1, 2], timeout_s=2, secret=SECRET)
         assert list(stream) == []
         assert stream.error, answer
     finally:
@@ -257,6 +262,7 @@ class TricklingOwner(FakeOwner):
     def _serve(self) -> None:
         conn, _ = self.sock.accept()
         with conn:
+            assert owner_handshake(conn)
             f = conn.makefile("rwb")
             f.readline()
             try:
@@ -275,7 +281,7 @@ def test_a_trickling_owner_is_cut_off_after_the_timeout(served):
     fake = TricklingOwner(b"")
     try:
         t0 = time.monotonic()
-        stream = StageStream(requester, fake.address, owner.segment, [1], timeout_s=1.0)
+        stream = StageStream(requester, fake.address, owner.segment, [1], timeout_s=1.0, secret=SECRET)
         assert list(stream) == []
         assert "within 1.0 s" in (stream.error or ""), stream.error
         assert time.monotonic() - t0 < 10  # the socket's own timeout (1 s per read) never fired
@@ -295,6 +301,7 @@ class AnnounceThenWaitOwner(FakeOwner):
     def _serve(self) -> None:
         conn, _ = self.sock.accept()
         with conn:
+            assert owner_handshake(conn)
             f = conn.makefile("rwb")
             f.readline()
             f.write(json.dumps({"key": 1, "addr": self.addr, "len": UNIT}).encode() + b"\n")
@@ -317,7 +324,7 @@ def test_a_failed_pull_ends_the_stream_while_the_owner_waits_for_our_done(served
     addr = owner.acquire(1)
     fake = AnnounceThenWaitOwner(addr, hold_s=20)
     out: dict = {}
-    stream = StageStream(requester, fake.address, owner.segment, [1, 2], window=1, timeout_s=1.0)
+    stream = StageStream(requester, fake.address, owner.segment, [1, 2], window=1, timeout_s=1.0, secret=SECRET)
     t = threading.Thread(target=lambda: out.update(got=list(stream)), daemon=True)
     try:
         t0 = time.monotonic()

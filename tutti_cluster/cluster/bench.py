@@ -196,11 +196,14 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
     keys = [0xBE00_0000 + i for i in range(n)]
     owner_dir = Path(args.owner_path) if args.owner_path else work / "owner-ssd"
     owner_dir.mkdir(parents=True, exist_ok=True)
+    from tutti_cluster.cluster.auth import write_secret_file
+
+    secret_file = str(write_secret_file(work / "cluster.key"))  # the credential both nodes hold
     unit_guess = layers * 2 * ub * BLOCK_BYTES + (1 << 20)
     cap_gb = (n + 2) * unit_guess / GiB
     owner_cfg = {"paths": [str(owner_dir)], "capacity_gb": cap_gb, "unit_tokens": UNIT_TOKENS,
                  "data_dir": str(work / "owner"), "etcd": etcd, "node_id": "bench-owner", "instance": "engine0",
-                 "lease_ttl_s": 10, "protocol": args.protocol}
+                 "lease_ttl_s": 10, "protocol": args.protocol, "cluster_secret_file": secret_file}
     opts = {"config": owner_cfg, "units": n, "layers": layers, "keys": keys, "arena_bytes": 4 * unit_guess}
     owner = subprocess.Popen([sys.executable, "-m", "tutti_cluster.cluster.bench", "--owner", json.dumps(opts)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(work / "owner.log", "ab"))
@@ -213,7 +216,8 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
         req_dir.mkdir(exist_ok=True)
         req_cfg: dict[str, Any] = {"paths": [str(req_dir)], "capacity_gb": max(0.1, 2 * unit_guess / GiB),
                                    "unit_tokens": UNIT_TOKENS, "data_dir": str(work / "req"), "etcd": [etcd],
-                                   "node_id": "bench-requester", "instance": "engine0", "protocol": args.protocol}
+                                   "node_id": "bench-requester", "instance": "engine0", "protocol": args.protocol,
+                                   "cluster_secret_file": secret_file}
         kv: list[Any]  # torch tensors on the GPU, numpy arrays on the host
         if args.device == "cuda":
             import torch
@@ -374,10 +378,12 @@ def _owner_stage_stats(ready: dict[str, Any]) -> dict[str, float]:
 
 
 def _measure_lookup(args: argparse.Namespace, etcd: str, rss: Any = None) -> dict[str, Any]:
+    from tutti_cluster.cluster.auth import ClusterSecret
     from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 
-    writer = EtcdDirectory(etcd, "bench-dir", lease_ttl_s=30, timeout_s=30, max_txn_ops=args.txn_ops)
-    reader = EtcdDirectory(etcd, "bench-reader", timeout_s=30, max_txn_ops=args.txn_ops)
+    secret = ClusterSecret.generate()  # signs the writer's entries; the reader verifies each one it reads
+    writer = EtcdDirectory(etcd, "bench-dir", lease_ttl_s=30, timeout_s=30, max_txn_ops=args.txn_ops, secret=secret)
+    reader = EtcdDirectory(etcd, "bench-reader", timeout_s=30, max_txn_ops=args.txn_ops, secret=secret)
     before = _gateway(etcd, "/v3/maintenance/status", {})
     rss_before = rss() if rss else 0
     n_keys = args.directory_keys

@@ -30,7 +30,9 @@ import time
 from collections import OrderedDict, deque
 from typing import Any, Sequence
 
+from tutti_cluster.cluster.auth import ClusterSecret, cluster_secret
 from tutti_cluster.cluster.directory import EtcdDirectory, advertised_host, local_address_towards
+from tutti_cluster.cluster.etcd import EtcdSecurity
 from tutti_cluster.errors import ConfigError, LayoutError, NotFound, TuttiError
 from tutti_cluster.store import SKIP_BLOCK
 
@@ -44,17 +46,23 @@ class ClusterClient:
 
     def __init__(self, store: Any, config: Any = None, *, directory: EtcdDirectory | None = None,
                  arena_bytes: int = 0, window: int = 4, timeout_s: float = 5.0, host: str | None = None,
-                 link: Any = None) -> None:
+                 link: Any = None, secret: ClusterSecret | None = None) -> None:
         """``link``: the engine's :class:`~tutti_cluster.daemon.DaemonLink`, if attached; it then
         reports :attr:`stats` (remote fetches: units, bytes, failures) to the node daemon with the
-        store's counters, where ``tutti admin stats`` and the admin plane's ``/metrics`` read them."""
+        store's counters, where ``tutti admin stats`` and the admin plane's ``/metrics`` read them.
+        ``secret``: the cluster credential; by default the directory's, else the config's
+        ``cluster_secret_file`` (ConfigError when unset)."""
         self.store = store
         self.config = config if config is not None else store.config
+        if secret is None:
+            secret = directory.secret if directory is not None else cluster_secret(self.config)
+        self.secret = secret
         if directory is None:
             if not self.config.etcd:
                 raise ConfigError("ClusterClient needs etcd endpoints (TUTTI_ETCD)")
             node_id = self.config.node_id or socket.gethostname()
-            directory = EtcdDirectory(",".join(self.config.etcd), node_id, self.config.lease_ttl_s)
+            directory = EtcdDirectory(",".join(self.config.etcd), node_id, self.config.lease_ttl_s,
+                                      security=EtcdSecurity.from_config(self.config), secret=secret)
         self.directory = directory
         self.window = window
         self.timeout_s = timeout_s
@@ -156,7 +164,7 @@ class ClusterClient:
                 self.stats["remote_failures"] += 1
                 break
             stream = StageStream(transfer, rec.stage, rec.segment, ks[placed:run], self.window, self.timeout_s,
-                                 hold=True)
+                                 hold=True, secret=self.secret)
             local_error: TuttiError | None = None
             # Scatters run asynchronously, ordered on the engine's stream (a GPU store), while the
             # next units are pulled: (index, key, ticket, done) of each not yet judged, in order.

@@ -5,7 +5,23 @@ Layout (all keys bound to the owning node's lease, so a dead node's entries vani
 - ``tutti/n/<node_id>``: JSON node record ``{"node_id", "segment", "stage", "pid"}``: the node's
   Transfer Engine segment name (``host:rpc_port``, Mooncake P2P handshake) and the address of its
   stage endpoint (see :mod:`tutti_cluster.cluster.stage`).
-- ``tutti/u/<key as 16 hex digits>/<node_id>``: empty value; one per replica of a cache unit.
+- ``tutti/u/<key as 16 hex digits>/<node_id>``: one per replica of a cache unit; its value is the
+  entry's signature (below).
+
+Records are bound to the cluster credential (:mod:`.auth`): a node record carries ``"sig"``, an
+HMAC-SHA256 over its etcd key, its lease and its other fields (canonical JSON), and a unit entry's
+value is a 16-byte HMAC over its etcd key and lease. Every lookup checks them and ignores (and
+counts, ``stats.unverified``) whatever does not verify, so that a writer with access to etcd but
+not the credential can neither make a node advertise keys it does not hold nor point requesters
+at another address. Signatures rather than etcd's own access control, because they hold whatever
+etcd's configuration (a shared etcd, one without RBAC, a member's backup restored elsewhere) and
+against anyone who can write to etcd without holding the credential; etcd's TLS and users
+(:class:`~tutti_cluster.cluster.etcd.EtcdSecurity`) add to that, they do not replace it. The lease
+in the signature is etcd's own (``KeyValue.lease``): a record of a node's earlier life cannot be put
+back, since etcd refuses a put under a lease that is gone. What remains: a writer with etcd access
+can delete entries (misses), and can put back an entry the node removed during its current lease
+(the owner then answers a miss for it: never wrong data, which the requester's checksums and key
+check exclude anyway).
 
 A lookup of N keys is one etcd transaction of N range reads (one per key prefix), so one round trip;
 batches above ``max_txn_ops`` are split into several transactions sent at once (still about one
@@ -35,7 +51,9 @@ from typing import Annotated, Any, Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, StringConstraints
 
-from tutti_cluster.cluster.etcd import EtcdClient, EtcdError, KeyValue, op_delete, op_put, op_range, prefix_end
+from tutti_cluster.cluster.etcd import (EtcdAuthError, EtcdClient, EtcdError, EtcdSecurity, KeyValue, op_delete,
+                                        op_put, op_range, prefix_end)
+from tutti_cluster.cluster.auth import ClusterSecret
 from tutti_cluster.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -48,6 +66,10 @@ NODE_ID_MAX = 253
 NODE_ID_PATTERN = f"[^/\ufffd]{{1,{NODE_ID_MAX}}}"
 _NODE_ID = re.compile(NODE_ID_PATTERN)
 UNIT_PREFIX = PREFIX + "u/"
+# Unit entries verified once are remembered by their etcd key and the revision of the put that
+# wrote them (etcd gives every put a new one, so a rewritten entry is verified again): a lookup of
+# entries seen before costs a dictionary probe each, not an HMAC. Cleared when it holds this many.
+VERIFIED_ENTRIES = 1 << 16
 
 
 def unit_key(key: int, node_id: str = "") -> str:
@@ -122,6 +144,7 @@ class DirectoryStats:
     lease_renewals: int = 0
     leases_granted: int = 0
     bad_records: int = 0  # node records or unit entries in etcd that do not parse: skipped
+    unverified: int = 0  # node records or unit entries whose signature does not verify: ignored
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -136,6 +159,22 @@ class NodeRecord:
 
     def to_json(self) -> str:
         return json.dumps({"node_id": self.node_id, "segment": self.segment, "stage": self.stage, **self.extra})
+
+    def _body(self) -> bytes:
+        """The fields a signature covers, as canonical JSON (sorted keys, no blanks)."""
+        fields = {**self.extra, "node_id": self.node_id, "segment": self.segment, "stage": self.stage}
+        fields.pop("sig", None)
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+    def signed(self, secret: ClusterSecret, etcd_key: bytes, lease: int) -> bytes:
+        """The record as written to etcd: its JSON with ``"sig"``, bound to its key and lease."""
+        d = json.loads(self.to_json())
+        d["sig"] = secret.sign_record(etcd_key, lease, self._body())
+        return json.dumps(d).encode()
+
+    def verified(self, secret: ClusterSecret, etcd_key: bytes, lease: int) -> bool:
+        """Whether this record (as read back, ``"sig"`` in :attr:`extra`) was signed for this key and lease."""
+        return secret.record_ok(self.extra.get("sig"), etcd_key, lease, self._body())
 
     @staticmethod
     def from_json(raw: bytes | str) -> "NodeRecord":
@@ -165,7 +204,11 @@ class EtcdDirectory:
     """
 
     def __init__(self, endpoints: str, node_id: str, lease_ttl_s: int = 10, timeout_s: float = 2.0,
-                 max_txn_ops: int = 1024) -> None:
+                 max_txn_ops: int = 1024, security: EtcdSecurity | None = None, *, secret: ClusterSecret) -> None:
+        """``secret``: the cluster credential, which signs this node's records and verifies others'."""
+        if not isinstance(secret, ClusterSecret):
+            raise TypeError("EtcdDirectory needs the cluster credential (a ClusterSecret)")
+        self.secret = secret
         if not isinstance(node_id, str) or not _NODE_ID.fullmatch(node_id):
             raise ConfigError(f"node_id must be 1 to {NODE_ID_MAX} characters, none of them '/' or U+FFFD: "
                               f"{str(node_id)[:300]!r}")
@@ -174,6 +217,8 @@ class EtcdDirectory:
         if max_txn_ops < 1:
             raise ConfigError("max_txn_ops must be positive")
         self.endpoints = parse_endpoints(endpoints)
+        # TLS and user authentication (EtcdSecurity.from_config); an https:// endpoint turns TLS on.
+        self.security = (security or EtcdSecurity()).for_endpoints(endpoints)
         self.node_id = node_id
         self.lease_ttl_s = int(lease_ttl_s)
         self.timeout_s = timeout_s
@@ -193,16 +238,20 @@ class EtcdDirectory:
         self._backoff = 0.0
         self._nodes: dict[str, NodeRecord] = {}
         self._bad_keys: set[bytes] = set()  # node records skipped once (warned about once)
+        self._unverified_logged: float | None = None  # unit entries that fail verification: one warning a minute
+        self._verified: dict[bytes, int] = {}  # unit entries verified: etcd key -> mod_revision (VERIFIED_ENTRIES)
+        self._unverified_unlogged = 0
         self._nodes_at = 0.0
         self._wake = threading.Event()  # the keepalive thread's sleep, cut short when etcd is back
         self._down_since: float | None = None  # etcd unreachable since (monotonic), for the log lines
         self._down_logged = 0.0
+        self._last_error: BaseException | None = None  # of the last failed resync
 
     # -- connection -------------------------------------------------------------------------------
     def connect(self) -> None:
         """Create the gRPC channel (lazy: succeeds even when etcd is down)."""
         host, port = self.endpoints[self._ep_index % len(self.endpoints)]
-        self._client = EtcdClient(f"{host}:{port}", timeout_s=self.timeout_s)
+        self._client = EtcdClient(f"{host}:{port}", timeout_s=self.timeout_s, security=self.security)
         self._client.on_ready(self._etcd_ready)
 
     def _etcd_ready(self) -> None:
@@ -216,13 +265,15 @@ class EtcdDirectory:
     def _note_down(self, exc: BaseException) -> None:
         now = time.monotonic()
         endpoint = self._client.endpoint if self._client is not None else "?"
+        # A refused handshake, user or permission is said as such (the error names the setting to check).
+        state = "refuses this node" if isinstance(exc, EtcdAuthError) else "unreachable"
         if self._down_since is None:
             self._down_since = self._down_logged = now
-            log.warning("etcd %s unreachable (%s): retrying; lookups of other nodes' units miss and this node's "
-                        "registrations wait until it answers", endpoint, exc)
+            log.warning("etcd %s %s (%s): retrying; lookups of other nodes' units miss and this node's "
+                        "registrations wait until it answers", endpoint, state, exc)
         elif now - self._down_logged >= 30.0:
             self._down_logged = now
-            log.warning("etcd %s still unreachable after %.0f s (%s): retrying", endpoint, now - self._down_since, exc)
+            log.warning("etcd %s still %s after %.0f s (%s): retrying", endpoint, state, now - self._down_since, exc)
 
     def _note_up(self) -> None:
         if self._down_since is not None:
@@ -249,14 +300,18 @@ class EtcdDirectory:
         """Publish this node under a fresh lease and start the keepalive thread.
 
         Does not fail when etcd is down: the keepalive thread keeps trying and publishes the node
-        and every registered replica once etcd answers.
+        and every registered replica once etcd answers. Raises :class:`EtcdAuthError` when etcd
+        answers but refuses this node (TLS handshake, user, password, role).
         """
         if record.node_id != self.node_id:
             raise ConfigError("node record belongs to another node")
         with self._lock:
             self._record = record
             self._dirty = True
-        self._resync()
+        if not self._resync() and isinstance(self._last_error, EtcdAuthError):
+            # etcd answers but refuses this node (TLS handshake, user, role): a setting to fix, not an
+            # outage to wait out, so the node does not start.
+            raise self._last_error
         self._thread = threading.Thread(target=self._keepalive_loop, name="tutti-etcd-keepalive", daemon=True)
         self._thread.start()
 
@@ -296,11 +351,13 @@ class EtcdDirectory:
             if self._lease is None:
                 self._lease = self._grant()
             lease = self._lease
-            self.client.put((NODE_PREFIX + self.node_id).encode(), record.to_json().encode(), lease=lease)
+            node_key = (NODE_PREFIX + self.node_id).encode()
+            self.client.put(node_key, record.signed(self.secret, node_key, lease), lease=lease)
             self._delete_keys(deletes)
             self._put_keys(keys, lease)
         except Exception as exc:
             self.stats.put_errors += 1
+            self._last_error = exc
             self._note_down(exc)
             self._rotate()
             return False
@@ -360,7 +417,11 @@ class EtcdDirectory:
                 log.warning("etcd refuses %d operations per transaction; using %d", n, self.max_txn_ops)
 
     def _put_keys(self, keys: Sequence[int], lease: int) -> None:
-        self._run([op_put(unit_key(k, self.node_id).encode(), b"", lease) for k in keys])
+        ops = []
+        for k in keys:
+            ek = unit_key(k, self.node_id).encode()
+            ops.append(op_put(ek, self.secret.sign_unit(ek, lease), lease))
+        self._run(ops)
 
     def _delete_keys(self, keys: Sequence[int]) -> None:
         self._run([op_delete(unit_key(k, self.node_id).encode()) for k in keys])
@@ -436,7 +497,7 @@ class EtcdDirectory:
             ops = []
             for k in ks:
                 start = unit_key(k).encode()
-                ops.append(op_range(start, prefix_end(start), keys_only=True))
+                ops.append(op_range(start, prefix_end(start)))  # the values: each entry's signature
             try:
                 responses = self._run(ops)
                 self._backoff = 0.0
@@ -449,6 +510,9 @@ class EtcdDirectory:
                 log.debug("directory lookup failed (treated as misses): %s", exc)
                 self._note_down(exc)
                 self._rotate()
+        unit_ok = self.secret.unit_ok
+        verified = self._verified
+        unverified = 0
         for kvs in responses:
             owners = []
             for kv in kvs or ():
@@ -456,6 +520,13 @@ class EtcdDirectory:
                 if not _NODE_ID.fullmatch(node):  # not a key this directory writes
                     self.stats.bad_records += 1
                     continue
+                if verified.get(kv.key) != kv.mod_revision:
+                    if not unit_ok(kv.value, kv.key, kv.lease):  # not written with the cluster credential
+                        unverified += 1
+                        continue
+                    if len(verified) >= VERIFIED_ENTRIES:
+                        verified.clear()
+                    verified[kv.key] = kv.mod_revision
                 if exclude_self and node == self.node_id:
                     continue
                 owners.append(node)
@@ -464,7 +535,19 @@ class EtcdDirectory:
             out.append(owners)
         if not prefix:
             out.extend([] for _ in range(len(ks) - len(out)))
+        if unverified:
+            self._note_unverified(unverified)
         return out
+
+    def _note_unverified(self, n: int) -> None:
+        """Count unit entries that failed verification; one warning a minute at most."""
+        self.stats.unverified += n
+        self._unverified_unlogged += n
+        now = time.monotonic()
+        if self._unverified_logged is None or now - self._unverified_logged >= 60.0:
+            log.warning("ignored %d unit entries in the directory whose signature does not verify (written without "
+                        "this cluster's credential, or with another one)", self._unverified_unlogged)
+            self._unverified_logged, self._unverified_unlogged = now, 0
 
     def node(self, node_id: str, max_age_s: float = 30.0) -> NodeRecord | None:
         """The record of ``node_id`` (cached; refreshed when unknown or older than ``max_age_s``)."""
@@ -487,12 +570,21 @@ class EtcdDirectory:
                     why = str(exc).splitlines()[0]
                 else:
                     why = "its node_id is not its key's"
-                if rec is None or kv.key != (NODE_PREFIX + rec.node_id).encode():
+                if rec is not None and kv.key == (NODE_PREFIX + rec.node_id).encode() \
+                        and not rec.verified(self.secret, kv.key, kv.lease):
+                    self.stats.unverified += 1
+                    rec, why = None, "its signature does not verify (not written with this cluster's credential)"
+                elif rec is None or kv.key != (NODE_PREFIX + rec.node_id).encode():
                     self.stats.bad_records += 1
+                    rec = None
+                if rec is None:
                     seen = kv.key in self._bad_keys
+                    if len(self._bad_keys) >= 4096:  # bounded: a flood of bad records is warned about again
+                        self._bad_keys.clear()
                     self._bad_keys.add(kv.key)
                     (log.debug if seen else log.warning)("skipping the node record under %r: %s", kv.key[:100], why)
                     continue
+                rec.extra.pop("sig", None)
                 nodes[rec.node_id] = rec
             self._nodes = nodes
             self._nodes_at = time.monotonic()

@@ -6,7 +6,21 @@ O_DIRECT in place) and answers with the slot address; the requester pulls the by
 (one-sided read) and answers ``done`` so the owner can reuse the slot. With a window of W slots the
 owner reads unit i+1 from its SSD while unit i is on the wire.
 
-Protocol (one stream per connection, requests and answers are single JSON lines)::
+Protocol (one stream per connection, requests and answers are single JSON lines). Each connection
+opens with a mutual challenge-response over the cluster credential (:mod:`.auth`), before any request
+is read::
+
+    <- {"hello": "tutti-stage/1", "nonce": Ns}     the owner's fresh 32-byte nonce (hex)
+    -> {"op": "auth", "nonce": Nr, "proof": Pr}    Pr = HMAC(secret, stage|requester|Ns|Nr)
+    <- {"proof": Po}                               Po = HMAC(secret, stage|owner|Ns|Nr): the requester
+                                                   checks it before it sends a request
+    <- {"error": "authentication failed"}          instead, to a wrong or missing proof; the owner
+                                                   closes the connection and counts it (``auth_failures``)
+
+The handshake must be over within ``auth_timeout_s`` (3 s), however the peer paces its bytes, and
+at most ``max_handshakes`` (64) connections are in it at once (others are closed at once), so
+connections that never authenticate cost the owner a bounded number of threads for a bounded time.
+Then, on the authenticated connection:
 
     -> {"op": "stage", "keys": [k0, k1, ...], "window": W}
     <- {"key": k0, "addr": A, "len": N}            one per unit, in key order
@@ -40,8 +54,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Iterator, Literal, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
 
+from tutti_cluster.cluster.auth import OWNER, REQUESTER, AuthError, ClusterSecret, new_nonce
 from tutti_cluster.cluster.transfer import Pull, TransferNode
 from tutti_cluster.daemon import SHUTDOWN_POLL_S  # the node's accept loops: the daemon's and this one
 from tutti_cluster.errors import TuttiError
@@ -66,10 +81,16 @@ _TRANSFER_JOIN_S = 10.0
 SLOT_TIMEOUT_S = 2.0
 MAX_LINE = 16 << 20  # a stage request of 4096 keys is ~100 KiB; anything far larger is an error
 MAX_KEYS = 1 << 20
+PROTOCOL = "tutti-stage/1"
+AUTH_TIMEOUT_S = 3.0  # an unauthenticated connection's whole handshake, on the owner's side
+MAX_HANDSHAKES = 64  # connections in their handshake at once; more are closed at once
+HANDSHAKE_LINE = 1024  # a handshake line is ~200 bytes
+REFUSAL_LOG_S = 10.0  # refused handshakes: at most one warning line per this many seconds
 
 _U64 = (1 << 64) - 1
 _Key = Annotated[int, Field(ge=0, le=_U64)]
 _Addr = Annotated[int, Field(ge=0, le=_U64)]
+_Hex32 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
 class _Line(BaseModel):
@@ -121,6 +142,24 @@ class Failure(_Line):
 
 class Pong(_Line):
     pong: Literal[True] = True
+
+
+class Hello(_Line):
+    """The owner's first line on every connection: its nonce for this connection."""
+    hello: Literal["tutti-stage/1"] = "tutti-stage/1"  # PROTOCOL
+    nonce: _Hex32
+
+
+class AuthOp(_Line):
+    """The requester's first line: its nonce and its proof of the credential."""
+    op: Literal["auth"] = "auth"
+    nonce: _Hex32
+    proof: _Hex32
+
+
+class Welcome(_Line):
+    """The owner's proof of the credential, once the requester's verified."""
+    proof: _Hex32
 
 
 _REQUEST: TypeAdapter[StageOp | DoneOp | CorruptOp | PingOp] = TypeAdapter(
@@ -196,8 +235,68 @@ class _Lines:
             self.buf += chunk
 
 
+def _handshake_line(conn: socket.socket, buf: bytearray, deadline: float) -> bytes:
+    """One handshake line (at most HANDSHAKE_LINE bytes) by ``deadline`` (monotonic), however the
+    peer paces its bytes; what follows it stays in ``buf``. TimeoutError when the time is up,
+    ConnectionError at the end of the stream, AuthError for a line too long."""
+    while (i := buf.find(b"\n")) < 0:
+        if len(buf) > HANDSHAKE_LINE:
+            raise AuthError(f"a handshake line longer than {HANDSHAKE_LINE} bytes")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no whole handshake line in the time allowed")
+        conn.settimeout(left)
+        chunk = conn.recv(4096)
+        if not chunk:
+            raise ConnectionError("the peer closed the connection during the handshake")
+        buf += chunk
+    line = bytes(buf[:i + 1])
+    del buf[:i + 1]
+    return line
+
+
+def _requester_handshake(sock: socket.socket, secret: ClusterSecret, timeout_s: float) -> bytearray:
+    """The requester's side of the handshake (see the module docstring), within ``timeout_s``:
+    returns the bytes read past it. AuthError when the owner refuses our proof or fails to prove
+    its own; OSError for the connection's faults."""
+    deadline = time.monotonic() + timeout_s
+    buf = bytearray()
+    line = _handshake_line(sock, buf, deadline)
+    try:
+        hello = Hello.model_validate_json(line)
+    except ValidationError as exc:
+        raise AuthError(f"no stage handshake from the owner: {_why(exc)}") from None
+    theirs, mine = bytes.fromhex(hello.nonce), new_nonce()
+    sock.sendall(AuthOp(nonce=mine.hex(), proof=secret.prove(REQUESTER, theirs, mine).hex()).line())
+    line = _handshake_line(sock, buf, deadline)
+    try:
+        welcome = Welcome.model_validate_json(line)
+    except ValidationError as exc:
+        try:
+            refusal = Failure.model_validate_json(line).error
+        except ValidationError:
+            raise AuthError(f"bad handshake answer from the owner: {_why(exc)}") from None
+        raise AuthError(f"the owner refused our cluster credential ({refusal[:100]})") from None
+    if secret.verify_proof(bytes.fromhex(welcome.proof), OWNER, theirs, mine) is None:
+        raise AuthError("the owner did not prove the cluster credential")
+    sock.settimeout(timeout_s)
+    return buf
+
+
+def _connect(stage_addr: str, secret: ClusterSecret, timeout_s: float) -> tuple[socket.socket, bytearray]:
+    """An authenticated connection to a stage endpoint, and the bytes read past the handshake."""
+    sock = socket.create_connection(_host_port(stage_addr), timeout=timeout_s)
+    try:
+        return sock, _requester_handshake(sock, secret, timeout_s)
+    except BaseException:
+        sock.close()
+        raise
+
+
 @dataclass
 class StageStats:
+    handshakes: int = 0  # connections authenticated
+    auth_failures: int = 0  # connections refused before a request was read (no or wrong proof, too slow, too many)
     streams: int = 0
     units_staged: int = 0
     bytes_staged: int = 0
@@ -212,12 +311,23 @@ class StageStats:
 
 
 class StageServer:
-    """Serves stage requests on ``host:port`` (port 0 picks one) from a background thread."""
+    """Serves stage requests on ``host:port`` (port 0 picks one) from a background thread, to
+    requesters that prove ``secret`` (the cluster credential) on each connection. It listens on
+    ``host`` alone: the address it advertises, never every interface."""
 
     def __init__(self, transfer: TransferNode, read_unit: UnitReader | None, host: str = "127.0.0.1", port: int = 0,
                  max_window: int = 4, slot_timeout_s: float = SLOT_TIMEOUT_S, idle_timeout_s: float = 30.0,
                  read_into: UnitReaderInto | None = None, readers: int | None = None,
-                 check: UnitCheck | None = None) -> None:
+                 check: UnitCheck | None = None, *, secret: ClusterSecret, auth_timeout_s: float = AUTH_TIMEOUT_S,
+                 max_handshakes: int = MAX_HANDSHAKES) -> None:
+        if not isinstance(secret, ClusterSecret):
+            raise TypeError("StageServer needs the cluster credential (a ClusterSecret)")
+        self.secret = secret
+        self.auth_timeout_s = auth_timeout_s
+        self._handshaking = threading.BoundedSemaphore(max(1, max_handshakes))
+        self._refusals_lock = threading.Lock()
+        self._refusals_unlogged = 0
+        self._refusal_logged_at: float | None = None
         self.transfer = transfer
         # Units read at once per stream. A read is an O_DIRECT read straight into a registered slot
         # (the requester verifies the checksums), so it mostly waits on the device: two in flight
@@ -237,7 +347,15 @@ class StageServer:
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
-                outer._serve_connection(self.connection, self.wfile)
+                if not outer._handshaking.acquire(blocking=False):
+                    outer._refused(self.client_address, "too many connections in their handshake")
+                    return
+                try:
+                    rest = outer._authenticate(self.connection, self.wfile, self.client_address)
+                finally:
+                    outer._handshaking.release()
+                if rest is not None:
+                    outer._serve_connection(self.connection, self.wfile, rest)
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True
@@ -257,8 +375,55 @@ class StageServer:
         self._server.shutdown()
         self._server.server_close()
 
+    # -- authentication ---------------------------------------------------------------------------
+    def _authenticate(self, conn: socket.socket, wfile, peer: Any) -> bytearray | None:  # type: ignore[no-untyped-def]
+        """The owner's side of the handshake: the bytes read past it once the requester proved the
+        credential (and we proved it back), else None (refused, counted, the connection to close)."""
+        deadline = time.monotonic() + self.auth_timeout_s
+        nonce = new_nonce()
+        buf = bytearray()
+        try:
+            conn.settimeout(self.auth_timeout_s)
+            wfile.write(Hello(nonce=nonce.hex()).line())
+            line = _handshake_line(conn, buf, deadline)
+            try:
+                msg = AuthOp.model_validate_json(line)
+            except ValidationError as exc:
+                why = f"no valid auth line first ({_why(exc)})"
+            else:
+                theirs = bytes.fromhex(msg.nonce)
+                index = self.secret.verify_proof(bytes.fromhex(msg.proof), REQUESTER, nonce, theirs)
+                if index is not None:
+                    wfile.write(Welcome(proof=self.secret.prove(OWNER, nonce, theirs, index).hex()).line())
+                    self.stats.handshakes += 1
+                    return buf
+                why = "wrong proof (another credential, or a replayed handshake)"
+        except TimeoutError:
+            why = f"no handshake within {self.auth_timeout_s:g} s"
+        except (OSError, AuthError) as exc:
+            why = str(exc)
+        self._refused(peer, why)
+        try:
+            wfile.write(Failure(error="authentication failed").line())
+        except OSError:
+            pass
+        return None
+
+    def _refused(self, peer: Any, why: str) -> None:
+        """Count a refused connection; warn at most once per REFUSAL_LOG_S (the count says how many)."""
+        now = time.monotonic()
+        with self._refusals_lock:
+            self.stats.auth_failures += 1
+            self._refusals_unlogged += 1
+            if self._refusal_logged_at is not None and now - self._refusal_logged_at < REFUSAL_LOG_S:
+                return
+            n, self._refusals_unlogged, self._refusal_logged_at = self._refusals_unlogged, 0, now
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+        log.warning("stage endpoint %s refused %d unauthenticated connection(s)%s; the last from %s: %s",
+                    self.address, n, f" in {REFUSAL_LOG_S:g} s" if n > 1 else "", where, why)
+
     # -- one connection ---------------------------------------------------------------------------
-    def _serve_connection(self, conn: socket.socket, wfile) -> None:  # type: ignore[no-untyped-def]
+    def _serve_connection(self, conn: socket.socket, wfile, rest: bytearray | None = None) -> None:  # type: ignore[no-untyped-def]
         outstanding: set[int] = set()
         credit = threading.Semaphore(0)
         wlock = threading.Lock()
@@ -340,6 +505,7 @@ class StageServer:
 
         conn.settimeout(self.idle_timeout_s)
         lines = _Lines(conn)
+        lines.buf += rest or b""
         try:
             while (line := lines.next(idle)) is not None:
                 if not line:
@@ -473,7 +639,13 @@ class StageStream:
     """
 
     def __init__(self, transfer: TransferNode, stage_addr: str, segment: str, keys: Sequence[int],
-                 window: int = 2, timeout_s: float = 5.0, depth: int | None = None, hold: bool = False) -> None:
+                 window: int = 2, timeout_s: float = 5.0, depth: int | None = None, hold: bool = False, *,
+                 secret: ClusterSecret) -> None:
+        """``secret``: the cluster credential, proven to the owner (and the owner's proof checked)
+        before the request is sent; an owner that fails it ends the stream with ``error`` set."""
+        if not isinstance(secret, ClusterSecret):
+            raise TypeError("StageStream needs the cluster credential (a ClusterSecret)")
+        self.secret = secret
         self.transfer = transfer
         self.hold = hold
         self.depth = max(2, depth or default_depth())
@@ -504,9 +676,10 @@ class StageStream:
         except OSError:
             pass
         try:
-            with socket.create_connection(_host_port(self.stage_addr), timeout=self.timeout_s) as s:
+            s, _ = _connect(self.stage_addr, self.secret, self.timeout_s)
+            with s:
                 s.sendall(msg.line())
-        except (OSError, ValueError):
+        except (OSError, ValueError, AuthError):
             pass
 
     def __iter__(self) -> Iterator[Any]:
@@ -515,7 +688,10 @@ class StageStream:
         # slot (`done`) and hands the unit over. The Transfer Engine and the store's scatter both
         # release the GIL, so pulls, waits and the caller's scatter overlap.
         try:
-            sock = socket.create_connection(_host_port(self.stage_addr), timeout=self.timeout_s)
+            sock, rest = _connect(self.stage_addr, self.secret, self.timeout_s)
+        except AuthError as exc:
+            self.error = f"authentication with {self.stage_addr!r}: {exc}"
+            return
         except (OSError, ValueError) as exc:
             self.error = f"connect {self.stage_addr!r}: {exc}"
             return
@@ -578,6 +754,7 @@ class StageStream:
             try:
                 sock.settimeout(self.timeout_s)  # sends, and reads once stopped; the watchdog bounds lines
                 lines = _Lines(sock)
+                lines.buf += rest
                 self._send(sock, StageOp(keys=self.keys, window=max(1, self.window)))
                 expected = iter(self.keys)
                 while not stop.is_set():
@@ -724,13 +901,18 @@ class StageStream:
                 self.transfer.release(addr)
 
 
-def ping(stage_addr: str, timeout_s: float = 2.0) -> bool:
-    """True when a stage endpoint answers."""
-    t0 = time.monotonic()
+def ping(stage_addr: str, timeout_s: float = 2.0, *, secret: ClusterSecret | None = None) -> bool:
+    """True when a stage endpoint answers: with ``secret``, an authenticated ping (both sides
+    prove the credential, then a ``ping`` is answered); without, its handshake's first line."""
+    deadline = time.monotonic() + timeout_s
     try:
-        with socket.create_connection(_host_port(stage_addr), timeout=timeout_s) as s:
-            s.settimeout(max(0.1, timeout_s - (time.monotonic() - t0)))
-            s.sendall(b'{"op": "ping"}\n')
-            return b"pong" in s.makefile("rb").readline(1024)
-    except (OSError, ValueError):
+        if secret is None:
+            with socket.create_connection(_host_port(stage_addr), timeout=timeout_s) as s:
+                Hello.model_validate_json(_handshake_line(s, bytearray(), deadline))
+                return True
+        s, buf = _connect(stage_addr, secret, timeout_s)
+        with s:
+            s.sendall(PingOp().line())
+            return b"pong" in _handshake_line(s, buf, deadline)
+    except (OSError, ValueError, AuthError):  # ValidationError is a ValueError
         return False
