@@ -194,7 +194,9 @@ a JSON list of {file, secret, key, env}. Each Secret's key is mounted (group-rea
 fsGroup) and copied by the init container "credentials" to <credentialsDir>/<file>, owned by the
 pod's user with mode 0400, because the Tutti processes refuse a credential file that its group or
 others may read; env is the TUTTI_* setting that names the copy.
-- the cluster credential: the nodes and the engines (stage connections, directory records);
+- the cluster credential: the nodes, the engines (stage connections, directory records) and the admin
+  plane (it verifies the signed node records before it forwards a request, and the admin token, to
+  an address);
 - etcd's client files: every Tutti process that reaches etcd;
 - the scrape token: the nodes and the admin plane (they serve /metrics).
 */}}
@@ -202,9 +204,7 @@ others may read; env is the TUTTI_* setting that names the copy.
 {{- $r := .root }}
 {{- $out := list }}
 {{- if include "tutti.etcdEndpoints" $r }}
-{{- if ne .component "admin" }}
 {{- $out = append $out (dict "file" "cluster.key" "secret" (include "tutti.clusterSecretName" $r) "key" $r.Values.clusterSecret.existingSecretKey "env" "TUTTI_CLUSTER_SECRET_FILE") }}
-{{- end }}
 {{- $e := $r.Values.etcdClient }}
 {{- if $e.existingSecret }}
 {{- range $k := list (list "caKey" "etcd-ca.crt" "TUTTI_ETCD_CA_FILE") (list "certKey" "etcd-client.crt" "TUTTI_ETCD_CERT_FILE") (list "keyKey" "etcd-client.key" "TUTTI_ETCD_KEY_FILE") (list "passwordKey" "etcd-password" "TUTTI_ETCD_PASSWORD_FILE") }}
