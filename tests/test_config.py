@@ -82,8 +82,12 @@ def test_an_empty_path_is_refused_not_the_working_directory(tmp_path: Path):
             TuttiConfig(paths=paths)
     with pytest.raises(ConfigError, match="data_dir"):
         TuttiConfig(data_dir="")
-    # An empty list item in the environment's comma form is only a separator.
-    assert TuttiConfig(paths=f"{tmp_path},").paths == [tmp_path]
+    # The environment's comma form too: an empty item is a path left out by mistake (an unset
+    # variable in TUTTI_PATHS=$A,$B), never a separator to skip.
+    for text in (f"{tmp_path},", f",{tmp_path}", f"{tmp_path},,{tmp_path}"):
+        with pytest.raises(ConfigError, match="empty"):
+            TuttiConfig(paths=text)
+    assert TuttiConfig(paths=f"{tmp_path}, {tmp_path}").paths == [tmp_path, tmp_path]
 
 
 def _read_only_dir_command(d: Path, argv: list[str]) -> list[str] | None:

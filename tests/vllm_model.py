@@ -29,13 +29,16 @@ KV_HEADS, HEAD_DIM, LAYERS = 2, 32, 2
 
 def make_model(path: str, sliding_window: int | None = None) -> None:
     """Saves a 2-layer Llama (hidden 128, 4 heads, 2 KV heads of 32) with seeded random weights; with
-    ``sliding_window``, the same shape as a Mistral whose every layer attends to that window."""
+    ``sliding_window``, the same shape as a Mistral whose every layer attends to that window.
+    ``VLLM_MODEL_WIDTH=HIDDEN,INTERMEDIATE`` widens its projections and MLP (the KV stays as it is),
+    so that a prefill costs enough compute for a restore's TTFT to tell."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
+    hidden, intermediate = (int(x) for x in os.environ.get("VLLM_MODEL_WIDTH", "128,256").split(","))
     shape = dict(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=LAYERS,
         num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=4096,
         tie_word_embeddings=False,
         # Weights drawn wider than Llama's default (0.02) so that attention is sharp: with the default a

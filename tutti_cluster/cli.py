@@ -27,20 +27,50 @@ DEMO_TOKENS = 8192
 COMMANDS = (
     ("up", "run the node daemon: owns the storage paths, hands each engine its share, serves the admin API "
            "(and, with --etcd, this node's units to other nodes); --demo: try the store once and exit"),
-    ("bench", "bandwidth against baselines and the same-run storage limits (needs PyTorch); "
+    ("bench", "bandwidth against baselines and the same-run storage limits (needs PyTorch and the bench extra); "
               "`tutti bench cluster`: remote fetch and directory lookups (needs the cluster extra); "
               "`tutti bench vllm`: a real vLLM engine's restore TTFT against recompute (needs vLLM)"),
     ("profile", "offline profile of a model shape's per-layer compute on an (input, prefix) grid: the slack "
-                "windows `tutti bench --pipeline --profile` schedules I/O into (needs PyTorch)"),
+                "windows `tutti bench --pipeline --profile` schedules I/O into (needs PyTorch and the bench extra)"),
+    ("cluster-key", "write a new cluster credential (64 random hex digits, mode 0600) to PATH, for "
+                    "--cluster-secret-file on every node and engine of a cluster"),
     ("admin", "admin plane client: status, stats, objects, evict, pin, unpin, drain; serve: the cluster-wide "
               "admin API (needs the admin extra)"),
 )
 
 # Which extra brings which optional module, for the one-line error when it is missing.
-_EXTRAS = {"torch": "pip install torch", "fastapi": "pip install 'tutti-cluster[admin]'",
-           "uvicorn": "pip install 'tutti-cluster[admin]'", "httpx": "pip install 'tutti-cluster[admin]'",
-           "prometheus_client": "pip install 'tutti-cluster[admin]'",
-           "mooncake": "pip install 'tutti-cluster[cluster]'", "grpc": "pip install 'tutti-cluster[cluster]'"}
+_EXTRAS = {"torch": "torch", "fastapi": "admin", "uvicorn": "admin", "httpx": "admin", "prometheus_client": "admin",
+           "mooncake": "cluster", "grpc": "cluster", "etcd3": "cluster", "vllm": "vllm", "tqdm": "bench",
+           "matplotlib": "bench"}
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs an extra, in the form that fits how this package was installed:
+    from the package index (``pip install 'tutti-cluster[admin]'``), from a source tree
+    (``pip install -e '/src/tutti[admin]'``, editable or not as it was), or not at all (run from a
+    checkout: ``pip install -e '<root>[admin]'``). ``torch`` is no extra: ``pip install torch``."""
+    if extra == "torch":
+        return "pip install torch"
+    import json
+    from importlib import metadata
+    from pathlib import Path
+    from urllib.parse import unquote, urlparse
+
+    try:
+        dist = metadata.distribution("tutti-cluster")
+    except metadata.PackageNotFoundError:
+        root = Path(__file__).resolve().parent.parent
+        return f"pip install -e '{root}[{extra}]'" if (root / "pyproject.toml").exists() else \
+            f"pip install 'tutti-cluster[{extra}]'"
+    try:
+        direct = json.loads(dist.read_text("direct_url.json") or "null")
+    except ValueError:
+        direct = None
+    if isinstance(direct, dict) and str(direct.get("url", "")).startswith("file://"):
+        src = unquote(urlparse(direct["url"]).path)
+        editable = bool((direct.get("dir_info") or {}).get("editable"))
+        return f"pip install {'-e ' if editable else ''}'{src}[{extra}]'"
+    return f"pip install 'tutti-cluster[{extra}]'"
 
 
 class Parser(argparse.ArgumentParser):
@@ -95,6 +125,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise _UsageError(f"--tokens must be positive, not {tokens}")
     cfg = config_from_args(a, instance=a.instance or "demo",
                            capacity_gb=None if a.capacity_gb else str(max(1.0, tokens / 4096)))
+    check_paths(cfg)  # before the demo spends its time making KV
     r = run_demo(cfg, prefix_tokens=tokens, keep=a.keep)
     print(f"Tutti demo: Llama-3-8B shape, {r.prefix_tokens} tokens, store at {', '.join(map(str, cfg.storage_paths()))}"
           f" ({'O_DIRECT' if r.direct_io else 'buffered I/O'})")
@@ -111,6 +142,43 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return 0 if r.exact and r.hit_rate == 1.0 else 1
 
 
+def check_paths(cfg: TuttiConfig) -> None:
+    """StorageError unless every configured storage path is a writable directory (the embedded
+    default, ``<data_dir>/store``, is made when missing)."""
+    import os
+
+    from tutti_cluster.errors import StorageError
+
+    for p in cfg.paths:
+        if not p.exists():
+            raise StorageError(f"storage path {p} does not exist: create it (a directory on the SSD to use), or leave "
+                               "--paths out for the embedded default <data_dir>/store")
+        if not p.is_dir():
+            raise StorageError(f"storage path {p} is not a directory")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise StorageError(f"storage path {p} is not writable by this user")
+
+
+def running_daemon(cfg: TuttiConfig) -> int | None:
+    """The process id of a node daemon serving ``cfg.data_dir`` (one answers on its socket), else None."""
+    import socket
+    import struct
+
+    from tutti_cluster.daemon import socket_path
+
+    path = socket_path(cfg)
+    if not path.exists():
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return None  # a stale socket of a daemon that died: the new one replaces it
+        cred = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", cred)[0])
+
+
 def cmd_up(a: argparse.Namespace) -> int:
     if a.demo:
         return cmd_demo(a)
@@ -119,6 +187,16 @@ def cmd_up(a: argparse.Namespace) -> int:
     from tutti_cluster.daemon import run_daemon
 
     cfg = config_from_args(a)
+    pid = running_daemon(cfg)  # before the admin API takes its port, which that daemon holds
+    if pid is not None:
+        from tutti_cluster.errors import ConfigError
+
+        raise ConfigError(f"a node daemon already serves {cfg.data_dir} (pid {pid}): stop it first (kill {pid}), "
+                          "or give this one another --data-dir")
+    if cfg.etcd:
+        from tutti_cluster.cluster.auth import cluster_secret
+
+        cluster_secret(cfg)  # no credential: a ConfigError saying how to make one, before anything listens
     admin = _admin_plane(cfg)
 
     def ready(_: Any) -> None:
@@ -126,15 +204,53 @@ def cmd_up(a: argparse.Namespace) -> int:
         caps = ", ".join(f"{p} ({c / (1 << 30):g} GiB)" for p, c in zip(cfg.storage_paths(), cfg.capacity_bytes()))
         print(f"tutti node daemon serving: {mode}; data {cfg.data_dir}; paths {caps}. Engines attach through "
               f"{cfg.data_dir / 'tutti.sock'} (TUTTI_DATA_DIR={cfg.data_dir}). Ctrl-C stops it.", flush=True)
+        if not cfg.cluster_mode and cfg.cluster_secret_file is None:
+            _single_node_key(cfg)
         if admin is not None:
             admin.start()
-            print(f"tutti admin API on http://{admin.address}; token: {admin.token_note}", flush=True)
+            print(f"tutti admin API on http://{admin.address} (health: http://{admin.health_address}/livez, "
+                  f"/readyz); token: {admin.token_note}", flush=True)
 
     try:
-        run_daemon(cfg, ready=ready, advertise={"admin": admin.advertised} if admin is not None else None)
+        stopped = run_daemon(cfg, ready=ready, advertise={"admin": admin.advertised} if admin is not None else None)
     finally:
         if admin is not None:
             admin.stop()
+    if not stopped:  # a stop that hangs (logged): end the process now, whatever threads are left
+        import os
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    return 0
+
+
+def _single_node_key(cfg: TuttiConfig) -> None:
+    """A single node's cluster credential, <data_dir>/cluster.key, made on first start (mode 0600,
+    never over anything there): the file to give other nodes when this one joins a cluster."""
+    from tutti_cluster.cluster.auth import KEY_FILE_NAME, ensure_secret_file
+
+    path = cfg.data_dir / KEY_FILE_NAME
+    try:
+        _, made = ensure_secret_file(path)
+    except TuttiError as e:
+        log.warning("no cluster credential in the data directory: %s", e)
+        return
+    if made:
+        log.info("cluster credential made: %s (mode 0600); a cluster's nodes and engines all take the same file "
+                 "(--cluster-secret-file)", path)
+
+
+def cmd_cluster_key(argv: list[str]) -> int:
+    p = Parser(prog="tutti cluster-key", description="Writes a new cluster credential to PATH: 64 random hex "
+               "digits, mode 0600, never over an existing file. Give every node daemon and engine of the cluster "
+               "the same file (--cluster-secret-file, TUTTI_CLUSTER_SECRET_FILE; in Kubernetes a Secret).")
+    p.add_argument("path", metavar="PATH", help="the file to create")
+    a = p.parse_args(argv)
+    from tutti_cluster.cluster.auth import write_secret_file
+
+    write_secret_file(a.path)
+    print(f"cluster credential written to {a.path} (mode 0600)")
     return 0
 
 
@@ -146,7 +262,7 @@ def _admin_plane(cfg: TuttiConfig) -> Any:
 
         return NodeAdmin(cfg)
     except ImportError as e:
-        log.warning("admin API not served (%s): pip install 'tutti-cluster[admin]'", e)
+        log.warning("admin API not served (%s): %s", e, install_hint("admin"))
         return None
 
 
@@ -157,7 +273,8 @@ class _UsageError(Exception):
 def _missing_module(e: ImportError) -> str | None:
     """The install hint for an optional module that failed to import, else None."""
     name = (e.name or "").split(".")[0]
-    return _EXTRAS.get(name)
+    extra = _EXTRAS.get(name)
+    return install_hint(extra) if extra is not None else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +334,7 @@ def _dispatch(argv: list[str], verbose: bool) -> int:
         _logging(verbose, quiet=("tutti_cluster.store",) if a.demo else ())
         return cmd_up(a)
     if cmd == "bench" and rest[:1] == ["cluster"]:
-        from tutti_cluster.cluster import bench as cluster_bench
+        from tutti_cluster.bench import cluster as cluster_bench
 
         a = cluster_bench.build_parser(Parser, prog="tutti bench cluster").parse_args(rest[1:])
         _logging(verbose)
@@ -237,19 +354,21 @@ def _dispatch(argv: list[str], verbose: bool) -> int:
 
         return int(run_args(a) or 0)
     if cmd == "profile":
-        from tutti_cluster.pipeline.profile import build_parser as profile_parser, run_args as profile_run
+        from tutti_cluster.bench.prefill.profile import build_parser as profile_parser, run_args as profile_run
 
         a = profile_parser(Parser).parse_args(rest)
         _logging(verbose)
         return int(profile_run(a) or 0)
+    if cmd == "cluster-key":
+        return cmd_cluster_key(rest)
     if cmd == "admin":
         try:
             from tutti_control.cli import parser as admin_parser, run_args as admin_run
         except ImportError as e:
-            raise _UsageError(f"tutti admin needs the tutti_control package ({e}): pip install "
-                              "'tutti-cluster[admin]'") from None
+            raise _UsageError(f"tutti admin needs the tutti_control package ({e}): {install_hint('admin')}") from None
         a = admin_parser(Parser).parse_args(rest)
-        _logging(verbose)
+        # httpx logs every request at INFO: -v shows them.
+        _logging(verbose, quiet=("httpx", "httpcore"))
         return int(admin_run(a) or 0)
     top_parser().error(f"unknown command {cmd!r}; the commands are {', '.join(n for n, _ in COMMANDS)}")
 

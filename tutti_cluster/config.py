@@ -22,6 +22,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tutti_cluster.errors import ConfigError
+from tutti_cluster.files import MAX_CONFIG_BYTES, read_bounded
 
 _LIST_FIELDS = ("paths", "capacity_gb", "etcd")
 
@@ -87,10 +88,14 @@ class _JsonFileSource(PydanticBaseSettingsSource):
         name = os.environ.get("TUTTI_CONFIG_FILE")
         if not name:
             return {}
+        # A regular file of bounded size: a FIFO is refused at once (O_NONBLOCK), /dev/zero or a huge
+        # file by its size. A symbolic link is followed (Kubernetes mounts ConfigMaps through them).
         try:
-            with open(name) as f:
-                data = json.load(f)
+            raw = read_bounded(name, MAX_CONFIG_BYTES, what="config file", error=ConfigError, follow=True)
+            data = json.loads(raw)
         except (OSError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
             raise ConfigError(f"cannot read config file {name}: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"config file {name} must hold a JSON object")
@@ -128,6 +133,12 @@ class TuttiConfig(BaseSettings):
         "objects with loads and stores instead of io_uring (byte-addressable storage: one pass over "
         "each byte, no staging; on CUDA the pool is pinned). Other paths always go through io_uring.",
     )
+    file_group: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",
+        description="Group (name or gid) given read access to the pool files, the daemon's state, its socket "
+        "and admin token, and the directories made for them (files 0640, directories 0750, the socket 0660); "
+        "unset: owner only (0600 and 0700).",
+    )
 
     # Layout
     unit_tokens: int = Field(256, gt=0, le=MAX_UNIT_TOKENS,
@@ -157,7 +168,18 @@ class TuttiConfig(BaseSettings):
     cuda_trace: bool = Field(False, description="CUDA: print the I/O kernel's counters when the store closes.")
 
     # Cluster (all unset: single-node embedded default)
-    etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port.")
+    etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port (https://host:port: TLS).")
+    etcd_ca_file: Path | None = Field(
+        None, description="PEM file of the CA that signed etcd's server certificate; set (or an https:// endpoint): "
+        "TLS to etcd (without it, the system's CA certificates).")
+    etcd_cert_file: Path | None = Field(
+        None, description="PEM client certificate for etcd's mutual TLS (--client-cert-auth), with etcd_key_file.")
+    etcd_key_file: Path | None = Field(None, description="PEM private key of etcd_cert_file (unencrypted).")
+    etcd_user: str | None = Field(
+        None, description="etcd user (etcd's role-based access: readwrite on the prefix tutti/); its password is "
+        "read from etcd_password_file.")
+    etcd_password_file: Path | None = Field(
+        None, description="File holding etcd_user's password (a regular file; trailing line breaks are ignored).")
     mooncake_master: str | None = Field(None, description="Mooncake master address host:port.")
     node_id: str | None = Field(None, description="This node's name in the cluster.")
     protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake Transfer Engine protocol.")
@@ -171,6 +193,11 @@ class TuttiConfig(BaseSettings):
         description="Port range LOW-HIGH each Transfer Engine of the node (the daemon's and every engine's) takes "
         "its two listening ports from (handshake and TCP data), at most 32767; unset: Mooncake's default, "
         "15000-17000.")
+    cluster_secret_file: Path | None = Field(
+        None, description="File holding the cluster credential: at least 32 random bytes (e.g. 64 hex digits), "
+        "mode 0600 or stricter, the same on every node and engine of the cluster; one secret a line, the first "
+        "signs and proves, every line is accepted (rotation). Required with etcd (make one with `tutti "
+        "cluster-key PATH`); a single node makes <data_dir>/cluster.key on first start.")
 
     # Admin plane (`tutti up` serves the node's admin API; docs/ADMIN.md)
     admin_host: str = Field("127.0.0.1", description="Address the node's admin API listens on.")
@@ -179,6 +206,14 @@ class TuttiConfig(BaseSettings):
     admin_token_file: Path | None = Field(
         None, description="File holding the admin token; unset, <data_dir>/admin.token, made (mode 0600) on "
         "first start.")
+    health_port: int | None = Field(
+        None, ge=0, le=65535, description="Port of the admin plane's health listener (GET /livez and /readyz "
+        "only, on admin_host, apart from the API's connections; 0: any free port); unset: admin_port + 1, or any "
+        "free port where admin_port is 0.")
+    metrics_token_file: Path | None = Field(
+        None, description="File holding the bearer token /metrics requires (read again when it changes); "
+        "unset: /metrics is open.")
+    admin_docs: bool = Field(False, description="Serve /docs, /redoc and /openapi.json without the admin token.")
 
     @classmethod
     def settings_customise_sources(
@@ -227,10 +262,17 @@ class TuttiConfig(BaseSettings):
     @field_validator("paths", mode="before")
     @classmethod
     def _paths(cls, v: Any) -> Any:
-        # Path("") is the working directory: an empty entry is a mistake, never a place for a pool.
-        if isinstance(v, (list, tuple)) and any(isinstance(p, (str, os.PathLike)) and not str(p).strip() for p in v):
+        # Path("") is the working directory: an empty entry is a mistake, never a place for a pool
+        # (comma-separated text included: TUTTI_PATHS=",/mnt/a" has one).
+        items = v.split(",") if isinstance(v, str) else v
+        if isinstance(items, (list, tuple)) and any(isinstance(p, (str, os.PathLike)) and not str(p).strip() for p in items):
             raise ValueError("paths must not hold an empty entry")
         return v
+
+    @field_validator("file_group", mode="before")
+    @classmethod
+    def _file_group(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else v  # a gid
 
     @field_validator("data_dir", mode="before")
     @classmethod
@@ -297,24 +339,29 @@ def load_config(**overrides: Any) -> TuttiConfig:
 # types, defaults and help come from the field itself.
 CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
     "storage": ("paths", "capacity_gb", "data_dir", "instance", "direct_io", "pool_files", "prewrite_pool",
-                "map_memory_paths"),
+                "map_memory_paths", "file_group"),
     "layout": ("unit_tokens", "min_io_bytes"),
     "data path": ("backend", "device", "queue_depth", "iocb_depth", "staging_mb", "max_requests", "io_sms",
                   "cuda_pair", "cuda_trace"),
-    "cluster (etcd unset: single node, the embedded default)": ("etcd", "mooncake_master", "node_id", "protocol",
+    "cluster (etcd unset: single node, the embedded default)": ("etcd", "etcd_ca_file", "etcd_cert_file",
+                                                                "etcd_key_file", "etcd_user", "etcd_password_file",
+                                                                "mooncake_master", "node_id", "protocol",
                                                                 "lease_ttl_s", "advertise_host", "stage_port",
-                                                                "transfer_ports"),
-    "admin API (docs/ADMIN.md)": ("admin_host", "admin_port", "admin_token", "admin_token_file"),
+                                                                "transfer_ports", "cluster_secret_file"),
+    "admin API (docs/ADMIN.md)": ("admin_host", "admin_port", "admin_token", "admin_token_file", "health_port",
+                                  "metrics_token_file", "admin_docs"),
 }
 # Secrets never go on a command line (other users see it in the process list): environment or file.
 NO_FLAG_FIELDS = frozenset({"admin_token"})
-_METAVARS = {"paths": "DIR", "capacity_gb": "GIB", "etcd": "HOST:PORT", "mooncake_master": "HOST:PORT",
+_METAVARS = {"paths": "DIR", "file_group": "GROUP", "capacity_gb": "GIB", "etcd": "HOST:PORT", "mooncake_master": "HOST:PORT",
+             "etcd_ca_file": "FILE", "etcd_cert_file": "FILE", "etcd_key_file": "FILE", "etcd_user": "NAME",
+             "etcd_password_file": "FILE",
              "data_dir": "DIR", "admin_token_file": "FILE", "instance": "NAME", "node_id": "NAME",
              "admin_host": "ADDRESS", "admin_port": "PORT", "advertise_host": "ADDRESS", "stage_port": "PORT",
-             "transfer_ports": "LOW-HIGH"}
+             "transfer_ports": "LOW-HIGH", "cluster_secret_file": "FILE", "health_port": "PORT", "metrics_token_file": "FILE"}
 _TYPE_METAVARS: dict[Any, str] = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
 # Defaults that are not a fixed value of the field.
-_DEFAULT_NOTES = {"paths": "<data_dir>/store", "node_id": "the host name"}
+_DEFAULT_NOTES = {"paths": "<data_dir>/store", "node_id": "the host name", "health_port": "admin_port + 1"}
 
 
 def flag_name(field: str) -> str:
@@ -385,5 +432,17 @@ def config_arguments(ns: argparse.Namespace, fields: Sequence[str] | None = None
         value = getattr(ns, name, None)
         if value is None:
             continue
-        out[name] = ",".join(str(v) for v in value) if isinstance(value, list) else value
+        out[name] = ",".join(_list_items(value)) if isinstance(value, list) else value
+    return out
+
+
+def _list_items(values: list[Any]) -> list[str]:
+    """A list flag's words as items: commas at a word's ends separate it from its neighbours
+    (``--paths /mnt/a, /mnt/b``), a word of commas alone is only a separator; an empty word stays
+    an empty item (``--paths ""``), for the config to refuse."""
+    out = []
+    for v in map(str, values):
+        if v and not v.strip(", "):
+            continue
+        out.append(v.strip().strip(",") if v.strip() else v)
     return out

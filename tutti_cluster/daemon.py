@@ -40,6 +40,7 @@ import random
 import signal
 import socket
 import socketserver
+import stat
 import threading
 import time
 from pathlib import Path
@@ -52,6 +53,8 @@ from tutti_cluster.config import (INSTANCE_MAX_CHARS, INSTANCE_PATTERN, TuttiCon
                                   validation_summary)
 from tutti_cluster.errors import (CapacityExceeded, ConfigError, LayoutError, NotFound, StorageError, TuttiError,
                                   error_class)
+from tutti_cluster.files import (MAX_STATE_BYTES, file_kind, group_id, make_dir, read_bounded, socket_mode,
+                                  tighten_files, write_atomic)
 
 log = logging.getLogger(__name__)
 # How often the node's accept loops (this daemon's, the stage endpoint's) look for a shutdown
@@ -579,6 +582,7 @@ class NodeDaemon:
                  advertise: dict[str, Any] | None = None) -> None:
         self.config = config
         self.data_dir = Path(config.data_dir)
+        self._file_gid = group_id(config.file_group)  # files.py: who besides this user reads our files
         # The address the Transfer Engine and the stage endpoint listen on and advertise: by default
         # config.advertise_host, else the one on the route to etcd (see advertised_host).
         self.host = host
@@ -595,6 +599,7 @@ class NodeDaemon:
         self._instances: dict[str, _InstanceView] = {}
         self._index: dict[int, set[str]] = {}
         self._server: socketserver.ThreadingUnixStreamServer | None = None
+        self._socket_id: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket bound: removed at stop
         self._thread: threading.Thread | None = None
         self.directory: Any = None
         self.transfer: Any = None
@@ -626,7 +631,7 @@ class NodeDaemon:
         a bad entry never stops the daemon and nothing is lost."""
         path = self._state_file()
         try:
-            raw = path.read_bytes()
+            raw = read_bounded(path, MAX_STATE_BYTES, what="daemon state")  # a regular file, never a link
         except FileNotFoundError:
             return {}
         except OSError as exc:
@@ -653,7 +658,7 @@ class NodeDaemon:
         if bad:
             keep = path.with_name(STATE_NAME + ".bad")
             try:
-                keep.write_bytes(raw)
+                write_atomic(keep, raw, self._file_gid, sync=False)
                 log.warning("daemon state %s: the file as it was is kept as %s", path, keep)
             except OSError as exc:
                 log.warning("cannot keep a copy of %s as %s: %s", path, keep, exc)
@@ -664,33 +669,19 @@ class NodeDaemon:
         state = {n: InstanceState.model_validate({"geometry": v.geometry, "capacity": v.capacity}).model_dump()
                  for n, v in self._instances.items()}
         path = self._state_file()
-        tmp = path.with_name(f".{STATE_NAME}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(state, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            dfd = os.open(self.data_dir, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)  # the rename itself survives a power cut
-            finally:
-                os.close(dfd)
+            write_atomic(path, json.dumps(state, indent=1).encode(), self._file_gid)
         except OSError as exc:
             # A full or read-only data_dir must not stop the daemon from serving; the shares are
             # kept in memory and written again with the next change.
             log.warning("cannot save daemon state to %s: %s", path, exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> "NodeDaemon":
         """Load the shares, rescan every instance's pools and serve. StorageError when the data
         directory cannot hold the socket (missing permission, read-only file system)."""
-        try:
-            self.data_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise StorageError(f"cannot create the data directory {self.data_dir}: {exc.strerror or exc}") from None
+        make_dir(self.data_dir, self._file_gid)  # owner-only (files.py), StorageError when it cannot be made
+        tighten_files(self.data_dir, self._file_gid)  # an older build's 0644 token and state: owner-only now
         self._pins = self._load_pins()
         for name, ent in self._load_state().items():
             view = _InstanceView(self.config, name, ent.geometry.model_dump(), list(ent.capacity))
@@ -710,6 +701,13 @@ class NodeDaemon:
 
         if not self.config.etcd:
             raise ConfigError("cluster mode needs etcd endpoints (TUTTI_ETCD): the replica directory lives there")
+        from tutti_cluster.cluster.etcd import EtcdSecurity
+
+        etcd_security = EtcdSecurity.from_config(self.config)  # ConfigError before anything listens
+        from tutti_cluster.cluster.auth import cluster_secret
+
+        # The cluster credential: every stage connection proves it, every directory record is signed with it.
+        secret = cluster_secret(self.config)  # ConfigError (saying how to make one) before anything listens
         if self.config.mooncake_master:
             # Replicas live in Tutti's pools, not in Mooncake Store segments: the master has no part
             # in registering or moving them (docs/CLUSTER.md, "Directory choice").
@@ -723,9 +721,9 @@ class NodeDaemon:
         self.transfer = TransferNode(self.host, self.config.protocol, self.arena_bytes, slot_bytes=slot,
                                      ports=self.config.transfer_ports)
         self.stage = StageServer(self.transfer, None, host=self.host, port=self.stage_port or self.config.stage_port,
-                                 read_into=self._read_into, check=self._check_unit).start()
+                                 read_into=self._read_into, check=self._check_unit, secret=secret).start()
         self.directory = EtcdDirectory(",".join(self.config.etcd), self.node_id, self.config.lease_ttl_s,
-                                       timeout_s=self.directory_timeout_s)
+                                       timeout_s=self.directory_timeout_s, security=etcd_security, secret=secret)
         with self._lock:
             keys = list(self._index)
         self.directory.register(keys)  # queued until start() has a lease
@@ -734,7 +732,11 @@ class NodeDaemon:
 
     def _start_socket(self) -> None:
         path = socket_path(self.config)
-        if path.exists():
+        if os.path.lexists(path):
+            kind = os.lstat(path).st_mode
+            if not (stat.S_ISSOCK(kind) or stat.S_ISLNK(kind)):  # never remove a file that is not a socket
+                raise StorageError(f"{path} is not a socket but {file_kind(kind)}: it is never removed (move it "
+                                   "away)")
             # A live daemon answers; a stale socket (crashed daemon) is replaced.
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
@@ -761,6 +763,18 @@ class NodeDaemon:
         except OSError as exc:
             raise StorageError(f"cannot listen on {path}: {exc.strerror or exc} (the data directory must be "
                                "writable)") from None
+        st = os.lstat(path)
+        self._socket_id = (st.st_dev, st.st_ino)
+        try:  # connecting needs write permission on the socket: this user, and file_group when set
+            os.chmod(path, socket_mode(self._file_gid))
+            if self._file_gid is not None:
+                os.chown(path, -1, self._file_gid)
+        except OSError as exc:
+            self._server.server_close()
+            self._server = None
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise StorageError(f"cannot set the mode of {path}: {exc.strerror or exc}") from None
         self._thread = threading.Thread(target=self._server.serve_forever, args=(SHUTDOWN_POLL_S,), name="tutti-daemon", daemon=True)
         self._thread.start()
 
@@ -773,10 +787,11 @@ class NodeDaemon:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
-            try:
-                socket_path(self.config).unlink()
-            except FileNotFoundError:
-                pass
+            path = socket_path(self.config)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(path)
+                if (st.st_dev, st.st_ino) == self._socket_id:  # never another daemon's, started since
+                    path.unlink()
             self._server = None
         if self.directory is not None:
             self.directory.stop(revoke=True)
@@ -1056,31 +1071,24 @@ class NodeDaemon:
     def _load_pins(self) -> set[int]:
         path = self.data_dir / PINS_NAME
         try:
-            data = from_json(path.read_bytes(), allow_inf_nan=False)
+            data = from_json(read_bounded(path, MAX_STATE_BYTES, what="pins"), allow_inf_nan=False)
             if not isinstance(data, list) or not all(isinstance(k, int) and 0 <= k <= _U64 for k in data):
                 raise ValueError("not a list of unit keys")
             return set(data)
         except FileNotFoundError:
             return set()
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, StorageError) as exc:
             log.warning("pins %s unreadable (%s): starting with no pins", path, exc)
             return set()
 
     def _save_pins(self) -> None:
         path = self.data_dir / PINS_NAME
-        tmp = path.with_name(f".{PINS_NAME}.{os.getpid()}.{threading.get_ident()}.tmp")
         with self._lock:
             keys = sorted(self._pins)
         try:
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(keys, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)  # atomic: the old or the new list, never a torn one
+            write_atomic(path, json.dumps(keys).encode(), self._file_gid)  # the old or the new list, never a torn one
         except OSError as exc:
             log.warning("cannot save pins to %s: %s", path, exc)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
 
     def _engine_live(self, name: str) -> bool:
         """Whether ``name``'s engine polls its command channel (call with _cmd_cv held)."""
@@ -1395,8 +1403,19 @@ class NodeDaemon:
                 **self.counters,
             }
             views = dict(self._instances)
+            held = dict.fromkeys(views, 0)
+            for owners in self._index.values():
+                for name in owners:
+                    if name in held:
+                        held[name] += 1
         for name, ent in out["instances"].items():
-            ent["view"] = views[name].stats()
+            view = views[name].stats()
+            if view:
+                # Units and slots as the index has them: it follows every commit and eviction the
+                # engines report, while the view counts what its last rescan of the headers found.
+                view["units"] = held[name]
+                view["free_slots"] = max(0, int(view.get("total_slots", 0)) - held[name])
+            ent["view"] = view
         with self._cmd_cv:
             for name, ent in out["instances"].items():
                 e = self._engines.get(name) or {}
@@ -1413,10 +1432,17 @@ class NodeDaemon:
         return out
 
 
+# How long `tutti up` waits for the daemon to stop after SIGINT or SIGTERM (an etcd that does not
+# answer, storage that hangs): past it the process ends without waiting further.
+STOP_TIMEOUT_S = 10.0
+
+
 def run_daemon(config: TuttiConfig, ready: Callable[[NodeDaemon], None] | None = None,
-               advertise: dict[str, Any] | None = None) -> None:
+               advertise: dict[str, Any] | None = None) -> bool:
     """Run the node daemon until SIGINT or SIGTERM (``tutti up``). ``ready`` is called once it
-    serves; ``advertise`` joins the node's cluster record (e.g. ``{"admin": "host:port"}``)."""
+    serves; ``advertise`` joins the node's cluster record (e.g. ``{"admin": "host:port"}``).
+    Returns whether the daemon stopped within :data:`STOP_TIMEOUT_S`; False (logged) leaves it
+    stopping in a daemon thread, and the caller's process should end now."""
     daemon = NodeDaemon(config, advertise=advertise).start()
     done = threading.Event()
 
@@ -1433,7 +1459,14 @@ def run_daemon(config: TuttiConfig, ready: Callable[[NodeDaemon], None] | None =
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        daemon.stop()
+        stopper = threading.Thread(target=daemon.stop, name="tutti-daemon-stop", daemon=True)
+        stopper.start()
+        stopper.join(STOP_TIMEOUT_S)
+        stopped = not stopper.is_alive()
+        if not stopped:
+            log.warning("node daemon did not stop within %.0f s (etcd or storage not answering?); exiting without "
+                        "waiting further", STOP_TIMEOUT_S)
+    return stopped
 
 
 class DaemonLink:
@@ -1473,6 +1506,9 @@ class DaemonLink:
         self._pinned: set[int] = set()
         self.draining = False
         self.cluster_stats: Callable[[], dict[str, Any]] | None = None  # e.g. a ClusterClient's stats
+        # Counters added to the store's own in what the daemon shows (e.g. the vLLM connector's
+        # lookups and hits, which it counts above the store: its lookups never reach the store).
+        self.extra_stats: Callable[[], dict[str, int]] | None = None
         self.commands_applied = 0
         self.pending = False  # an attach the daemon did not confirm in time: it may still take it
         self._closed = threading.Event()
@@ -1697,7 +1733,11 @@ class DaemonLink:
             st = self._store.stats()
         except (TuttiError, AttributeError):
             return {}
-        return {k: v for k, v in st.items() if isinstance(v, (int, float, bool, str))}
+        out = {k: v for k, v in st.items() if isinstance(v, (int, float, bool, str))}
+        if self.extra_stats is not None:
+            for k, v in self.extra_stats().items():
+                out[k] = int(out.get(k, 0) or 0) + int(v)
+        return out
 
     def _apply(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """One admin command on the store: pins are the link's own (one store pin per key, however

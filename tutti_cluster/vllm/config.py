@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,9 @@ __all__ = [
 ]
 
 # Keys of kv_connector_extra_config that belong to the connector rather than to TuttiConfig.
-CONNECTOR_KEYS = ("load_async", "namespace", "partial_units", "defer_saves")
+CONNECTOR_KEYS = ("load_async", "namespace", "partial_units", "defer_saves", "on_store_error")
+# What the connector does when its store cannot open (ConnectorOptions.on_store_error).
+ON_STORE_ERROR = ("fail", "serve_without_cache")
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,11 @@ class ConnectorOptions:
     step: the step ends without waiting for them, they complete while later steps (decode) run,
     and their units are committed then; a finished request keeps its blocks until its writes are
     done, and a preempted one's writes complete before its blocks are reused.
+    ``on_store_error`` decides what happens when a worker's store cannot open (a missing, full or
+    read-only path, a node daemon that refuses the instance): ``fail`` (the default) stops the
+    engine with the cause; ``serve_without_cache`` starts it with the connector answering no hits
+    and saving nothing, and a warning every minute until the engine restarts. Settings that can never
+    work (``ConfigError``, ``LayoutError``) stop the engine either way.
     """
 
     load: bool = True
@@ -64,6 +72,7 @@ class ConnectorOptions:
     namespace: str | None = None
     partial_units: bool = True
     defer_saves: bool = True
+    on_store_error: str = "fail"
 
 
 def _as_bool(name: str, v: Any) -> bool:
@@ -96,6 +105,10 @@ def connector_config(extra: dict[str, Any] | None, kv_role: str | None = None) -
     ns = conn.get("namespace")
     if ns is not None and not isinstance(ns, str):
         raise ConfigError("kv_connector_extra_config.namespace must be a string")
+    on_error = conn.get("on_store_error", os.environ.get("TUTTI_ON_STORE_ERROR") or "fail")
+    if on_error not in ON_STORE_ERROR:
+        raise ConfigError(f"kv_connector_extra_config.on_store_error must be one of {list(ON_STORE_ERROR)}, "
+                          f"got {on_error!r}")
     opts = ConnectorOptions(
         load=role != "kv_producer",
         save=role != "kv_consumer",
@@ -103,6 +116,7 @@ def connector_config(extra: dict[str, Any] | None, kv_role: str | None = None) -
         namespace=ns,
         partial_units=_as_bool("partial_units", conn.get("partial_units", True)),
         defer_saves=_as_bool("defer_saves", conn.get("defer_saves", True)),
+        on_store_error=on_error,
     )
     return cfg, opts
 

@@ -11,6 +11,7 @@ before any connector exists (stats and Prometheus classes, CUDA-graph mode, KV l
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -48,6 +49,21 @@ if TYPE_CHECKING:
 __all__ = ["TuttiConnector"]
 
 
+def _log_where_vllm_logs() -> None:
+    """Tutti's log lines (``tutti_cluster.*``: the connector's, the store's) go where vLLM's go, at
+    vLLM's level and in its format. vLLM configures only its own ``vllm`` logger; without this,
+    Python's root logger would show Tutti's warnings bare and its start-up line not at all.
+    Nothing changes where the application configured logging itself (the root logger has a
+    handler) or gave Tutti's logger one."""
+    ours, theirs = logging.getLogger("tutti_cluster"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers or logging.getLogger().handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 class TuttiConnector(KVConnectorBase_V1):
     """KV connector that serves and persists prefix KV through a Tutti store (see the package docs)."""
 
@@ -57,6 +73,7 @@ class TuttiConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        _log_where_vllm_logs()
         self.setup = ConnectorSetup.from_vllm(vllm_config, kv_cache_config)
         self.connector_scheduler: TuttiScheduler | None = None
         self.connector_worker: TuttiWorker | None = None

@@ -7,7 +7,8 @@
   summed over ranks with ``aggregate``, read in ``update_connector_output``): the keys committed (with
   their inner keys) and evicted, and each request's first unit that failed to load.
 - :class:`TuttiHandshake`, each worker -> scheduler once at start (``get_handshake_metadata``,
-  ``set_xfer_handshake_metadata``): the keys its store found on disk, and their inner keys.
+  ``set_xfer_handshake_metadata``): the keys its store found on disk, and their inner keys (or
+  why its store did not open, when the engine serves without the cache).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class TuttiConnectorMetadata(KVConnectorMetadata):
     # Blocks of a failed load still in vLLM's prefix cache that a request of this step reads as
     # computed: reported as failed loads of this step (TuttiWorker.before_step).
     invalid_blocks: list[int] = field(default_factory=list)
+    # Units the scheduler's lookups asked the stores for since the last step (each rank counts
+    # them, beside the units it loads, in what the node daemon shows as lookups and hits).
+    lookup_units: int = 0
 
 
 @dataclass
@@ -93,3 +97,5 @@ class TuttiHandshake(KVConnectorHandshakeMetadata):
     rank: int
     keys: list[int]
     inner: dict[int, int] = field(default_factory=dict)
+    # Why the worker's store did not open, when it serves without the cache (on_store_error).
+    store_error: str | None = None

@@ -56,6 +56,7 @@ verified).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -224,6 +225,11 @@ class TuttiScheduler:
         self._pending_loads: list[Transfer] = []
         self._pending_async: list[Transfer] = []
         self._lookups_at: dict[str, tuple[float, int, int, int]] = {}  # req_id -> (time, units asked, local, all)
+        # Units each request's latest lookup asked for beyond vLLM's own prefix cache, and those of
+        # the requests allocated since the last step (sent to the workers: the node daemon's lookups).
+        self._asked: dict[str, int] = {}
+        self._asked_units = 0
+        self.store_error: str | None = None  # a worker's store did not open: serving without the cache
         self._step = 0
         self._last_load_step = -(1 << 30)
         # Steps whose outcome may still be unknown when the next one is scheduled (async scheduling,
@@ -244,9 +250,13 @@ class TuttiScheduler:
         if self.options.load and config.etcd:
             # Cluster mode: units past the local hit prefix are looked up in the replica directory.
             from tutti_cluster.cluster.directory import EtcdDirectory
+            from tutti_cluster.cluster.etcd import EtcdSecurity
 
             node_id = config.node_id or socket.gethostname()
-            self._directory = EtcdDirectory(",".join(config.etcd), node_id, config.lease_ttl_s)
+            from tutti_cluster.cluster.auth import cluster_secret
+
+            self._directory = EtcdDirectory(",".join(config.etcd), node_id, config.lease_ttl_s,
+                                            security=EtcdSecurity.from_config(config), secret=cluster_secret(config))
 
     def take_stats(self) -> TuttiConnectorStats | None:
         return self._stats.take()
@@ -259,6 +269,15 @@ class TuttiScheduler:
 
     # ---- what the workers' stores hold ----------------------------------------------------------
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        errors = [m.store_error for m in metadata.values() if isinstance(m, TuttiHandshake) and m.store_error]
+        if errors:
+            # A worker serves without its store (on_store_error: serve_without_cache): a unit is a
+            # hit only on every rank, so no lookup hits and nothing is saved until the engine restarts.
+            self.store_error = errors[0]
+            self.options = dataclasses.replace(self.options, load=False, save=False)
+            log.warning("Tutti connector: no prefix is looked up or saved: a worker's store could not open (%s)",
+                        errors[0])
+            return
         for m in metadata.values():
             if isinstance(m, TuttiHandshake):
                 self._present.update(m.keys)
@@ -365,14 +384,28 @@ class TuttiScheduler:
             return 0, False
         looked = self._lookup(request)
         self._lookups[request.request_id] = looked
+        self._asked[request.request_id] = self._units_asked(request, num_computed_tokens)
         _, hits, tail, _, _ = looked
         ext = hits * self.unit_tokens + tail - num_computed_tokens
         if ext <= 0:
             return 0, False
         return ext, self._load_async
 
+    def _units_asked(self, request: Request, num_computed_tokens: int) -> int:
+        """Units of the prompt a lookup asks the stores for: those a save would store (whole units,
+        and with ``partial_units`` the last one's whole blocks; the last prompt token is always
+        computed) past the units vLLM's own prefix cache holds whole."""
+        last = int(request.num_prompt_tokens) - 1
+        if self.options.partial_units:
+            storable = last // self.setup.tail_step * self.setup.tail_step
+            total = -(-storable // self.unit_tokens)
+        else:
+            total = last // self.unit_tokens
+        return max(0, total - num_computed_tokens // self.unit_tokens)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
+        self._asked_units += self._asked.pop(req_id, 0)
         looked = self._lookups.pop(req_id, None)
         local, hits, tail, tail_h, tail_keys = looked if looked is not None else self._lookup(request)
         state = self._reqs.get(req_id)
@@ -458,8 +491,10 @@ class TuttiScheduler:
                 st.save_next = min(st.save_next, min(st.pending))
                 st.pending.clear()
         meta = TuttiConnectorMetadata(loads=self._pending_loads, async_loads=self._pending_async,
-                                      preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+                                      preempted=list(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+                                      lookup_units=self._asked_units)
         self._pending_loads, self._pending_async = [], []
+        self._asked_units = 0
         computed: dict[str, int] = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -592,6 +627,7 @@ class TuttiScheduler:
         request (``get_finished``) once that is done."""
         self._lookups.pop(request.request_id, None)
         self._lookups_at.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
         st = self._reqs.get(request.request_id)
         if st is not None and (st.pending or st.writing):
             st.finished = True

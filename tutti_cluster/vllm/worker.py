@@ -39,10 +39,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tutti_cluster.config import TuttiConfig, check_instance_name
-from tutti_cluster.errors import CapacityExceeded, TuttiError
+from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError, StorageError, TuttiError
 from tutti_cluster.kv_layout import LayerKV, layer_kv_from_vllm
 from tutti_cluster.pipeline.scheduler import SlackScheduler
 from tutti_cluster.vllm.config import ConnectorSetup, rank_prefix, unit_key
+from tutti_cluster.vllm.logs import BoundedLog, Reminder, banner, describe_pools, failure_cause, pool_files
 from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
 from tutti_cluster.vllm.metrics import TuttiConnectorStats
 
@@ -99,6 +100,17 @@ class TuttiWorker:
         self._link: Any = None  # the node daemon's socket, when a daemon runs
         self._cluster: Any = None  # remote fetches, in cluster mode
         self._direct_ios = 0  # the store's direct_ios already counted in the stats
+        # Operator-facing: failures logged at most 10 a minute per kind, with their cause.
+        self._load_warnings = BoundedLog(log)
+        self._store_warnings = BoundedLog(log)
+        self._stats_seen: dict[str, Any] = {}  # the store's counters at the last failure (failure_cause)
+        self.store_error: str | None = None  # why the store did not open (on_store_error: serve_without_cache)
+        self._reminder: Reminder | None = None
+        self._daemon_note = "no node daemon"
+        # What the node daemon shows as this instance's lookups and hits (units): the scheduler's
+        # lookups come with each step's metadata, the hits are the units loaded.
+        self.lookup_units = 0
+        self.hit_units = 0
 
     def take_stats(self) -> TuttiConnectorStats | None:
         # Direct I/Os belong to loads and saves, which count here as they finish: a quiet interval
@@ -144,18 +156,62 @@ class TuttiWorker:
         if int(getattr(pc, "data_parallel_size", 1)) > 1:
             instance += f"-dp{int(getattr(pc, 'data_parallel_rank', 0))}"
         cfg = self.config.model_copy(update={"instance": instance})
-        self.store = TuttiStore(cfg)
-        self.store.register_kv_caches(layers, block_tokens=self.setup.block_size)
-        self._attach_node(cfg)
         prefixes = self.setup.prefixes
         self.prefix = prefixes[self.rank] if self.rank < len(prefixes) else rank_prefix(self.setup.namespace, self.rank)
-        log.info("Tutti connector rank %d: instance %s, %d layers, %d blocks/unit, %d units on disk",
-                 self.rank, instance, len(layers), self.unit_blocks, len(self.store.keys()))
+        try:
+            self.store = TuttiStore(cfg)
+            self.store.register_kv_caches(layers, block_tokens=self.setup.block_size)
+            self._attach_node(cfg)
+        except (TuttiError, OSError) as e:
+            self._store_failed(cfg, e)
+            return
+        st = self.store.stats()
+        self._stats_seen = st
+        from tutti_cluster import __version__
+
+        mode = (f"cluster mode (etcd {','.join(cfg.etcd)}, node {cfg.node_id or 'the host name'})" if cfg.etcd
+                else "single node")
+        log.info("%s", banner(version=__version__, rank=self.rank, instance=instance, backend=str(st["backend"]),
+                              pools=describe_pools(cfg),
+                              unit_tokens=self.setup.unit_tokens, block_size=self.setup.block_size,
+                              units=int(st["units"]), layers=len(layers), daemon=self._daemon_note, cluster=mode,
+                              direct_io=bool(st["direct_io"])))
         kv0 = next(iter(kv_caches.values()))
         kv0 = kv0[0] if isinstance(kv0, (tuple, list)) else kv0
         if kv0.device.type == "cpu" and kv0.data_ptr() % 4096:
             log.info("Tutti connector: vLLM's KV cache is not page-aligned, so disk reads go through "
                      "staging; start vLLM with THP_MEM_ALLOC_ENABLE=1 to read straight into it (docs/VLLM.md)")
+
+    def _store_failed(self, cfg: TuttiConfig, e: BaseException) -> None:
+        """The store did not open: stop the engine with the cause first (``on_store_error: fail``),
+        or serve without the cache (``serve_without_cache``). Settings that can never work
+        (ConfigError, LayoutError) stop it either way."""
+        if self.store is not None:
+            try:
+                self.store.close()
+            except TuttiError:
+                pass
+            self.store = None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        caps = cfg.capacity_bytes()
+        where = ", ".join(f"{p} ({c / (1 << 30):g} GiB = {c} bytes)" for p, c in zip(cfg.storage_paths(), caps))
+        cause = str(e) if isinstance(e, TuttiError) else f"{type(e).__name__}: {e}"
+        msg = (f"{cause} (instance {cfg.instance}; capacity_gb per path: {where}; on a memory file system "
+               f"(tmpfs) each path's capacity is split into up to 16 pool files unless pool_files says otherwise)")
+        fatal = isinstance(e, (ConfigError, LayoutError))
+        if self.options.on_store_error != "serve_without_cache" or fatal:
+            hint = "" if fatal else "; set on_store_error: serve_without_cache to serve without the cache instead"
+            log.error("Tutti connector rank %d: the KV store could not open: %s%s", self.rank, msg, hint)
+            cls = type(e) if isinstance(e, TuttiError) else StorageError
+            raise cls(f"the Tutti KV store could not open: {msg}{hint}") from None
+        self.store_error = msg
+        note = (f"Tutti connector rank {self.rank}: serving WITHOUT the KV cache (on_store_error: "
+                f"serve_without_cache): the store could not open: {msg}. No prefix is restored or saved "
+                "until the engine restarts")
+        log.warning("%s", note)
+        self._reminder = Reminder(log, note)
 
     def _attach_node(self, cfg: TuttiConfig) -> None:
         """Announces the store to the node daemon (when one runs) and, in cluster mode, opens the
@@ -163,12 +219,21 @@ class TuttiWorker:
         from tutti_cluster.daemon import DaemonLink
 
         link = DaemonLink(cfg)
-        if link.attach(self.store) is not None or link.pending:  # pending: the daemon is there, busy
+        try:
+            attached = link.attach(self.store)
+        except BaseException:
+            link.close()
+            raise
+        if attached is not None or link.pending:  # pending: the daemon is there, busy
             self._link = link
+            link.extra_stats = self._daemon_counters
+            self._daemon_note = (f"node daemon {'attached' if attached is not None else 'busy, attaching'} "
+                                 f"({link.path})")
             to_daemon_commit, to_daemon_evict = self.store.on_commit, self.store.on_evict
         else:
             link.close()
             to_daemon_commit = to_daemon_evict = None
+            self._daemon_note = f"no node daemon at {link.path}: working alone"
 
         def on_commit(key: int) -> None:
             self._committed.append(key)
@@ -186,10 +251,30 @@ class TuttiWorker:
 
             self._cluster = ClusterClient(self.store, cfg, link=self._link)  # its counters reach the daemon
 
+    def _daemon_counters(self) -> dict[str, int]:
+        """Added to the store's counters in the node daemon's view (DaemonLink.extra_stats)."""
+        return {"lookups": self.lookup_units, "hits": self.hit_units}
+
     def get_handshake_metadata(self) -> TuttiHandshake | None:
         if self.store is None:
+            if self.store_error is not None:  # serving without the cache: the scheduler asks for nothing
+                return TuttiHandshake(rank=self.rank, keys=[], store_error=self.store_error)
             return None
         return TuttiHandshake(rank=self.rank, keys=self.store.keys(), inner=self.store.inner_keys())
+
+    def _cause(self, load: bool) -> str:
+        """Why units failed since the last failure (the store's counters)."""
+        try:
+            now = self.store.stats()
+        except TuttiError:
+            return "unknown"
+        cause = failure_cause(self._stats_seen, now, load)
+        self._stats_seen = now
+        return cause
+
+    def _where(self) -> str:
+        files = pool_files(self.store.config)
+        return ", ".join(map(str, files)) or f"instance {self.store.config.instance}"
 
     # ---- loads ----------------------------------------------------------------------------------
     def _begin(self, t: Transfer, load: bool) -> _InFlight | None:
@@ -213,7 +298,9 @@ class TuttiWorker:
                 self._settle_writes(wait=True)
                 h = begin()
         except TuttiError as e:
-            log.warning("Tutti %s of request %s not started: %s", "load" if load else "store", t.req_id, e)
+            warn = self._load_warnings if load else self._store_warnings
+            warn.warning("Tutti %s of request %s (%d units, first key %016x) not started: %s", "load" if load else "store",
+                         t.req_id, len(keys), keys[0] if keys else 0, e)
             if load:
                 self._invalid.update(t.written())
                 self._failed[t.req_id] = min(t.first_unit, self._failed.get(t.req_id, t.first_unit))
@@ -225,7 +312,13 @@ class TuttiWorker:
 
     def start_load_kv(self, meta: TuttiConnectorMetadata | None) -> None:
         """Hands each request's units to the store and starts every layer's retrieve."""
-        if self.store is None or meta is None:
+        if meta is None:
+            return
+        if self.store is None:  # serving without the cache: nothing loads (the scheduler asks for none)
+            for t in meta.loads + meta.async_loads:
+                self._invalid.update(t.written())
+                self._failed[t.req_id] = min(t.first_unit, self._failed.get(t.req_id, t.first_unit))
+            self._finished_recving.update(t.req_id for t in meta.async_loads)
             return
         self._write_deferred()
         for transfers, sink in ((meta.loads, self._loads), (meta.async_loads, self._async)):
@@ -245,7 +338,7 @@ class TuttiWorker:
                     for layer in range(self.store.num_layers):
                         self.store.retrieve_layer(layer, f.handle)
                 except TuttiError as e:
-                    log.warning("Tutti load of request %s failed to start: %s", t.req_id, e)
+                    self._load_warnings.warning("Tutti load of request %s failed to start: %s", t.req_id, e)
                     f.error = True
                 sink.append(f)  # finished in any case: the store holds its pins and IOCBs until then
 
@@ -260,8 +353,9 @@ class TuttiWorker:
             try:
                 placed = self._cluster.retrieve_remote(keys, t.block_ids[r * ub :], keep_replica=True)
             except TuttiError as e:
-                log.warning("Tutti remote fetch for request %s failed: %s", t.req_id, e)
+                self._load_warnings.warning("Tutti remote fetch for request %s failed: %s", t.req_id, e)
         self._stats.add("remote_units", placed)
+        self.hit_units += placed
         if placed < len(keys):
             self._invalid.update(t.written((r + placed) * ub))
             unit = t.first_unit + r + placed
@@ -278,7 +372,7 @@ class TuttiWorker:
             try:
                 self.store.wait_layer(idx, f.handle)
             except TuttiError as e:
-                log.warning("Tutti load of request %s, layer %d: %s", f.transfer.req_id, idx, e)
+                self._load_warnings.warning("Tutti load of request %s, layer %d: %s", f.transfer.req_id, idx, e)
                 f.error = True
         # The forward's stall on storage: zero where every layer lands before the engine needs it.
         self._stats.add("load_wait_us", round((time.perf_counter() - t0) * 1e6))
@@ -289,11 +383,16 @@ class TuttiWorker:
                 res = self.store.finish(f.handle)
                 failed = sorted(res.failed_units)
             except TuttiError as e:
-                log.warning("Tutti load of request %s failed: %s", f.transfer.req_id, e)
+                self._load_warnings.warning("Tutti load of request %s failed: %s", f.transfer.req_id, e)
                 failed = [0]
             if f.error:  # a layer of it did not move (or was not waited for): no block is loaded
                 failed = [0]
             if failed:
+                self._load_warnings.warning(
+                    "Tutti: load of request %s failed from unit %d of %d (key %016x, %d units in all): %s; pool "
+                    "files %s; vLLM recomputes them", f.transfer.req_id, failed[0], len(f.keys),
+                    f.keys[failed[0]] if failed[0] < len(f.keys) else 0,
+                    len(f.keys) - failed[0], self._cause(load=True), self._where())
                 # vLLM keeps the prefix before the first invalid block and recomputes the rest.
                 first = failed[0]
                 bad = f.transfer.written(first * self.unit_blocks)
@@ -303,10 +402,10 @@ class TuttiWorker:
                 self._failed[req_id] = min(unit, self._failed.get(req_id, unit))
                 self._stats.add("load_failed_units", len(f.keys) - first)
                 self._stats.add("load_units", first)
-                log.info("Tutti: %d of %d units of request %s failed to load; vLLM recomputes them",
-                         len(f.keys) - first, len(f.keys), f.transfer.req_id)
+                self.hit_units += first
             else:
                 self._stats.add("load_units", len(f.keys))
+                self.hit_units += len(f.keys)
 
     def _finish_step_loads(self) -> None:
         """Finishes this step's (synchronous) loads, whose every layer the forward has waited for."""
@@ -362,6 +461,9 @@ class TuttiWorker:
     def wait_for_save(self, meta: TuttiConnectorMetadata | None) -> None:
         """Ends the step: finishes the loads and writes it started, so no block is freed under an I/O."""
         if self.store is None:
+            # Serving without the cache: nothing is written, finished requests are done at once.
+            if meta is not None:
+                self._finished_sending.update(t.req_id for t in meta.saves if t.finish)
             return
         if not self._saves_started:
             self._start_saves(meta)
@@ -391,7 +493,7 @@ class TuttiWorker:
                 try:
                     f.sched.decode_step()
                 except TuttiError as e:  # never into the engine: the save is dropped
-                    log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
+                    self._store_warnings.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
                     f.error = True
 
     def _finish_save(self, f: _InFlight) -> None:
@@ -400,12 +502,15 @@ class TuttiWorker:
         try:
             if f.error or f.sched is None:
                 res = self.store.finish(f.handle)
-                committed, skipped, failed = sorted(res.committed_units), res.skipped_units, len(res.failed_units)
+                committed, skipped, failed_units = sorted(res.committed_units), res.skipped_units, list(res.failed_units)
             else:
                 report = f.sched.flush()
-                committed, skipped, failed = report.committed_units, report.skipped_units, len(report.not_stored_units)
+                committed, skipped, failed_units = (report.committed_units, report.skipped_units,
+                                                    list(report.not_stored_units))
+            failed = len(failed_units)
         except TuttiError as e:
-            log.warning("Tutti store of request %s failed: %s", f.transfer.req_id, e)
+            self._store_warnings.warning("Tutti store of request %s (%d units, first key %016x) failed: %s",
+                                         f.transfer.req_id, len(f.keys), f.keys[0] if f.keys else 0, e)
             if not f.error and f.sched is not None:
                 f.error = True
                 self._finish_save(f)  # a write that failed to start: finish what was issued
@@ -417,6 +522,12 @@ class TuttiWorker:
             self._inner.update({f.keys[u]: f.inner[u] for u in committed if f.inner[u]})
         self._stats.add("store_skipped_units", skipped)
         self._stats.add("store_failed_units", failed)
+        if failed and not f.error:  # a dropped save (over a failed load) is no store failure
+            u = sorted(failed_units)[0]
+            self._store_warnings.warning(
+                "Tutti: %d of %d units of request %s were not stored (first: unit %d, key %016x): %s; pool files %s",
+                failed, len(f.keys), f.transfer.req_id, u, f.keys[u] if u < len(f.keys) else 0, self._cause(load=False),
+                self._where())
 
     def _settle_writes(self, wait: bool, req_ids: set[str] | None = None) -> None:
         """Finishes the saves whose writes are all issued and done (``wait``: all of them, writing
@@ -449,6 +560,7 @@ class TuttiWorker:
         scheduler preempted (their blocks are free and may be reallocated in this step) complete now;
         blocks the scheduler found holding a failed load's KV are reported as this step's load errors."""
         self._invalid.update(meta.invalid_blocks)
+        self.lookup_units += meta.lookup_units
         if self.store is not None and meta.preempted and self._writing:
             self._settle_writes(wait=True, req_ids=set(meta.preempted))
 
@@ -483,6 +595,11 @@ class TuttiWorker:
         return meta
 
     def shutdown(self) -> None:
+        if self._reminder is not None:
+            self._reminder.stop()
+            self._reminder = None
+        self._load_warnings.flush()
+        self._store_warnings.flush()
         if self.store is not None:
             self._settle_writes(wait=True)  # nothing written is dropped
         if self._cluster is not None:
