@@ -147,7 +147,7 @@ def test_bad_input_gets_clear_errors(tmp_path: Path) -> None:
 
 
 def test_leftovers_of_killed_runs_are_removed(tmp_path: Path) -> None:
-    from tutti_cluster.bench.runner import remove_stale_runs
+    from tutti_cluster.bench.options import remove_stale_runs
 
     # A pid above the kernel's pid_max belongs to no process; our own pid is alive.
     dead = tmp_path / "tutti-bench-4194305"

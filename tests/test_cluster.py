@@ -362,7 +362,7 @@ def test_a_failure_of_the_requester_is_not_reported_against_the_owner(cluster):
 
 
 HEADER_MAGIC = (0x31495454554E4B56).to_bytes(8, "little")  # b"VKNUTTI1", the first field of a slot header
-HEADER_KEY_OFFSET = 16  # magic u64, version u32, num_objs u32, then the key (layout.h, HeaderFixed)
+HEADER_KEY_OFFSET = 16  # magic u64, version u32, num_objs u32, then the key (native/src/header.h, HeaderFixed)
 
 
 def damage_header(pool_dir: Path, key: int) -> Path:

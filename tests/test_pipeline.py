@@ -16,11 +16,11 @@ torch = pytest.importorskip("torch", reason="the pipeline's model is a torch mod
 from tutti_cluster import TuttiConfig, TuttiStore  # noqa: E402
 from tutti_cluster.bench import main as bench_main  # noqa: E402
 from tutti_cluster.bench.baselines import LayerwisePerChunk  # noqa: E402
-from tutti_cluster.errors import ConfigError  # noqa: E402
-from tutti_cluster.pipeline import harness as hz  # noqa: E402
-from tutti_cluster.pipeline.model import (  # noqa: E402
+from tutti_cluster.bench.prefill import harness as hz  # noqa: E402
+from tutti_cluster.bench.prefill.model import (  # noqa: E402
     Decoder, PagedKV, attention, lower_right_block_mask, model_shape,
 )
+from tutti_cluster.errors import ConfigError  # noqa: E402
 from tutti_cluster.pipeline.scheduler import SlackScheduler  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -225,7 +225,7 @@ def test_bench_pipeline_cpu_mode_writes_json_and_plot(tmp_path: Path) -> None:
 
 def test_profile_writes_a_keyed_table_the_bench_reads(tmp_path: Path) -> None:
     from tutti_cluster.cli import main as tutti_main
-    from tutti_cluster.pipeline.profile import SlackTable
+    from tutti_cluster.pipeline.table import SlackTable
 
     out = tmp_path / "prof.json"
     assert tutti_main(["profile", "--device", "cpu", "--inputs", "1K", "--prefix-tokens", "0%,50%,-1u",

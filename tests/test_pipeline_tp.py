@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch", reason="the pipeline's model is a torch mod
 from tutti_cluster.bench import main as bench_main  # noqa: E402
 from tutti_cluster.bench.errors import RankFailed  # noqa: E402
 from tutti_cluster.bench.pipeline import rank_dirs  # noqa: E402
+from tutti_cluster.bench.prefill.model import Decoder, PagedKV, TensorParallel, model_shape  # noqa: E402
 from tutti_cluster.errors import ConfigError  # noqa: E402
-from tutti_cluster.pipeline.model import Decoder, PagedKV, TensorParallel, model_shape  # noqa: E402
 
 from test_pipeline import _gpu_reason  # noqa: E402
 

@@ -19,8 +19,8 @@ from hypothesis import given, note, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tutti_cluster import TuttiConfig, TuttiStore  # noqa: E402
-from tutti_cluster.pipeline import harness as hz  # noqa: E402
-from tutti_cluster.pipeline.model import Decoder, PagedKV, model_shape  # noqa: E402
+from tutti_cluster.bench.prefill import harness as hz  # noqa: E402
+from tutti_cluster.bench.prefill.model import Decoder, PagedKV, model_shape  # noqa: E402
 from tutti_cluster.pipeline.scheduler import SlackScheduler  # noqa: E402
 
 SHAPE = model_shape("tiny")

@@ -11,11 +11,12 @@ import os
 import re
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
-from tqdm import tqdm
 
 from tutti_cluster.config import TuttiConfig
 from tutti_cluster.keys import chain_keys
@@ -25,6 +26,18 @@ log = logging.getLogger(__name__)
 
 # Llama-3-8B: 32 layers, 8 KV heads of 128, bf16 (2-byte words), 16-token blocks.
 LAYERS, KV_HEADS, HEAD_SIZE, BLOCK_TOKENS = 32, 8, 128, 16
+
+T = TypeVar("T")
+
+
+def _layers(items: Iterable[T], desc: str) -> Iterable[T]:
+    """``items`` with a progress bar per layer on stderr where tqdm is installed (the ``bench`` extra
+    brings it), else as they are: the demo needs no optional package."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit="layer", leave=False)
 
 
 @dataclass
@@ -93,8 +106,8 @@ def _run(config: TuttiConfig, prefix_tokens: int, seed: int, opened: list[bool])
     rng = np.random.default_rng(seed)
     # uint16 words stand in for bf16: the store moves bytes and never interprets them.
     kv = [np.empty((2, num_blocks, BLOCK_TOKENS, KV_HEADS, HEAD_SIZE), dtype=np.uint16) for _ in range(LAYERS)]
-    for layer in tqdm(kv, desc="make KV", unit="layer", leave=False):
-        layer[...] = np.frombuffer(rng.bytes(layer.nbytes), dtype=np.uint16).reshape(layer.shape)
+    for buf in _layers(kv, "make KV"):
+        buf[...] = np.frombuffer(rng.bytes(buf.nbytes), dtype=np.uint16).reshape(buf.shape)
     tokens = rng.integers(0, 128_000, prefix_tokens).tolist()
     keys = chain_keys(tokens, unit, namespace=b"tutti-demo")
     kv_bytes = blocks * LAYERS * 2 * BLOCK_TOKENS * KV_HEADS * HEAD_SIZE * 2
@@ -117,20 +130,20 @@ def _run(config: TuttiConfig, prefix_tokens: int, seed: int, opened: list[bool])
         src = rng.permutation(num_blocks)[:blocks]
         t0 = time.perf_counter()
         req = store.begin_store(keys, src)
-        for layer in tqdm(range(LAYERS), desc="store", unit="layer", leave=False):
+        for layer in _layers(range(LAYERS), "store"):
             store.store_layer(layer, req)
         res = store.finish(req)
         t_store = time.perf_counter() - t0
         if not res.ok:
             log.warning("demo: %d units failed to store", len(res.failed_units))
         want = [l[:, src].copy() for l in kv]
-        for layer in kv:
-            layer[...] = 0
+        for buf in kv:
+            buf[...] = 0
         hit = store.lookup(keys)
         dst = rng.permutation(num_blocks)[: hit * store.unit_blocks]
         t0 = time.perf_counter()
         req = store.begin_retrieve(keys[:hit], dst)
-        for layer in tqdm(range(LAYERS), desc="retrieve", unit="layer", leave=False):
+        for layer in _layers(range(LAYERS), "retrieve"):
             store.retrieve_layer(layer, req)
         for layer in range(LAYERS):
             store.wait_layer(layer, req)

@@ -18,7 +18,8 @@ built beside this one; sitecustomize drops the editable install's import redirec
     done
 
 The remote fetch's A/B is the cluster benchmark run the same way:
-``[PYTHONPATH=...] python -m tutti_cluster.cluster.bench --quick --only fetch``.
+``[PYTHONPATH=...] python -m tutti_cluster.bench.cluster --quick --only fetch`` (in trees before the
+benchmarks left the cluster package: ``tutti_cluster.cluster.bench``).
 """
 from __future__ import annotations
 
@@ -33,10 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from tutti_cluster.cluster import stage as stage_mod
-from tutti_cluster.cluster.bench import _Etcd
 from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 from tutti_cluster.cluster.stage import StageServer, StageStream, ping
 from tutti_cluster.cluster.transfer import TransferNode
+
+try:
+    from tutti_cluster.bench.cluster import _Etcd
+except ImportError:  # a tree from before the benchmarks left the cluster package
+    from tutti_cluster.cluster.bench import _Etcd  # type: ignore[no-redef]
 
 AUTH = "secret" in inspect.signature(StageServer.__init__).parameters
 kw: dict[str, Any] = {}

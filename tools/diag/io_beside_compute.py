@@ -15,10 +15,10 @@ import statistics
 import torch
 
 from tutti_cluster import TuttiStore
-from tutti_cluster.bench.runner import parse_tokens
+from tutti_cluster.bench.options import parse_tokens
+from tutti_cluster.bench.prefill.model import PagedKV, model_shape
 from tutti_cluster.bench.tutti_system import pool_bytes_per_path
 from tutti_cluster.config import load_config
-from tutti_cluster.pipeline.model import PagedKV, model_shape
 
 
 def main() -> None:

@@ -19,11 +19,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from tutti_cluster import TuttiStore
-from tutti_cluster.bench.runner import parse_tokens
+from tutti_cluster.bench.options import parse_tokens
+from tutti_cluster.bench.prefill import harness as hz
+from tutti_cluster.bench.prefill.model import Decoder, PagedKV, model_shape
 from tutti_cluster.bench.tutti_system import pool_bytes_per_path
 from tutti_cluster.config import load_config
-from tutti_cluster.pipeline import harness as hz
-from tutti_cluster.pipeline.model import Decoder, LayerHooks, PagedKV, model_shape
+from tutti_cluster.pipeline.hooks import LayerHooks
 
 
 class _Marks(LayerHooks):

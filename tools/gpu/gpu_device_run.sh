@@ -118,7 +118,7 @@ for step in "$@"; do
       owner=$([ $1 = shm ] && echo /dev/shm/owner || echo /var/tmp/owner)
       log "cluster bench, $2 units, owner store on $owner"
       mkdir -p $owner
-      timeout $(left) python3 -m tutti_cluster.cluster.bench --only fetch --owner-path $owner --units $2 \
+      timeout $(left) python3 -m tutti_cluster.bench.cluster --only fetch --owner-path $owner --units $2 \
         --device ${CLUSTER_DEVICE:-cpu} --json "$OUT/cluster_$1_$2.json" 2>&1 | grep -v "^[IWE][0-9]\{4\} " | tail -8
       rm -rf $owner
     done ;;
@@ -128,7 +128,7 @@ for step in "$@"; do
       timeout 300 python3 -m pytest -q -m gpu -rs tests/test_pipeline_tp.py 2>&1 | tee "$OUT/pipeline_tp_tests.log" | tail -6
     fi
     gpus=$(nvidia-smi -L | wc -l)
-    inputs=$(python3 -c "import sys; from tutti_cluster.bench.runner import parse_tokens as p; \
+    inputs=$(python3 -c "import sys; from tutti_cluster.bench.options import parse_tokens as p; \
       print(','.join(str(p(t) + 512) for t in sys.argv[1].split(',')))" "${TP_PREFIXES:-128K,256K,512K,640K}")
     for tp in ${TP_SIZES:-2 1}; do
       backend=${TP_BACKEND:-$([ "$gpus" -ge "$tp" ] && echo nccl || echo gloo)}

@@ -1,9 +1,15 @@
 """``tutti bench``: tutti's retrieve and store bandwidth and host CPU per layer call for the
 Llama-3-8B KV shape, beside the per-block and per-chunk baselines (and kvikio on CUDA) and the
-storage and host-to-GPU limits measured in the same run.  See docs/BENCH.md."""
+storage and host-to-GPU limits measured in the same run.  See docs/BENCH.md.
+
+Every benchmark lives in this package: ``tutti bench`` (``runner``, its flags in ``args``),
+``tutti bench --pipeline`` (``pipeline``, over the model-shaped prefill of ``prefill``),
+``tutti profile`` (``prefill.profile``), ``tutti bench cluster`` (``cluster``) and ``tutti bench
+vllm`` (``vllm_restore``). The runtime (store, node daemon, cluster, vLLM connector, admin plane)
+imports none of it; the ``tutti`` command imports a benchmark when it runs one. ``tutti bench``
+and ``tutti profile`` need the ``bench`` extra (:mod:`.extra`)."""
 
 from __future__ import annotations
-
 
 
 def main(argv: list[str] | None = None) -> int:

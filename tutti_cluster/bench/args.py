@@ -8,7 +8,7 @@ from pathlib import Path
 from tutti_cluster.config import add_config_arguments
 
 SYSTEMS = ("tutti", "tutti-mapped", "per-block", "per-chunk", "kvikio")
-# --pipeline's systems (tutti_cluster.pipeline.harness.SYSTEMS, kept here so --help needs no torch).
+# --pipeline's systems (tutti_cluster.bench.prefill.harness.SYSTEMS, kept here so --help needs no torch).
 PIPELINE_SYSTEMS = ("ideal", "tutti", "naive", "load-all", "per-chunk", "recompute")
 MODEL_SHAPES = ("llama3-8b", "glm4-9b-1m", "tiny")
 # The store settings a bench run takes from the command line; the others (cluster, admin) play no
@@ -23,7 +23,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
         prog="tutti bench",
         description="Retrieve/store bandwidth and host CPU per layer call of tutti, beside the per-block "
         "(vLLM file offload) and per-chunk (LMCache disk) baselines and the same-run storage limits, "
-        "for the Llama-3-8B KV shape. Needs PyTorch (pip install torch). The cluster benchmark: "
+        "for the Llama-3-8B KV shape. Needs PyTorch (pip install torch) and the bench extra "
+        "(pip install 'tutti-cluster[bench]'). The cluster benchmark: "
         "tutti bench cluster --help.",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")

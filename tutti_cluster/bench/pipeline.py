@@ -1,6 +1,6 @@
 """``tutti bench --pipeline``: TTFT of a model-shaped prefill whose prefix is restored from the store
 layer by layer, against the HBM ideal, a naive pipeline, load-then-compute, the per-chunk baseline
-and full recompute (systems of :mod:`tutti_cluster.pipeline.harness`), with the GPU bubble, the
+and full recompute (systems of :mod:`tutti_cluster.bench.prefill.harness`), with the GPU bubble, the
 crossover hit rate, write-back's effect on TTFT and inter-token latency, and the cost per 1M
 generated tokens.  See docs/BENCH.md, "Pipeline"."""
 
@@ -25,36 +25,18 @@ from tutti_cluster.bench import fsutil, machine
 from tutti_cluster.bench.args import BENCH_CONFIG_FIELDS
 from tutti_cluster.bench.baselines import LayerwisePerChunk
 from tutti_cluster.bench.errors import BenchVerificationError, RankFailed
-from tutti_cluster.bench.runner import _resolve_device, _split, parse_tokens, remove_stale_runs
+from tutti_cluster.bench.options import (CPU_INPUTS, DEFAULT_INPUTS, parse_tokens, prefix_for, remove_stale_runs,
+                                         resolve_device, split_list)
+from tutti_cluster.bench.prefill import harness as hz
+from tutti_cluster.bench.prefill.model import Decoder, ModelShape, PagedKV, TensorParallel, model_shape
 from tutti_cluster.bench.tutti_system import pool_bytes_per_path
 from tutti_cluster.errors import CapacityExceeded, ConfigError
-from tutti_cluster.pipeline import harness as hz
-from tutti_cluster.pipeline.model import Decoder, ModelShape, PagedKV, TensorParallel, model_shape
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-DEFAULT_INPUTS = ("64K", "128K")
-CPU_INPUTS = ("1K", "2K")
 DEFAULT_PREFIXES = ("16K", "32K", "64K", "96K", "-1u")
 CPU_PREFIXES = ("25%", "50%", "75%", "-1u")
-
-
-def prefix_for(spec: str, n: int, unit: int) -> int:
-    """A prefix spec for an input of ``n`` tokens: tokens (``16K``), a share (``75%``) rounded down
-    to whole units, or ``-1u`` (the input minus one unit)."""
-    t = spec.strip().lower()
-    if t in ("-1u", "input-1u", "input-minus-one-unit"):
-        return n - unit
-    if t.endswith("%"):
-        try:
-            share = float(t[:-1])
-        except ValueError:
-            raise ConfigError(f"not a prefix share: {spec!r} (use e.g. 75%)") from None
-        if not 0 < share < 100:
-            raise ConfigError(f"prefix share {spec!r} must lie strictly between 0% and 100%")
-        return int(n * share / 100) // unit * unit
-    return parse_tokens(spec)
 
 
 @dataclass
@@ -148,7 +130,7 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
             raise ConfigError(f"storage path {d} is not a directory")
         if not os.access(d, os.W_OK):
             raise ConfigError(f"storage path {d} is not writable")
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     cpu = device.type == "cpu"
     if args.model_layers is not None and args.model_layers <= 0:
         raise ConfigError("--model-layers must be positive")
@@ -165,15 +147,15 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         if gpus < tp and backend == "nccl":
             raise ConfigError(f"--tp {tp} needs {tp} GPUs, one per rank; this host has {gpus} (--tp-backend gloo "
                               "runs the ranks on shared GPUs, for testing)")
-    if tp > 1 and "per-chunk" in (_split(args.systems) or []):
+    if tp > 1 and "per-chunk" in (split_list(args.systems) or []):
         raise ConfigError("--tp: the per-chunk baseline's reader has no tensor-parallel layout; leave it out of --systems")
     unit = cfg.unit_tokens
     if unit % shape.block_tokens:
         raise ConfigError(f"unit_tokens={unit} must be a multiple of the model's {shape.block_tokens}-token blocks")
     if unit % 256:
         raise ConfigError(f"unit_tokens={unit}: the per-chunk baseline's chunks are 256 tokens; use a multiple of 256")
-    inputs = sorted({parse_tokens(t) for t in _split(args.inputs) or (CPU_INPUTS if cpu else DEFAULT_INPUTS)})
-    specs = _split(args.prefix_tokens) or list(CPU_PREFIXES if cpu else DEFAULT_PREFIXES)
+    inputs = sorted({parse_tokens(t) for t in split_list(args.inputs) or (CPU_INPUTS if cpu else DEFAULT_INPUTS)})
+    specs = split_list(args.prefix_tokens) or list(CPU_PREFIXES if cpu else DEFAULT_PREFIXES)
     prefixes: dict[int, list[int]] = {}
     for n in inputs:
         if n <= unit or n % unit:
@@ -189,7 +171,7 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         if not ps:
             raise ConfigError(f"no prefix of {', '.join(specs)} is shorter than the input of {n} tokens")
         prefixes[n] = sorted(ps)
-    systems = _split(args.systems) or [x for x in hz.SYSTEMS if tp == 1 or x != "per-chunk"]
+    systems = split_list(args.systems) or [x for x in hz.SYSTEMS if tp == 1 or x != "per-chunk"]
     for s in systems:
         if s not in hz.SYSTEMS:
             raise ConfigError(f"unknown pipeline system {s!r}; choose from {', '.join(hz.SYSTEMS)}")
@@ -358,7 +340,7 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
                        compute_stream=plan.compute_on == "partition",
                        barrier=group.barrier if group.size > 1 else None)
         if plan.profile is not None:
-            from tutti_cluster.pipeline.profile import SlackTable
+            from tutti_cluster.pipeline.table import SlackTable
 
             h.windows = SlackTable.load(plan.profile, s, plan.device, int(plan.cfg.io_sms)).windows
         # cuBLAS and the allocator start up here, not in a timed run.

@@ -18,7 +18,7 @@ import shutil
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,10 @@ from tutti_cluster.bench import fsutil, limits as limits_mod, machine
 from tutti_cluster.bench.args import BENCH_CONFIG_FIELDS, SYSTEMS, build_parser
 from tutti_cluster.bench.baselines import CHUNK_TOKENS, KvikioBaseline, PerBlockBaseline, PerChunkBaseline
 from tutti_cluster.bench.common import BenchSystem, OpTiming, Round
+from tutti_cluster.bench.extra import check_extra
 from tutti_cluster.bench.kvdata import LLAMA3_8B, KVData, KVShape
-from tutti_cluster.errors import CapacityExceeded, ConfigError, DeviceError
+from tutti_cluster.bench.options import parse_tokens, remove_stale_runs, resolve_device, split_list
+from tutti_cluster.errors import CapacityExceeded, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -38,23 +40,6 @@ DEFAULT_PREFIXES = (16 << 10, 32 << 10, 64 << 10, 128 << 10)
 QUICK_PREFIXES = (4 << 10, 16 << 10)
 GIB = 1 << 30
 MIB = 1 << 20
-
-
-def parse_tokens(text: str) -> int:
-    """``"16K"`` -> 16384, ``"512"`` -> 512."""
-    t = text.strip().upper()
-    try:
-        if t.endswith("K"):
-            return int(t[:-1]) << 10
-        if t.endswith("M"):
-            return int(t[:-1]) << 20
-        return int(t)
-    except ValueError:
-        raise ConfigError(f"not a token count: {text!r} (use e.g. 16K or 16384)") from None
-
-
-def _split(values: Sequence[str] | None) -> list[str]:
-    return [v for item in values or () for v in item.split(",") if v.strip()]
 
 
 @dataclass
@@ -87,16 +72,6 @@ class Plan:
     skipped: dict[str, str] = field(default_factory=dict)
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "cpu":
-        return torch.device("cpu")
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if name == "cuda":
-        raise DeviceError("--device cuda: no CUDA device is available to torch")
-    return torch.device("cpu")
-
-
 def make_plan(args: argparse.Namespace) -> Plan:
     """Validate the arguments against the config; raises ConfigError/DeviceError on bad input."""
     from tutti_cluster.config import config_arguments, load_config
@@ -111,7 +86,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if not os.access(d, os.W_OK):
             raise ConfigError(f"storage path {d} is not writable")
     shape = LLAMA3_8B
-    prefixes = [parse_tokens(t) for t in _split(args.prefix_tokens)] or list(
+    prefixes = [parse_tokens(t) for t in split_list(args.prefix_tokens)] or list(
         QUICK_PREFIXES if args.quick else DEFAULT_PREFIXES
     )
     unit = max(CHUNK_TOKENS, cfg.unit_tokens)
@@ -123,7 +98,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
             )
     memory = all(fsutil.fs_type(d) in fsutil.MEMORY_FS for d in dirs)
     # tutti-mapped differs from tutti only on memory file systems: by default it runs there only.
-    systems = _split(args.systems) or [s for s in SYSTEMS if s != "tutti-mapped" or memory]
+    systems = split_list(args.systems) or [s for s in SYSTEMS if s != "tutti-mapped" or memory]
     for s in systems:
         if s not in SYSTEMS:
             raise ConfigError(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
@@ -135,7 +110,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ConfigError("--repeat must be at least 1")
     if args.baseline_threads < 1:
         raise ConfigError("--baseline-threads must be at least 1")
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     limit_gb = args.limit_gb if args.limit_gb is not None else (0.5 if args.quick else 4.0)
     if limit_gb <= 0:
         raise ConfigError("--limit-gb must be positive")
@@ -256,16 +231,6 @@ def _make_system(name: str, plan: Plan, kv: KVData, work: list[Path]) -> BenchSy
     if name == "per-chunk":
         return PerChunkBaseline(kv, work, plan.baseline_threads)
     return KvikioBaseline(kv, work, threads=8)
-
-
-def remove_stale_runs(dirs: Sequence[Path]) -> None:
-    """Remove ``tutti-bench-<pid>`` directories left by runs whose process is gone (killed)."""
-    for d in dirs:
-        for w in d.glob("tutti-bench-*"):
-            pid = w.name.removeprefix("tutti-bench-")
-            if w.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():
-                logger.info("removing %s, left by an earlier run", w)
-                shutil.rmtree(w, ignore_errors=True)
 
 
 def run(plan: Plan) -> dict[str, Any]:
@@ -420,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_args(args: argparse.Namespace) -> int:
     """``tutti bench`` with its flags parsed."""
+    check_extra()
     if getattr(args, "pipeline", False):
         from tutti_cluster.bench.pipeline import run_args as run_pipeline
 

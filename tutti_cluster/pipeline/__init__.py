@@ -1,4 +1,5 @@
-"""The layer-wise prefill pipeline: a model-shaped decoder over a paged KV cache (``model``), the
-harness that restores a prefix from a :class:`~tutti_cluster.TuttiStore` layer by layer while the
-suffix is computed (``harness``), the slack-aware I/O scheduler (``scheduler``) and the offline
-profiler of idle windows (``profile``). See docs/BENCH.md, "Pipeline"."""
+"""The slack-aware I/O of a layer-wise prefill: the calls a prefill makes around each layer
+(``hooks``), the scheduler that places a request's prefix reads and new KV's writes in the layers'
+idle windows (``scheduler``, used by the vLLM worker) and the table of those windows from an offline
+profile (``table``). The model-shaped decoder, harness and profiler that measure it are benchmarks:
+:mod:`tutti_cluster.bench.prefill`. See docs/BENCH.md, "Pipeline"."""

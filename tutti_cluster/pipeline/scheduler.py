@@ -2,7 +2,7 @@
 idle windows of the layers' compute.
 
 A *slack window* is the time one layer's compute takes with the I/O partition's SMs running
-(from the offline profile, :mod:`tutti_cluster.pipeline.profile`, or measured per layer on the
+(from the offline profile, :class:`~tutti_cluster.pipeline.table.SlackTable`, or measured per layer on the
 resident run). Reads are on the critical path; writes only ever fill what reads leave free.
 
 Per layer ``l`` (``before_layer``):
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tutti_cluster.errors import ConfigError, TuttiError
-from tutti_cluster.pipeline.model import LayerHooks
+from tutti_cluster.pipeline.hooks import LayerHooks
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Cluster benchmark: remote fetch against the raw Transfer Engine, and directory lookup latency.
 
-Run ``python -m tutti_cluster.cluster.bench [--quick] [--json out.json]``. It starts (unless
+Run ``python -m tutti_cluster.bench.cluster [--quick] [--json out.json]``. It starts (unless
 ``--etcd`` names one) a private etcd on free ports, then:
 
 1. An owner node in a separate process: the node daemon in cluster mode plus one engine store
@@ -205,7 +205,7 @@ def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str,
                  "data_dir": str(work / "owner"), "etcd": etcd, "node_id": "bench-owner", "instance": "engine0",
                  "lease_ttl_s": 10, "protocol": args.protocol, "cluster_secret_file": secret_file}
     opts = {"config": owner_cfg, "units": n, "layers": layers, "keys": keys, "arena_bytes": 4 * unit_guess}
-    owner = subprocess.Popen([sys.executable, "-m", "tutti_cluster.cluster.bench", "--owner", json.dumps(opts)],
+    owner = subprocess.Popen([sys.executable, "-m", "tutti_cluster.bench.cluster", "--owner", json.dumps(opts)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(work / "owner.log", "ab"))
     try:
         assert owner.stdout is not None
@@ -420,7 +420,7 @@ def _measure_lookup(args: argparse.Namespace, etcd: str, rss: Any = None) -> dic
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser,
-                 prog: str = "python -m tutti_cluster.cluster.bench") -> argparse.ArgumentParser:
+                 prog: str = "python -m tutti_cluster.bench.cluster") -> argparse.ArgumentParser:
     p = parser_class(prog=prog, description=(__doc__ or "").split("\n")[0] + " Needs the cluster extra "
                      "(pip install 'tutti-cluster[cluster]') and etcd on the PATH unless --etcd names one.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
@@ -478,7 +478,7 @@ def run_args(args: argparse.Namespace, argv: list[str] | None = None) -> int:
                     "mc_tcp_slice_size": os.environ.get("MC_TCP_SLICE_SIZE"),
                     # Other jobs on the host lower every figure; the load says how busy it was.
                     "loadavg_1m_before": load_before[0], "loadavg_1m_after": os.getloadavg()[0]},
-        "command": "python -m tutti_cluster.cluster.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m tutti_cluster.bench.cluster " + " ".join(argv if argv is not None else sys.argv[1:]),
         "fetch": fetch, "directory": lookup,
     }
     f = fetch

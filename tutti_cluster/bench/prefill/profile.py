@@ -2,13 +2,12 @@
 
 For a model shape and an SM split (the compute partition beside the store's ``io_sms`` I/O
 partition), it times each layer of a prefill with a resident prefix on a grid of (input length,
-prefix length) points aligned to 32 tokens, and saves the idle windows in a lookup table: per grid
-point and layer, the window's duration (the layer's compute time, during which the I/O partition
-is free) and the free SM budget (the I/O partition's SMs). The file is keyed by the model shape,
-the GPU and the SM split; :class:`SlackTable` refuses a file made for another key and interpolates
-between grid points (linearly in the prefix, then in the input).
+prefix length) points aligned to 32 tokens, and saves the idle windows in the file the scheduler's
+table reads (:class:`~tutti_cluster.pipeline.table.SlackTable`): per grid point and layer, the
+window's duration (the layer's compute time, during which the I/O partition is free) and the free
+SM budget (the I/O partition's SMs), keyed by the model shape, the GPU and the SM split.
 
-Torch is imported only when a profile runs or loads, so ``tutti profile --help`` needs none.
+Torch is imported only when a profile runs, so ``tutti profile --help`` needs none.
 """
 
 from __future__ import annotations
@@ -20,82 +19,17 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tutti_cluster.bench.options import (CPU_INPUTS, DEFAULT_INPUTS, parse_tokens, prefix_for, resolve_device,
+                                         split_list)
 from tutti_cluster.errors import ConfigError
+from tutti_cluster.pipeline.table import ALIGN, FORMAT, SlackTable, device_name, profile_key
 
 log = logging.getLogger(__name__)
 
-ALIGN = 32  # tokens: the grid's step (one warp's worth of tokens, as the paper's table)
-FORMAT = 1
 PROFILE_CONFIG_FIELDS = ("paths", "data_dir", "io_sms", "unit_tokens")
-
-
-def profile_key(model_key: str, gpu: str, io_sms: int) -> dict[str, Any]:
-    return {"model": model_key, "gpu": gpu, "io_sms": io_sms}
-
-
-def device_name(device: Any) -> str:
-    import torch
-
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-class SlackTable:
-    """A profile file's windows: ``windows(n, p)`` -> per-layer seconds for input ``n``, prefix ``p``."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        if data.get("format") != FORMAT:
-            raise ConfigError(f"profile format {data.get('format')!r}; this version reads format {FORMAT}")
-        self.key = data["key"]
-        self.layers = int(data["layers"])
-        self.sms = data.get("sms")
-        by: dict[int, list[tuple[int, list[float]]]] = {}
-        for g in data["grid"]:
-            if len(g["layer_ms"]) != self.layers:
-                raise ConfigError(f"profile point {g['input']}/{g['prefix']}: {len(g['layer_ms'])} layers, "
-                                  f"expected {self.layers}")
-            by.setdefault(int(g["input"]), []).append((int(g["prefix"]), [x / 1e3 for x in g["layer_ms"]]))
-        if not by:
-            raise ConfigError("the profile has no grid points")
-        self._by = {n: sorted(pts) for n, pts in sorted(by.items())}
-
-    @classmethod
-    def load(cls, path: Path, shape: Any, device: Any, io_sms: int) -> "SlackTable":
-        """Reads ``path`` and checks that it was made for this model shape, GPU and SM split."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot read the profile {path}: {e}") from None
-        t = cls(data)
-        want = profile_key(shape.key(), device_name(device), io_sms if device.type == "cuda" else 0)
-        if t.key != want:
-            raise ConfigError(f"profile {path} was made for {t.key}, this run is {want}: run `tutti profile` here")
-        return t
-
-    @staticmethod
-    def _lerp(pts: Sequence[tuple[int, list[float]]], x: float) -> list[float]:
-        if x <= pts[0][0]:
-            return list(pts[0][1])
-        if x >= pts[-1][0]:
-            return list(pts[-1][1])
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if x0 <= x <= x1:
-                f = (x - x0) / (x1 - x0) if x1 > x0 else 0.0
-                return [a + (b - a) * f for a, b in zip(y0, y1)]
-        return list(pts[-1][1])
-
-    def windows(self, n: int, prefix: int) -> list[float]:
-        """Per-layer windows (seconds), the query rounded to the 32-token grid, then interpolated."""
-        n, prefix = round(n / ALIGN) * ALIGN, round(prefix / ALIGN) * ALIGN
-        inputs = list(self._by)
-        rows = [(m, self._lerp(self._by[m], prefix * m / n if n else 0)) for m in inputs]
-        if len(rows) == 1:
-            return rows[0][1]
-        # Across inputs the prefix is taken at the same hit rate, then interpolated in the input.
-        return self._lerp(rows, n)
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -104,7 +38,7 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p = parser_class(prog="tutti profile", description="Offline profile of a model shape's per-layer compute on a "
                      "(input, prefix) grid aligned to 32 tokens, with the store's I/O partition of io_sms SMs set "
                      "aside (CUDA): the slack windows `tutti bench --pipeline --profile` schedules I/O into. "
-                     "Needs PyTorch.")
+                     "Needs PyTorch and the bench extra.")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks on errors")
     p.add_argument("--model", choices=("llama3-8b", "glm4-9b-1m", "tiny"),
                    help="model shape [default: tiny on --device cpu, else llama3-8b]")
@@ -123,11 +57,8 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
 
 
 def _grid(args: argparse.Namespace, unit: int, cpu: bool) -> list[tuple[int, int]]:
-    from tutti_cluster.bench.pipeline import CPU_INPUTS, DEFAULT_INPUTS, prefix_for
-    from tutti_cluster.bench.runner import _split, parse_tokens
-
-    inputs = sorted({parse_tokens(t) for t in _split(args.inputs) or (CPU_INPUTS if cpu else DEFAULT_INPUTS)})
-    specs = _split(args.prefix_tokens) or ["0%", "25%", "50%", "75%", "-1u"]
+    inputs = sorted({parse_tokens(t) for t in split_list(args.inputs) or (CPU_INPUTS if cpu else DEFAULT_INPUTS)})
+    specs = split_list(args.prefix_tokens) or ["0%", "25%", "50%", "75%", "-1u"]
     grid = []
     for n in inputs:
         if n <= 0 or n % ALIGN:
@@ -150,13 +81,14 @@ def run_args(args: argparse.Namespace) -> int:
     import torch
 
     from tutti_cluster import TuttiStore
-    from tutti_cluster.bench.runner import _resolve_device
+    from tutti_cluster.bench.extra import check_extra
+    from tutti_cluster.bench.prefill.harness import LayerTimer
+    from tutti_cluster.bench.prefill.model import Decoder, PagedKV, model_shape
     from tutti_cluster.config import config_arguments, load_config
-    from tutti_cluster.pipeline.harness import _Timer
-    from tutti_cluster.pipeline.model import Decoder, PagedKV, model_shape
 
+    check_extra()
     cfg = load_config(**config_arguments(args, PROFILE_CONFIG_FIELDS))
-    device = _resolve_device(args.device)
+    device = resolve_device(args.device)
     cpu = device.type == "cpu"
     if args.repeat < 1:
         raise ConfigError("--repeat must be at least 1")
@@ -203,7 +135,7 @@ def run_args(args: argparse.Namespace) -> int:
             with ctx:
                 model.prefill(kv, tokens, p, ids, layers=1)  # compile this shape first
                 for _ in range(args.repeat):
-                    timer = _Timer(shape.layers, not cpu)
+                    timer = LayerTimer(shape.layers, not cpu)
                     model.prefill(kv, tokens, p, ids, timer)
                     runs.append(timer.seconds())
             layer_ms = [round(statistics.median(r[i] for r in runs) * 1e3, 4) for i in range(shape.layers)]

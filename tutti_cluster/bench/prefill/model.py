@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from tutti_cluster.bench.kvdata import KVShape
 from tutti_cluster.errors import ConfigError
+from tutti_cluster.pipeline.hooks import LayerHooks
 
 Attention = Literal["auto", "flex", "sdpa", "split"]
 ATTENTION_CHOICES = ("auto", "flex", "sdpa", "split")
@@ -156,24 +157,6 @@ class PagedKV:
         """Overwrite blocks ``block_ids`` of every layer, K and V (NaN marks KV not restored)."""
         ids = block_ids.to(self.device)
         self.all.index_fill_(2, ids, value)
-
-
-class LayerHooks:
-    """Calls a prefill makes around each layer, for a caller that moves the prefix's KV.
-
-    ``before_layer(l)`` runs before layer ``l``'s projections (issue reads ahead), ``before_attention(l)``
-    after the suffix's K and V are in the cache and before attention reads the prefix (wait for its
-    KV), ``after_layer(l)`` once layer ``l``'s work is queued (its KV blocks are final: writes may go).
-    """
-
-    def before_layer(self, layer: int) -> None:
-        pass
-
-    def before_attention(self, layer: int) -> None:
-        pass
-
-    def after_layer(self, layer: int) -> None:
-        pass
 
 
 @dataclass

@@ -47,8 +47,9 @@ import numpy as np
 import torch
 
 from tutti_cluster.bench.errors import BenchVerificationError
+from tutti_cluster.bench.prefill.model import Decoder, PagedKV, PrefillOutput
 from tutti_cluster.errors import ConfigError
-from tutti_cluster.pipeline.model import Decoder, LayerHooks, PagedKV, PrefillOutput
+from tutti_cluster.pipeline.hooks import LayerHooks
 from tutti_cluster.pipeline.scheduler import SlackScheduler
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class Outcome:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class _Timer(LayerHooks):
+class LayerTimer(LayerHooks):
     """Per-layer compute times of a prefill (CUDA events, or the host clock on the CPU), and the time
     each layer spends at its attention's wait: between this hook's ``before_attention`` and
     :attr:`after_wait`'s (chain them around the hooks that wait, :class:`_Chain`)."""
@@ -138,7 +139,7 @@ def _ms(seconds: list[float]) -> list[float]:
 
 
 class _AfterWait(LayerHooks):
-    def __init__(self, timer: _Timer) -> None:
+    def __init__(self, timer: LayerTimer) -> None:
         self.timer = timer
 
     def before_attention(self, layer: int) -> None:
@@ -404,7 +405,7 @@ class Harness:
 
     def _ideal(self, case: InputCase, prefix: int) -> Outcome:
         self.restore(case, prefix)
-        timer = _Timer(self.model.shape.layers, self.cuda)
+        timer = LayerTimer(self.model.shape.layers, self.cuda)
         out, t = self._timed(lambda: self._prefill(case, prefix, _Chain(timer, timer.after_wait)))
         layers = timer.seconds()
         self.layer_seconds[(case.n, prefix)] = layers
@@ -414,7 +415,7 @@ class Harness:
         self.poison(case, prefix)
         keys, ids = self._prefix_keys(case, prefix), self._prefix_blocks(case, prefix).tolist()
         layers = self.model.shape.layers
-        timer = _Timer(layers, self.cuda)
+        timer = LayerTimer(layers, self.cuda)
 
         def go() -> tuple[PrefillOutput, Any]:
             req = self.store.begin_retrieve(keys, ids)
@@ -491,7 +492,7 @@ class Harness:
         meters: list[_CpuMeter] = []
         itl: list[float] = []
         writing: list[bool] = []
-        timer = _Timer(layers, self.cuda)
+        timer = LayerTimer(layers, self.cuda)
 
         def go() -> PrefillOutput:
             req = self.store.begin_retrieve(keys, ids.tolist())
