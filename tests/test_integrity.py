@@ -8,7 +8,7 @@ Findings 1-5 of the issue, each reproduced as it was found:
    not kill pytest);
 5. the store not keeping the registered KV memory alive, and accepting unusable arrays.
 
-Bytes are located from `native/include/tutti/layout.h` (HeaderFixed) and `TuttiStore.geometry()`;
+Bytes are located from `native/src/header.h` (HeaderFixed) and `TuttiStore.geometry()`;
 slots are found by scanning the pool files for the header magic, never by guessing offsets. The tests
 depend on what the checksum detects, never on its values.
 """
@@ -33,14 +33,14 @@ from tutti_cluster.errors import CapacityExceeded, LayoutError, NotFound, TuttiE
 from tutti_cluster.kv_layout import describe, layer_kv_from_tensor
 
 ROOT = Path(__file__).resolve().parent.parent
-LAYOUT_H = ROOT / "native" / "include" / "tutti" / "layout.h"
+HEADER_H = ROOT / "native" / "src" / "header.h"
 
 
 # ---- locating bytes in the pool ---------------------------------------------------------------
 @lru_cache(maxsize=1)
 def header_format() -> tuple[bytes, dict[str, tuple[int, int]], int]:
-    """(magic bytes, {field: (offset, size)}, sizeof(HeaderFixed)) as layout.h declares them."""
-    text = LAYOUT_H.read_text()
+    """(magic bytes, {field: (offset, size)}, sizeof(HeaderFixed)) as header.h declares them."""
+    text = HEADER_H.read_text()
     code = re.sub(r"//[^\n]*", "", text)
     magic = int(re.search(r"kHeaderMagic\s*=\s*(0x[0-9a-fA-F]+)", code).group(1), 16).to_bytes(8, "little")
     consts = {m.group(1): int(m.group(2)) for m in re.finditer(r"constexpr\s+\w+\s+(\w+)\s*=\s*(\d+)", code)}

@@ -928,7 +928,7 @@ def test_an_owner_announcing_another_units_bytes_is_not_placed(etcd, engines, un
     """Regression (once failed): the requester never checks that the unit it pulled is the key it asked for. An owner that
     announces key 12 with the slot holding unit 11 (a valid unit: its checksums pass) gets unit
     11's KV placed into unit 12's blocks, and retrieve_remote reports both placed: wrong bytes,
-    returned as a hit. ``Store::scatter_unit_async`` decodes the header's key (store.cc,
+    returned as a hit. ``Store::scatter_unit_async`` decodes the header's key (store_scatter.cc,
     ``decode_unit(data, n, &key, ...)``) and drops it; neither it nor ClusterClient compares it with
     the stream's key.
 

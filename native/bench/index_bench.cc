@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "tutti/index.h"
+#include "index.h"
 
 namespace {
 

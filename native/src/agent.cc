@@ -12,7 +12,7 @@
 #include <cerrno>
 #include <climits>
 
-#include "tutti/gio_uring.h"
+#include "agent.h"
 
 namespace tutti {
 

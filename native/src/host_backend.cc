@@ -20,7 +20,7 @@
 #include <mutex>
 #include <thread>
 
-#include "tutti/backend.h"
+#include "backend.h"
 #include "tutti/crc32c.h"
 
 namespace tutti {

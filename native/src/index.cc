@@ -1,4 +1,4 @@
-#include "tutti/index.h"
+#include "index.h"
 
 namespace tutti {
 

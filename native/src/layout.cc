@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "extent.h"
+#include "header.h"
 #include "tutti/crc32c.h"
 
 namespace tutti {

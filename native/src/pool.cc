@@ -1,4 +1,4 @@
-#include "tutti/pool.h"
+#include "pool.h"
 
 #include <fcntl.h>
 #include <liburing.h>
@@ -19,6 +19,8 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+
+#include "header.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23  // Linux 5.14

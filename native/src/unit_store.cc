@@ -6,6 +6,9 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "header.h"
+#include "index.h"
+#include "pool.h"
 #include "tutti/crc32c.h"
 
 namespace tutti {
@@ -42,11 +45,11 @@ Status UnitStore::open_units(const StoreOptions& opt, const Geometry& geom, cons
   files.gid = opt.file_gid;
   files.stamp = !opt.read_only;
   files.desc = desc;
-  Status st = pool_.open(opt.paths, opt.capacity, opt.instance, geom_, opt.direct, opt.read_only, opt.files_per_path,
+  Status st = pool_->open(opt.paths, opt.capacity, opt.instance, geom_, opt.direct, opt.read_only, opt.files_per_path,
                          opt.prewrite, files);
   if (!st.ok()) return st;
-  slot_checksums_.assign(static_cast<uint64_t>(pool_.num_slots()) * geom_.num_objs(), 0);
-  slot_key_.assign(pool_.num_slots(), 0);
+  slot_checksums_.assign(static_cast<uint64_t>(pool_->num_slots()) * geom_.num_objs(), 0);
+  slot_key_.assign(pool_->num_slots(), 0);
   st = recover();
   if (!st.ok() || opt.read_only) return st;
   const auto now = std::chrono::system_clock::now().time_since_epoch();
@@ -54,9 +57,11 @@ Status UnitStore::open_units(const StoreOptions& opt, const Geometry& geom, cons
   return st;
 }
 
+UnitStore::UnitStore() : pool_(std::make_unique<FilePool>()), index_(std::make_unique<Index>()) {}
+
 UnitStore::~UnitStore() { UnitStore::close(); }
 
-void UnitStore::close() { pool_.close(); }
+void UnitStore::close() { pool_->close(); }
 
 // Rebuilds the index from the slot headers: only units whose header verifies come back.
 Status UnitStore::recover() {
@@ -73,12 +78,12 @@ Status UnitStore::recover() {
   uint64_t bad = 0;
   // A writer gives the first slot of every pool file that was never written (all zero), and every
   // older copy of a unit, the free-slot header (layout.h): the file names its layout from now on.
-  std::vector<uint8_t> first(pool_.num_slots(), 0);
+  std::vector<uint8_t> first(pool_->num_slots(), 0);
   std::vector<uint32_t> claim;
-  for (uint32_t p = 0; p < pool_.num_paths(); ++p)
-    if (pool_.path(p).num_slots) first[pool_.path(p).first_slot] = 1;
-  for (uint32_t slot = 0; slot < pool_.num_slots(); ++slot) {
-    Status st = pool_.pread_all(slot, 0, buf.data(), g.header_bytes);
+  for (uint32_t p = 0; p < pool_->num_paths(); ++p)
+    if (pool_->path(p).num_slots) first[pool_->path(p).first_slot] = 1;
+  for (uint32_t slot = 0; slot < pool_->num_slots(); ++slot) {
+    Status st = pool_->pread_all(slot, 0, buf.data(), g.header_bytes);
     if (!st.ok()) return st;
     uint64_t key, seq;
     uint32_t blocks;
@@ -96,10 +101,10 @@ Status UnitStore::recover() {
         continue;
       case HeaderState::kOtherLayout:
         // A committed unit of another model or layout: refuse rather than overwrite it.
-        return {Code::kLayout, "pool file " + pool_.path(pool_.path_of(slot)).file + " belongs to another layout (" +
+        return {Code::kLayout, "pool file " + pool_->path(pool_->path_of(slot)).file + " belongs to another layout (" +
                                    other + "; this store is " + layout_text(desc_, g.num_layers, g.unit_blocks) + "); use another instance name or path"};
       case HeaderState::kOldFormat:
-        return {Code::kStorage, "pool file " + pool_.path(pool_.path_of(slot)).file +
+        return {Code::kStorage, "pool file " + pool_->path(pool_->path_of(slot)).file +
                                     " was written in pool format 1, whose checksum this build no longer trusts; "
                                     "remove the instance's pool files (tutti-" + opt_.instance +
                                     "*.pool) or use another path or instance name"};
@@ -109,21 +114,21 @@ Status UnitStore::recover() {
   }
   bad_headers_ = bad;
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.seq < b.seq; });
-  std::vector<uint8_t> used(pool_.num_slots(), 0);
+  std::vector<uint8_t> used(pool_->num_slots(), 0);
   for (const Found& f : found) {
     uint32_t old;
-    if (index_.remove(f.key, &old)) {  // an older copy of the same unit: a writer invalidates it below,
+    if (index_->remove(f.key, &old)) {  // an older copy of the same unit: a writer invalidates it below,
       used[old] = 0;                   // or it would come back once the newer one is removed
       if (!opt_.read_only) claim.push_back(old);
     }
-    index_.insert(f.key, f.slot, f.blocks);
+    index_->insert(f.key, f.slot, f.blocks);
     if (f.inner.empty()) inner_of_.erase(f.key);
     else inner_of_[f.key] = f.inner;
     slot_key_[f.slot] = f.key;
     used[f.slot] = 1;
     commit_seq_ = std::max(commit_seq_, f.seq + 1);
   }
-  pool_.set_used(used);
+  pool_->set_used(used);
   for (uint32_t slot : claim) {
     Status st = invalidate(slot);
     if (!st.ok()) return st;
@@ -131,11 +136,13 @@ Status UnitStore::recover() {
   return Status::Ok();
 }
 
+std::vector<uint64_t> UnitStore::keys() const { return index_->keys(); }
+
 std::vector<uint64_t> UnitStore::inner_keys() const {
   std::lock_guard<std::mutex> lk(mu_);
   std::vector<uint64_t> out;
   for (const auto& [key, inner] : inner_of_) {
-    if (!index_.contains(key)) continue;
+    if (!index_->contains(key)) continue;
     for (uint64_t k : inner) {
       out.push_back(k);
       out.push_back(key);
@@ -145,11 +152,11 @@ std::vector<uint64_t> UnitStore::inner_keys() const {
 }
 
 void UnitStore::stored_blocks(const uint64_t* keys, uint32_t n, uint32_t* out) const {
-  for (uint32_t i = 0; i < n; ++i) out[i] = index_.blocks(keys[i]);
+  for (uint32_t i = 0; i < n; ++i) out[i] = index_->blocks(keys[i]);
 }
 
 uint32_t UnitStore::lookup(const uint64_t* keys, uint32_t n) {
-  uint32_t hit = index_.lookup_prefix(keys, n);
+  uint32_t hit = index_->lookup_prefix(keys, n);
   std::lock_guard<std::mutex> g(mu_);
   lookups_ += n;
   hits_ += hit;
@@ -162,19 +169,19 @@ Status UnitStore::invalidate(uint32_t slot) const {
   AlignedBuf free(geom_.header_bytes);
   if (!free.p) return {Code::kCapacityExceeded, "out of memory"};
   encode_free_header(geom_, desc_, free.data());
-  return pool_.pwrite_all(slot, 0, free.data(), geom_.header_bytes);
+  return pool_->pwrite_all(slot, 0, free.data(), geom_.header_bytes);
 }
 
 // The one way back to the free list: a free slot never carries a valid header.
 void UnitStore::free_slot(uint32_t slot) {
   invalidate(slot);
-  pool_.release(slot);
+  pool_->release(slot);
 }
 
 Status UnitStore::alloc_slot(uint32_t* slot) {
-  if (pool_.alloc(slot)) return Status::Ok();
+  if (pool_->alloc(slot)) return Status::Ok();
   uint64_t key;
-  if (!index_.evict_lru(&key, slot))
+  if (!index_->evict_lru(&key, slot))
     return {Code::kCapacityExceeded, "every GPU file is pinned or in use; nothing can be evicted"};
   evictions_++;
   evicted_.push_back(key);
@@ -213,7 +220,7 @@ Status UnitStore::read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap, bool 
   if (cap < n) return {Code::kCapacityExceeded, "buffer of " + std::to_string(cap) + " bytes is below one GPU file (" +
                                                     std::to_string(n) + " bytes)"};
   uint32_t slot;
-  if (!index_.acquire(key, &slot)) return {Code::kNotFound, "unit not in store"};
+  if (!index_->acquire(key, &slot)) return {Code::kNotFound, "unit not in store"};
   // O_DIRECT needs an aligned buffer: read in place when the caller's is, else bounce.
   const bool aligned = reinterpret_cast<uintptr_t>(dst) % kAlign == 0;
   std::unique_ptr<AlignedBuf> bounce;
@@ -224,8 +231,8 @@ Status UnitStore::read_unit_into(uint64_t key, uint8_t* dst, uint64_t cap, bool 
     buf = bounce->data();
     if (!buf) st = {Code::kCapacityExceeded, "out of memory"};
   }
-  if (st.ok()) st = pool_.pread_all(slot, 0, buf, n);
-  index_.unpin(key);
+  if (st.ok()) st = pool_->pread_all(slot, 0, buf, n);
+  index_->unpin(key);
   if (!st.ok()) return st;
   uint64_t k;
   uint32_t blocks;
@@ -250,9 +257,9 @@ Status UnitStore::refresh() {
   if (!opt_.read_only) return {Code::kInvalid, "refresh() is for read-only stores; a writer's index is authoritative"};
   // Under mu_: readers of the per-slot state and the inner keys (inner_keys) take it too.
   std::lock_guard<std::mutex> lk(mu_);
-  for (uint64_t key : index_.keys()) {
+  for (uint64_t key : index_->keys()) {
     uint32_t slot;
-    index_.remove(key, &slot);
+    index_->remove(key, &slot);
   }
   inner_of_.clear();
   return recover();
@@ -265,19 +272,19 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
   Status st = verify_unit(data, n, key, &blocks, &sums, &inner);
   if (!st.ok()) return st;
   std::lock_guard<std::mutex> lk(mu_);
-  if (index_.contains(*key)) return Status::Ok();
+  if (index_->contains(*key)) return Status::Ok();
   uint32_t slot;
   st = alloc_slot(&slot);
   if (!st.ok()) return st;
   AlignedBuf buf(n);
   if (!buf.p) {
-    pool_.release(slot);
+    pool_->release(slot);
     return {Code::kCapacityExceeded, "out of memory"};
   }
   std::memcpy(buf.data(), data, n);
   // Objects first, header last.
   const uint64_t hb = geom_.header_bytes;
-  st = pool_.pwrite_all(slot, hb, buf.data() + hb, n - hb);
+  st = pool_->pwrite_all(slot, hb, buf.data() + hb, n - hb);
   if (st.ok()) {
     std::vector<uint8_t> done;
     commit_units(&slot, key, &blocks, sums.data(), 1, &done, &inner);  // a replica keeps its inner keys
@@ -302,13 +309,13 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
                             hdrs.data() + static_cast<uint64_t>(i) * g.header_bytes, inner ? inner[i].data() : nullptr,
                             inner ? static_cast<uint32_t>(inner[i].size()) : 0);
   // One small write per unit, each to its own slot, all in flight at once.
-  pool_.write_slot_heads(slots, hdrs.data(), g.header_bytes, n, committed->data());
+  pool_->write_slot_heads(slots, hdrs.data(), g.header_bytes, n, committed->data());
   for (uint32_t i = 0; i < n; ++i) {
     if (!(*committed)[i]) continue;
     std::memcpy(&slot_checksums_[static_cast<uint64_t>(slots[i]) * g.num_objs()], sums + static_cast<uint64_t>(i) * g.num_objs(),
                 g.num_objs() * sizeof(uint64_t));
     slot_key_[slots[i]] = keys[i];
-    index_.insert(keys[i], slots[i], blocks[i]);
+    index_->insert(keys[i], slots[i], blocks[i]);
     if (kept[i]) inner_of_[keys[i]].assign(inner[i].begin(), inner[i].begin() + kept[i]);
     else inner_of_.erase(keys[i]);
     bytes_written_ += g.slot_bytes;
@@ -317,8 +324,8 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
 
 void UnitStore::pin(const uint64_t* keys, uint32_t n, bool on) {
   for (uint32_t i = 0; i < n; ++i) {
-    if (on) index_.pin(keys[i]);
-    else index_.unpin(keys[i]);
+    if (on) index_->pin(keys[i]);
+    else index_->unpin(keys[i]);
   }
 }
 
@@ -327,18 +334,18 @@ Status UnitStore::remove(uint64_t key, bool* removed) {
   if (opt_.read_only) return {Code::kInvalid, "store opened read-only: remove units through the engine that owns them"};
   std::lock_guard<std::mutex> lk(mu_);
   uint32_t slot;
-  const uint32_t blocks = index_.blocks(key);
+  const uint32_t blocks = index_->blocks(key);
   // A pinned unit stays: pinned by its owner, or read by a retrieve whose slot must not be reused.
-  if (index_.remove_unpinned(key, &slot) != Index::Removed::kGone) return Status::Ok();
+  if (index_->remove_unpinned(key, &slot) != Index::Removed::kGone) return Status::Ok();
   inner_of_.erase(key);
   // The header goes first: a unit whose header cannot be cleared stays (it would come back at the
   // next open otherwise).
   Status st = invalidate(slot);
   if (!st.ok()) {
-    index_.insert(key, slot, blocks);
+    index_->insert(key, slot, blocks);
     return st;
   }
-  pool_.release(slot);
+  pool_->release(slot);
   *removed = true;
   return Status::Ok();
 }
@@ -357,10 +364,10 @@ StoreStats UnitStore::stats() const {
 
 StoreStats UnitStore::units_stats() const {
   StoreStats s;
-  s.units = index_.size();
-  s.pinned = index_.pinned();
-  s.free_slots = pool_.free_slots();
-  s.total_slots = pool_.num_slots();
+  s.units = index_->size();
+  s.pinned = index_->pinned();
+  s.free_slots = pool_->free_slots();
+  s.total_slots = pool_->num_slots();
   s.hits = hits_;
   s.lookups = lookups_;
   s.evictions = evictions_;
@@ -371,7 +378,7 @@ StoreStats UnitStore::units_stats() const {
   s.bytes_written = bytes_written_;
   s.slot_bytes = geom_.slot_bytes;
   s.obj_bytes = geom_.obj_bytes;
-  s.direct_io = pool_.num_paths() > 0 && pool_.path(0).direct;
+  s.direct_io = pool_->num_paths() > 0 && pool_->path(0).direct;
   s.backend = "none";
   return s;
 }

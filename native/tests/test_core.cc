@@ -12,11 +12,13 @@
 #include <thread>
 #include <vector>
 
+#include "extent.h"
+#include "header.h"
+#include "index.h"
+#include "pool.h"
+#include "ring.h"
 #include "tutti/crc32c.h"
-#include "tutti/index.h"
 #include "tutti/layout.h"
-#include "tutti/pool.h"
-#include "tutti/ring.h"
 #include "tutti/store.h"
 
 using namespace tutti;

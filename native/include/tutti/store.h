@@ -8,13 +8,25 @@
 #include <string>
 #include <vector>
 
-#include "tutti/backend.h"
 #include "tutti/common.h"
 #include "tutti/gio_uring.h"
 #include "tutti/layout.h"
+#include "tutti/options.h"
 #include "tutti/unit_store.h"
 
 namespace tutti {
+
+// The machinery behind the engine API is the core's own (native/src: extent.h, gio_queue.h,
+// agent.h, backend.h).
+class Agent;
+class Backend;
+class Doorbell;
+class ExtentMap;
+struct Extent;
+struct Iocb;
+struct Ioctx;
+struct KernelContext;
+struct RequestView;
 
 struct RequestResult {
   uint32_t units = 0;
@@ -66,7 +78,7 @@ class Store : public UnitStore {
   Status wait_cqe(uint32_t iocb, uint64_t* errors = nullptr);
   Status put_iocb(uint32_t iocb);
   // Stream on the SMs outside the I/O partition (CUDA backend), 0 otherwise.
-  uint64_t compute_stream() const { return backend_ ? backend_->compute_stream() : 0; }
+  uint64_t compute_stream() const;
 
   // Places a GPU file held in host memory (a unit another node sent) into one unit's KV blocks,
   // verifying it on the same pass (Backend::scatter_from_host); returns once the blocks hold it.
@@ -123,7 +135,7 @@ class Store : public UnitStore {
   std::vector<uint32_t> issued_iocbs(const Request& r) const;
   void settle_raw(uint32_t id);                                                 // under mu_
   bool layer_complete(const Request& r, uint32_t layer) const;                  // under mu_
-  Store() = default;
+  Store();
   Status take_iocbs(uint32_t n, uint32_t owner, std::vector<uint32_t>* ids);  // under mu_
   void give_back_iocb(uint32_t id);                                             // under mu_
   Status issue_locked(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event);
@@ -134,11 +146,11 @@ class Store : public UnitStore {
   Status take_scatter_slot(uint32_t* slot, uint64_t* ticket);
   void free_scatter_slot(uint32_t slot);
 
-  ExtentMap extents_;
+  std::unique_ptr<ExtentMap> extents_;
   std::unique_ptr<Backend> backend_;
-  Agent agent_;
-  Doorbell kernel_bell_, done_bell_;
-  KernelContext kctx_;
+  std::unique_ptr<Agent> agent_;
+  std::unique_ptr<Doorbell> kernel_bell_, done_bell_;
+  std::unique_ptr<KernelContext> kctx_;
   void* staging_ = nullptr;
   uint64_t staging_bytes_ = 0;
   void* queue_mem_ = nullptr;

@@ -12,53 +12,14 @@
 #include <vector>
 
 #include "tutti/common.h"
-#include "tutti/index.h"
 #include "tutti/layout.h"
-#include "tutti/pool.h"
+#include "tutti/options.h"
 
 namespace tutti {
 
-// Defaults are TuttiConfig's (tutti_cluster/config.py; a test keeps them equal); the Python side
-// sets every field from the configuration anyway.
-struct StoreOptions {
-  std::vector<std::string> paths;
-  std::vector<uint64_t> capacity;  // bytes per path
-  std::string instance = "default";
-  uint32_t files_per_path = 0;     // pool files per path; 0: up to 16 on memory file systems, 1 elsewhere
-  bool prewrite = true;            // zero what fallocate left unwritten, once (see FilePool::open)
-  uint32_t unit_blocks = 16;
-  uint32_t queue_depth = 64;       // io_uring depth of the agent
-  uint64_t staging_bytes = 128ull << 20;
-  uint32_t max_requests = 256;     // requests in flight
-  uint32_t io_workers = 1;         // kernel workers (thread blocks / host scatter threads)
-  uint32_t io_sms = 8;
-  uint64_t min_io_bytes = 256 << 10;
-  DirectMode direct = DirectMode::kAuto;
-  std::string backend = "cpu";     // "cpu" or "cuda"
-  int device = 0;
-  bool cuda_pair = false;          // CUDA: K and V of a unit-layer as one I/O (slower on the H200 host)
-  bool cuda_trace = false;         // CUDA: print the I/O kernel's counters when the store closes
-  bool read_only = false;          // open existing pools for reading only (no agent)
-  // Map the pool files on memory file systems and move their objects with loads and stores
-  // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
-  bool map_memory = true;
-  // Group of the pool files (mode 0640), or -1: owner only (0600). See PoolFileOptions.
-  int64_t file_gid = -1;
-};
-
-struct StoreStats {
-  uint64_t units = 0, pinned = 0, free_slots = 0, total_slots = 0;
-  uint64_t hits = 0, lookups = 0, evictions = 0, checksum_failures = 0, io_errors = 0;
-  uint64_t bad_headers = 0;  // slots whose header did not verify when the index was (re)built
-  uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
-  double agent_cpu_s = 0, kernel_cpu_s = 0;
-  uint64_t direct_ios = 0;  // I/Os straight between a pool file and the KV blocks, no staging copy
-  // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
-  uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
-  bool direct_io = false, fixed_buffers = false;
-  uint32_t mapped_files = 0;  // pool files the I/O kernel moves with loads and stores (map_memory)
-  std::string backend;
-};
+// The pool and the index are the core's own (native/src/pool.h, index.h).
+class FilePool;
+class Index;
 
 class UnitStore {
  public:
@@ -84,7 +45,7 @@ class UnitStore {
   void pin(const uint64_t* keys, uint32_t n, bool on);
   // Drops a unit (*removed: it was present). Refused on a read-only store.
   Status remove(uint64_t key, bool* removed);
-  std::vector<uint64_t> keys() const { return index_.keys(); }
+  std::vector<uint64_t> keys() const;
   // (inner key, unit key) of every stored unit's inner block keys (layout.h, format 4), flattened.
   std::vector<uint64_t> inner_keys() const;
   virtual StoreStats stats() const;
@@ -93,7 +54,7 @@ class UnitStore {
   virtual void close();
 
  protected:
-  UnitStore() = default;
+  UnitStore();
   Status open_units(const StoreOptions& opt, const Geometry& geom, const std::string& desc);
   Status recover();
   Status alloc_slot(uint32_t* slot);
@@ -121,8 +82,8 @@ class UnitStore {
   StoreOptions opt_;
   Geometry geom_;
   std::string desc_;
-  FilePool pool_;
-  Index index_;
+  std::unique_ptr<FilePool> pool_;
+  std::unique_ptr<Index> index_;
   std::vector<uint64_t> slot_checksums_;
   std::vector<uint64_t> slot_key_;
   std::unordered_map<uint64_t, std::vector<uint64_t>> inner_of_;  // unit key -> its inner keys, if any

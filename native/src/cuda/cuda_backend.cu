@@ -34,7 +34,7 @@
 #include <string>
 #include <vector>
 
-#include "tutti/backend.h"
+#include "backend.h"
 #include "tutti/crc32c.h"
 
 namespace tutti {
@@ -42,16 +42,11 @@ namespace tutti {
 namespace {
 
 // Staging slots of I/O in use at most, in queue depths (each slot waits for its worker warp too).
-#ifndef TUTTI_WINDOW_QD
-#define TUTTI_WINDOW_QD 2
-#endif
-// 1: the CRC lookups use nibble rows (crc32c.h), 0: byte rows.
-#ifndef TUTTI_CRC_NIBBLE
-#define TUTTI_CRC_NIBBLE 1
-#endif
-#ifndef TUTTI_IO_UNROLL
-#define TUTTI_IO_UNROLL 4
-#endif
+// 3 or 4 were no better (docs/perf/2026-12-01-crc32c-ab.md, "What was tried on the way").
+constexpr uint32_t kWindowQd = 2;
+// Vectors in flight per lane of a warp's move; 3 (no register spills) was slower
+// (docs/perf/2026-12-01-crc32c-ab.md, "What was tried on the way").
+constexpr uint32_t kIoUnroll = 4;
 constexpr uint32_t kMaxLaunchIocbs = 8;
 // Launches alternate between two I/O streams ("lanes"), each with its own SQ/CQ pairs and half of
 // the staging chunks, so that the kernel of the next layer gathers (store) or posts its reads while
@@ -138,14 +133,10 @@ __device__ __forceinline__ void vstore(T* p, T v) {
 // vectors (16-byte path) or words (4-byte path) whose index is l mod 32, whatever block they sit in,
 // and keeps a raw register over them in `acc`. `obj_off` is the object offset of `src`/`dst`.
 // Loaded from LaunchParams::crc when a block starts; every worker warp looks its bytes up here, in
-// nibble rows (crc32c.h: no bank conflicts, twice the lookups) or in byte rows with TUTTI_CRC_NIBBLE=0.
-#if TUTTI_CRC_NIBBLE
+// nibble rows (crc32c.h: no bank conflicts, twice the lookups; byte rows were slower, e.g. the
+// mapped 16K retrieve: docs/perf/2026-12-01-crc32c-ab.md, "Nibble rows for the GPU CRC").
 constexpr uint32_t kCrcCols = 16;
 __shared__ uint32_t crc_t[2 * kCrcRows][kCrcCols];  // 3 KiB
-#else
-constexpr uint32_t kCrcCols = 256;
-__shared__ uint32_t crc_t[kCrcRows][kCrcCols];  // 24 KiB
-#endif
 using CrcRows = const uint32_t (*)[kCrcCols];
 __shared__ uint32_t crc_shift[64];         // lane_shift16, then lane_shift4
 
@@ -155,7 +146,7 @@ __shared__ uint32_t crc_shift[64];         // lane_shift16, then lane_shift4
 template <bool kCopy, bool kFromHost, bool kCrc = true>
 __device__ __forceinline__ void warp_move16(const uint8_t* src, uint8_t* dst, uint64_t bytes, uint64_t obj_off, CrcRows t,
                                             uint32_t& acc, uint32_t lane) {
-  constexpr uint32_t U = TUTTI_IO_UNROLL;  // vectors in flight per lane; 64 registers: two blocks per SM
+  constexpr uint32_t U = kIoUnroll;  // vectors in flight per lane; 64 registers: two blocks per SM
   const uint4* s = reinterpret_cast<const uint4*>(src);
   uint4* d = reinterpret_cast<uint4*>(dst);
   const uint32_t nv = static_cast<uint32_t>(bytes / 16);
@@ -308,11 +299,7 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
 // Copies the lane scheme's tables into shared memory (every thread of the block takes part; the
 // caller synchronises the block before any lookup).
 __device__ __forceinline__ void load_crc_tables(const CrcLaneTables* crc, uint32_t tid) {
-#if TUTTI_CRC_NIBBLE
   for (uint32_t i = tid; i < 2 * kCrcRows * 16; i += blockDim.x) crc_t[i / 16][i % 16] = crc_nibble_entry(crc->t, i);
-#else
-  for (uint32_t i = tid; i < kCrcRows * 256; i += blockDim.x) crc_t[i / 256][i % 256] = crc->t[i / 256][i % 256];
-#endif
   if (tid < 32) {
     crc_shift[tid] = crc->lane_shift16[tid];
     crc_shift[32 + tid] = crc->lane_shift4[tid];
@@ -915,7 +902,7 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
   // cache (PCIe writes land there); on the H200 host this lifted the /dev/shm store at 128K tokens
   // from 24-26 to 35-38 GB/s with a 2 GiB staging area (docs/perf/2026-11-30-h200-cuda-afternoon.md,
   // "A window of staging").
-  const uint32_t per_block = (TUTTI_WINDOW_QD * ctx->queue_depth + kLanes * grid_ - 1) / (kLanes * grid_);
+  const uint32_t per_block = (kWindowQd * ctx->queue_depth + kLanes * grid_ - 1) / (kLanes * grid_);
   window_ = std::clamp<uint32_t>(per_block, 1, per_worker_ / group_);
   const uint32_t nk = kLanes * workers;  // SQ/CQ pairs of the kernel
   std::vector<DevQueue> qs(nk);

@@ -8,12 +8,11 @@
 
 #include "tutti/common.h"
 #include "tutti/layout.h"
+#include "tutti/options.h"
 
 struct io_uring;
 
 namespace tutti {
-
-enum class DirectMode : int { kAuto = 0, kOn = 1, kOff = 2 };
 
 // One pool file. A storage path holds one or more of them (`files_per_path`): io_uring serialises
 // its worker threads' writes per file, so memory-backed paths get several files to write in parallel.

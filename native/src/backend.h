@@ -8,14 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "agent.h"
+#include "extent.h"
+#include "gio_queue.h"
 #include "tutti/common.h"
-#include "tutti/gio_uring.h"
 #include "tutti/layout.h"
+#include "tutti/options.h"
 
 namespace tutti {
-
-// Remote units in flight at once per store (Store::scatter_unit_async).
-constexpr uint32_t kScatterSlots = 4;
 
 // Per-request state that the I/O kernel reads and writes.
 struct RequestView {

@@ -1,6 +1,6 @@
 // Lock-free single-producer single-consumer rings for memory shared by two agents (CPU threads, or a
 // GPU thread block and a CPU thread). One writer per word: `head` is written only by the producer,
-// `tail` only by the consumer, `stop` only by the owner. Sequence numbers are 64-bit and monotonic,
+// `tail` only by the consumer. Sequence numbers are 64-bit and monotonic,
 // so they never wrap in practice. Host code publishes with release stores and reads with acquire
 // loads; the CUDA side uses cuda::atomic_ref with system scope on the same words.
 #pragma once
@@ -15,9 +15,6 @@ struct alignas(64) RingCtl {
   uint8_t pad0[56];
   uint64_t tail;  // entries popped (consumer)
   uint8_t pad1[56];
-  uint64_t stop;  // set once by the owner
-  uint32_t consumer_sleeping;  // written by the consumer before it blocks
-  uint8_t pad2[52];
 };
 
 inline uint64_t load_acquire(const uint64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }

@@ -1,0 +1,58 @@
+// The store's options and statistics (engine API), shared by the unit store and the engine session.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace tutti {
+
+// O_DIRECT on the pool files: where the file system takes it (kAuto), required, or never.
+enum class DirectMode : int { kAuto = 0, kOn = 1, kOff = 2 };
+
+// Remote units in flight at once per store (Store::scatter_unit_async).
+constexpr uint32_t kScatterSlots = 4;
+
+// Defaults are TuttiConfig's (tutti_cluster/config.py; a test keeps them equal); the Python side
+// sets every field from the configuration anyway.
+struct StoreOptions {
+  std::vector<std::string> paths;
+  std::vector<uint64_t> capacity;  // bytes per path
+  std::string instance = "default";
+  uint32_t files_per_path = 0;     // pool files per path; 0: up to 16 on memory file systems, 1 elsewhere
+  bool prewrite = true;            // zero what fallocate left unwritten, once (see FilePool::open)
+  uint32_t unit_blocks = 16;
+  uint32_t queue_depth = 64;       // io_uring depth of the agent
+  uint64_t staging_bytes = 128ull << 20;
+  uint32_t max_requests = 256;     // requests in flight
+  uint32_t io_workers = 1;         // kernel workers (thread blocks / host scatter threads)
+  uint32_t io_sms = 8;
+  uint64_t min_io_bytes = 256 << 10;
+  DirectMode direct = DirectMode::kAuto;
+  std::string backend = "cpu";     // "cpu" or "cuda"
+  int device = 0;
+  bool cuda_pair = false;          // CUDA: K and V of a unit-layer as one I/O (slower on the H200 host)
+  bool cuda_trace = false;         // CUDA: print the I/O kernel's counters when the store closes
+  bool read_only = false;          // open existing pools for reading only (no agent)
+  // Map the pool files on memory file systems and move their objects with loads and stores
+  // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
+  bool map_memory = true;
+  // Group of the pool files (mode 0640), or -1: owner only (0600). See PoolFileOptions.
+  int64_t file_gid = -1;
+};
+
+struct StoreStats {
+  uint64_t units = 0, pinned = 0, free_slots = 0, total_slots = 0;
+  uint64_t hits = 0, lookups = 0, evictions = 0, checksum_failures = 0, io_errors = 0;
+  uint64_t bad_headers = 0;  // slots whose header did not verify when the index was (re)built
+  uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
+  double agent_cpu_s = 0, kernel_cpu_s = 0;
+  uint64_t direct_ios = 0;  // I/Os straight between a pool file and the KV blocks, no staging copy
+  // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
+  uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
+  bool direct_io = false, fixed_buffers = false;
+  uint32_t mapped_files = 0;  // pool files the I/O kernel moves with loads and stores (map_memory)
+  std::string backend;
+};
+
+}  // namespace tutti
