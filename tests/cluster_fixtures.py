@@ -398,7 +398,8 @@ def _node_main(cfg_json: str) -> None:
 
     from tutti_cluster import TuttiConfig, TuttiStore
     from tutti_cluster.cluster.client import ClusterClient
-    from tutti_cluster.daemon import DaemonLink, NodeDaemon
+    from tutti_cluster.node.daemon import NodeDaemon
+    from tutti_cluster.node.link import DaemonLink
 
     logging.basicConfig(level=logging.WARNING)
     opts = _json.loads(cfg_json)
@@ -586,7 +587,7 @@ def _daemon_main(cfg_json: str) -> None:
     import logging
 
     from tutti_cluster import TuttiConfig
-    from tutti_cluster.daemon import run_daemon
+    from tutti_cluster.node.daemon import run_daemon
 
     logging.basicConfig(level=logging.INFO)
 

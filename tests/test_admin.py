@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from admin_fixtures import AUTH, TOKEN, AdminNode, hexkey, wait_for  # noqa: E402
 from tutti_cluster import TuttiConfig  # noqa: E402
-from tutti_cluster.daemon import DaemonLink  # noqa: E402
+from tutti_cluster.node.link import DaemonLink  # noqa: E402
 from tutti_cluster.errors import CapacityExceeded  # noqa: E402
 from tutti_control.app import create_app  # noqa: E402
 from tutti_control.backend import NodeBackend  # noqa: E402
@@ -557,8 +557,9 @@ def _imports(path: Path, top_level_only: bool) -> set[str]:
 def test_the_admin_plane_reaches_nodes_only_through_the_daemon_and_the_directory():
     # tutti_cluster.files: how the token file is created (owner-only), as every file the node writes;
     # cluster.etcd and cluster.auth: the directory's client credentials.
-    allowed = {"tutti_cluster.config", "tutti_cluster.errors", "tutti_cluster.daemon", "tutti_cluster.cluster.directory",
-               "tutti_cluster.files", "tutti_cluster.cluster.etcd", "tutti_cluster.cluster.auth"}
+    allowed = {"tutti_cluster.config", "tutti_cluster.errors", "tutti_cluster.node.link", "tutti_cluster.node.protocol",
+               "tutti_cluster.cluster.directory", "tutti_cluster.files", "tutti_cluster.cluster.etcd",
+               "tutti_cluster.cluster.auth"}
     for path in sorted((REPO / "control" / "tutti_control").glob("*.py")):
         used = {m for m in _imports(path, top_level_only=False) if m.startswith("tutti_cluster")}
         modules = {m for m in used if m in allowed or m.rsplit(".", 1)[0] not in allowed}
@@ -573,7 +574,7 @@ def test_the_data_plane_never_imports_fastapi():
     for path in sorted((REPO / "tutti_cluster").rglob("*.py")):
         top = _imports(path, top_level_only=True)
         assert not {m for m in top if m.split(".")[0] in ("fastapi", "starlette", "uvicorn", "tutti_control")}, path
-    code = ("import sys, tutti_cluster.cli, tutti_cluster.daemon, tutti_cluster.cluster.directory; "
+    code = ("import sys, tutti_cluster.cli, tutti_cluster.node.daemon, tutti_cluster.node.link, tutti_cluster.cluster.directory; "
             "bad = [m for m in ('fastapi', 'starlette', 'uvicorn', 'tutti_control') if m in sys.modules]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

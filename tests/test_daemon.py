@@ -20,8 +20,10 @@ import pytest
 from cluster_fixtures import (DaemonProcess, EtcdServer, NodeProcess, cluster_secret_file, require_etcd,
                               require_mooncake, wait_for)
 from tutti_cluster import TuttiConfig
-from tutti_cluster.daemon import DaemonLink, NodeDaemon, socket_path
 from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError
+from tutti_cluster.node.daemon import NodeDaemon
+from tutti_cluster.node.link import DaemonLink
+from tutti_cluster.node.protocol import socket_path
 
 KEYS = [0x5000 + i for i in range(5)]
 
@@ -221,7 +223,8 @@ def test_read_only_view_refreshes_and_reads_in_place_while_the_engine_commits(tm
 
     from conftest import BLOCK_TOKENS, make_kv
     from tutti_cluster import TuttiStore
-    from tutti_cluster.daemon import _InstanceView, geometry_of
+    from tutti_cluster.node.pool_view import PoolView
+    from tutti_cluster.node.protocol import geometry_of
 
     cfg = TuttiConfig(**daemon_config(tmp_path), instance="engine0")
     kv = make_kv()
@@ -230,7 +233,7 @@ def test_read_only_view_refreshes_and_reads_in_place_while_the_engine_commits(tm
     ub = store.unit_blocks
     first, later = [0x7000 + i for i in range(4)], [0x7100 + i for i in range(4)]
     assert store.store(first, list(range(len(first) * ub))).units == len(first)
-    view = _InstanceView(cfg, "engine0", geometry_of(store), cfg.capacity_bytes())
+    view = PoolView(cfg, "engine0", geometry_of(store), cfg.capacity_bytes())
     try:
         assert set(view.open()) == set(first)
         size = view.slot_bytes()
@@ -493,11 +496,57 @@ def test_bad_capacity_requests_are_refused_and_the_accounting_holds(node, capaci
     assert DaemonLink(cfg).request({"op": "attach", "instance": "fair", "geometry": GEO})["capacity"] == total
 
 
+def test_an_engine_importing_the_link_loads_the_protocol_and_none_of_the_daemon():
+    import subprocess
+    import sys
+
+    code = ("import json, sys, tutti_cluster.node.link; "
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('tutti_cluster') or m == 'socketserver')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    loaded = set(json.loads(r.stdout.splitlines()[-1]))
+    assert "tutti_cluster.node.protocol" in loaded
+    server = {"tutti_cluster.node.daemon", "tutti_cluster.node.admin_ops", "tutti_cluster.node.pool_view",
+              "tutti_cluster.node.handlers", "tutti_cluster.cluster.stage", "socketserver"}
+    assert not loaded & server, sorted(loaded & server)
+
+
+def test_the_stats_reply_reads_as_typed_fields_on_the_engines_side(tmp_path: Path):
+    """The engine reports its store's counters on its command channel; a client reads the node's
+    stats as the protocol's model, and a single node's reply names no cluster section."""
+    from conftest import BLOCK_TOKENS, make_kv
+    from tutti_cluster import TuttiStore
+    from tutti_cluster.node.protocol import StatsReply, StatsRequest
+
+    cfg = TuttiConfig(**daemon_config(tmp_path))
+    ecfg = TuttiConfig(**{**daemon_config(tmp_path), "capacity_gb": 0.002, "instance": "e0", "staging_mb": 2})
+    store = TuttiStore(ecfg)
+    store.register_kv_caches(make_kv(layers=1), block_tokens=BLOCK_TOKENS)
+    d = NodeDaemon(cfg).start()
+    link = DaemonLink(ecfg)
+    try:
+        assert store.store([1, 2], list(range(2 * store.unit_blocks))).units == 2
+        assert link.attach(store) is not None
+        assert wait_for(lambda: d.stats()["instances"]["e0"]["engine"] is not None, 10)
+        raw = link.request({"op": "stats"})
+        assert not {"stage", "directory", "stage_address", "segment"} & raw.keys()
+        st = link.ask(StatsRequest(), StatsReply)
+        inst = st.instances["e0"]
+        assert st.units == 2 and st.drain.state == "serving" and st.stage is None
+        assert inst.engine_connected and inst.engine is not None and inst.engine.units == 2
+        assert inst.occupancy() is inst.engine and inst.view.units == 2
+        assert inst.engine.bytes_written == store.stats()["bytes_written"] > 0
+    finally:
+        link.close()
+        d.stop()
+        store.close()
+
+
 def test_the_error_class_crosses_the_socket(tmp_path: Path):
     from conftest import BLOCK_TOKENS, make_kv
     from tutti_cluster import TuttiStore
-    from tutti_cluster.daemon import ErrorReply, geometry_of
     from tutti_cluster.errors import LayoutError, NotFound, TuttiError
+    from tutti_cluster.node.protocol import ErrorReply, geometry_of
 
     cfg = TuttiConfig(**daemon_config(tmp_path))
     ecfg = TuttiConfig(**{**daemon_config(tmp_path), "capacity_gb": 0.002, "instance": "e0", "staging_mb": 2})
@@ -546,7 +595,7 @@ def test_malformed_lines_each_get_one_error_reply_and_the_connection_reads_on(no
 
 
 def test_a_line_past_the_limit_is_refused_and_the_connection_reads_on(node):
-    from tutti_cluster.daemon import MAX_LINE
+    from tutti_cluster.node.protocol import MAX_LINE
 
     cfg, _ = node
     huge = b'{"op": "lookup", "keys": [' + b"1," * (MAX_LINE // 2) + b"1]}"
@@ -618,15 +667,15 @@ def test_32_engines_attaching_at_once_all_attach(tmp_path: Path):
 
 def slow_pool_opens(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Every pool open of the daemon takes ``seconds`` longer (a stand-in for large pools)."""
-    from tutti_cluster.daemon import _InstanceView
+    from tutti_cluster.node.pool_view import PoolView
 
-    real_open = _InstanceView.open
+    real_open = PoolView.open
 
     def slow_open(self):  # type: ignore[no-untyped-def]
         time.sleep(seconds)
         return real_open(self)
 
-    monkeypatch.setattr(_InstanceView, "open", slow_open)
+    monkeypatch.setattr(PoolView, "open", slow_open)
 
 
 @contextlib.contextmanager
@@ -750,18 +799,18 @@ def test_an_attach_the_daemon_refuses_after_a_timeout_is_not_asked_again(node, m
     """An engine whose attach timed out opens its command channel; when the daemon then refuses
     the instance (here: no capacity left), the link stops asking instead of attaching again every
     half second for as long as the engine runs."""
-    from tutti_cluster import daemon as daemon_mod
+    from tutti_cluster.node import handlers
 
     cfg, d = node
     d.handle({"op": "attach", "instance": "big", "geometry": GEO, "capacity": [d.capacity[0]]})
     calls: list[str] = []
-    model, handler = daemon_mod._HANDLERS["attach"]
+    model, handler = handlers.HANDLERS["attach"]
 
     def counting(self, req):  # type: ignore[no-untyped-def]
         calls.append(req.instance)
         return handler(self, req)
 
-    monkeypatch.setitem(daemon_mod._HANDLERS, "attach", (model, counting))
+    monkeypatch.setitem(handlers.HANDLERS, "attach", (model, counting))
     with a_timed_out_attach(cfg, d) as link:
         assert wait_for(lambda: link._cmd_thread is None, 10)  # the channel ended
         asked = calls.count("late")  # the first attach, those that timed out too, the refused one

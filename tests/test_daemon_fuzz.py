@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from cluster_fixtures import DaemonProcess
 from tutti_cluster import TuttiConfig
 from tutti_cluster.config import INSTANCE_PATTERN
-from tutti_cluster.daemon import socket_path
+from tutti_cluster.node.protocol import socket_path
 
 GEO = {"num_layers": 2, "nptr": 2, "block_stride": 4096, "block_bytes": 4096, "num_blocks": 8,
        "dtype": "uint8", "block_shape": [4096], "block_tokens": 16, "unit_tokens": 64}

@@ -244,7 +244,7 @@ def up_node() -> Iterator[Path]:
     from cluster_fixtures import free_port
     from test_admin_cli import TuttiUp
     from test_daemon import GEO
-    from tutti_cluster.daemon import DaemonLink
+    from tutti_cluster.node.link import DaemonLink
 
     work = Path(tempfile.mkdtemp(prefix="tutti-trust-up-", dir="/tmp"))
     for d in (work, work / "node", work / "ssd"):
@@ -290,7 +290,7 @@ def test_another_user_reads_none_of_the_daemons_files(up_node: Path, probe_user)
 
 
 def test_a_data_directory_the_daemon_makes_is_owner_only(tmp_path: Path):
-    from tutti_cluster.daemon import NodeDaemon
+    from tutti_cluster.node.daemon import NodeDaemon
 
     old = os.umask(0)
     try:
@@ -313,7 +313,7 @@ def test_the_daemon_refuses_a_fifo_as_its_state(tmp_path: Path):
     os.mkfifo(node / "instances.json")
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         from tutti_cluster import TuttiConfig
-        from tutti_cluster.daemon import NodeDaemon
+        from tutti_cluster.node.daemon import NodeDaemon
         from tutti_cluster.errors import StorageError
         try:
             NodeDaemon(TuttiConfig(data_dir={str(node)!r}, paths=[{str(tmp_path)!r}])).start()
@@ -326,7 +326,7 @@ def test_the_daemon_refuses_a_fifo_as_its_state(tmp_path: Path):
 def test_the_daemon_removes_no_file_at_its_socket_name_but_a_socket(tmp_path: Path):
     """A start took whatever was at tutti.sock for a stale socket and removed it, a regular file
     included."""
-    from tutti_cluster.daemon import NodeDaemon
+    from tutti_cluster.node.daemon import NodeDaemon
 
     node = tmp_path / "node"
     node.mkdir(mode=0o700)
@@ -342,7 +342,7 @@ def test_a_stopping_daemon_removes_its_own_socket_only(tmp_path: Path):
     reached."""
     import socket
 
-    from tutti_cluster.daemon import NodeDaemon
+    from tutti_cluster.node.daemon import NodeDaemon
 
     cfg = TuttiConfig(data_dir=tmp_path / "node", paths=[tmp_path], unit_tokens=64)
     d = NodeDaemon(cfg).start()
@@ -506,7 +506,7 @@ def test_a_refused_file_group_leaves_pools_and_directories_owner_only(open_dir: 
 def test_a_data_directory_others_can_write_is_refused(open_dir: Path, probe_user, case: str):
     """A data directory another user made beforehand (say in /tmp) was taken as it was: that user
     chose the admin token (a planted admin.token was used) and could replace the socket."""
-    from tutti_cluster.daemon import NodeDaemon
+    from tutti_cluster.node.daemon import NodeDaemon
 
     os.chmod(open_dir, 0o1777)  # a shared parent, as /tmp is
     node = open_dir / "node"

@@ -46,7 +46,7 @@ def test_prefix_from_node_a_serves_a_fresh_engine_on_node_b(tmp_path: Path) -> N
     require_etcd()
     require_mooncake()
     from tutti_cluster import TuttiConfig
-    from tutti_cluster.daemon import NodeDaemon
+    from tutti_cluster.node.daemon import NodeDaemon
 
     model = tmp_path / "model"
     subprocess.run([sys.executable, str(DRIVER), "make", str(model)], check=True, timeout=300)

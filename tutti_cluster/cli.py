@@ -164,7 +164,7 @@ def running_daemon(cfg: TuttiConfig) -> int | None:
     import socket
     import struct
 
-    from tutti_cluster.daemon import socket_path
+    from tutti_cluster.node.protocol import socket_path
 
     path = socket_path(cfg)
     if not path.exists():
@@ -184,7 +184,7 @@ def cmd_up(a: argparse.Namespace) -> int:
         return cmd_demo(a)
     if a.keep or a.tokens is not None:
         raise _UsageError("--keep and --tokens belong to --demo")
-    from tutti_cluster.daemon import run_daemon
+    from tutti_cluster.node.daemon import run_daemon
 
     cfg = config_from_args(a)
     pid = running_daemon(cfg)  # before the admin API takes its port, which that daemon holds

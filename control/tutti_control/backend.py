@@ -1,7 +1,7 @@
 """What the admin routes ask: one node through its daemon's socket, or every node of a cluster.
 
 :class:`NodeBackend` speaks the node daemon's JSON-lines protocol over ``<data_dir>/tutti.sock``
-(through :class:`tutti_cluster.daemon.DaemonLink`, a few connections in a pool so that concurrent
+(through :class:`tutti_cluster.node.link.DaemonLink`, a few connections in a pool so that concurrent
 admin requests do not queue on one socket). :class:`tutti_control.cluster.ClusterBackend` answers
 the same questions for every node found in the cluster directory.
 """
@@ -11,10 +11,16 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, TypeVar
 
 from tutti_cluster.config import TuttiConfig
 from tutti_cluster.errors import ConfigError, TuttiError
+from tutti_cluster.node.protocol import (ConfigReply, ConfigRequest, DirectoryCounters, DrainReply, DrainRequest,
+                                         DrainState, HealthReply, HealthRequest, InstanceStats, ObjectsReply,
+                                         ObjectsRequest, PingReply, PingRequest, PinReply, PinRequest, PinsReply,
+                                         PinsRequest, RemoteCounters, RemoveUnitsReply, RemoveUnitsRequest, Reply,
+                                         Request, StageCounters, StatsReply, StatsRequest, StoreCounters,
+                                         UndrainRequest, UnpinReply, UnpinRequest, make_request)
 
 from tutti_control.errors import ApiError
 from tutti_control.models import (
@@ -22,6 +28,7 @@ from tutti_control.models import (
     ObjectInfo, ObjectList, PinList, PinResult, Readiness, StatsResponse, UnpinResult, key_int, key_text,
 )
 
+_P = TypeVar("_P", bound=Reply)
 SECRET_WORDS = {"token", "secret", "password", "credential", "credentials", "key"}
 REDACTED = "<redacted>"
 
@@ -41,7 +48,7 @@ class DaemonPool:
     """A few DaemonLink connections to one node daemon, each used by one request at a time."""
 
     def __init__(self, config: TuttiConfig, size: int = 8, timeout_s: float = 15.0) -> None:
-        from tutti_cluster.daemon import DaemonLink
+        from tutti_cluster.node.link import DaemonLink
 
         self.config = config
         self._free: queue.LifoQueue[Any] = queue.LifoQueue()
@@ -49,21 +56,23 @@ class DaemonPool:
         for link in self._all:
             self._free.put(link)
 
-    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """One daemon request. OSError (no daemon) becomes 503; daemon errors keep their class."""
+    def request(self, req: Request, reply: type[_P]) -> _P:
+        """One daemon request and its reply as ``reply``. OSError (no daemon) becomes 503; daemon
+        errors keep their class."""
         link = self._free.get()
         try:
             try:
-                return link.request(msg)
+                raw = link.request(req)
             except OSError:
                 # A connection of a daemon that restarted since: once more on a fresh one (every
                 # daemon op is idempotent, so a request that did arrive is not applied twice).
-                return link.request(msg)
+                raw = link.request(req)
+            return reply.model_validate(raw)
         except TuttiError:
             raise  # the daemon's refusal, with its class (ConfigError is also a ValueError)
         except OSError as exc:
             raise ApiError(503, "daemon_unavailable", f"the node daemon does not answer on {link.path}: {exc}") from exc
-        except ValueError as exc:  # a reply that is not JSON
+        except ValueError as exc:  # a reply that is not JSON, or not the op's reply
             raise ApiError(502, "bad_gateway", f"the node daemon sent a bad reply: {exc}") from exc
         finally:
             self._free.put(link)
@@ -81,35 +90,26 @@ def daemon_error(exc: TuttiError) -> ApiError:
     return ApiError(502, "daemon_error", str(exc), {"class": type(exc).__name__})
 
 
-def _num(d: dict[str, Any] | None, k: str) -> int:
-    return int((d or {}).get(k, 0) or 0)
-
-
-def instance_counters(ent: dict[str, Any]) -> Counters:
+def instance_counters(ent: InstanceStats) -> Counters:
     """Counters of one instance from the daemon's stats: the engine's report where it has one,
     the daemon's read-only view of its pools otherwise."""
-    view = ent.get("view") or {}
-    eng = ent.get("engine") or {}
-    # Units and slots: the engine's own store when it reports (current), else the daemon's
-    # read-only view of its pool headers (as of the last rescan).
-    occ = eng if ent.get("engine_connected") and eng else view
-    slot = _num(occ, "slot_bytes") or _num(view, "slot_bytes")
-    used_slots = _num(occ, "total_slots") - _num(occ, "free_slots")
-    lookups, hits = _num(eng, "lookups"), _num(eng, "hits")
-    rates = ent.get("rates") or {}
-    remote = ent.get("cluster") or {}
+    view = ent.view
+    eng = ent.engine if ent.engine is not None else StoreCounters()
+    occ = ent.occupancy()  # units and slots: the engine's store when it reports, else the view
+    slot = occ.slot_bytes or view.slot_bytes
+    used_slots = occ.total_slots - occ.free_slots
+    lookups, hits = eng.lookups, eng.hits
+    remote = ent.cluster if ent.cluster is not None else RemoteCounters()
     return Counters(
-        units=_num(occ, "units"), capacity_bytes=sum(int(c) for c in ent.get("capacity", [])),
-        used_bytes=max(0, used_slots) * slot, pinned=_num(eng, "pinned"), lookups=lookups, hits=hits,
+        units=occ.units, capacity_bytes=sum(ent.capacity),
+        used_bytes=max(0, used_slots) * slot, pinned=eng.pinned, lookups=lookups, hits=hits,
         misses=max(0, lookups - hits), hit_rate=(hits / lookups) if lookups else None,
-        bytes_read=_num(eng, "bytes_read"), bytes_written=_num(eng, "bytes_written"),
-        read_bytes_per_s=float(rates.get("read_bytes_per_s", 0.0)),
-        write_bytes_per_s=float(rates.get("write_bytes_per_s", 0.0)),
-        evictions=_num(eng, "evictions"), checksum_failures=_num(eng, "checksum_failures") + _num(view, "checksum_failures"),
-        io_errors=_num(eng, "io_errors") + _num(view, "io_errors"),
-        remote_units=_num(remote, "remote_units"), remote_bytes=_num(remote, "remote_bytes"),
-        remote_failures=_num(remote, "remote_failures"),
-        notification_queue=_num(ent, "notification_queue"), command_queue=_num(ent, "command_queue"),
+        bytes_read=eng.bytes_read, bytes_written=eng.bytes_written,
+        read_bytes_per_s=ent.rates.read_bytes_per_s, write_bytes_per_s=ent.rates.write_bytes_per_s,
+        evictions=eng.evictions, checksum_failures=eng.checksum_failures + view.checksum_failures,
+        io_errors=eng.io_errors + view.io_errors,
+        remote_units=remote.remote_units, remote_bytes=remote.remote_bytes, remote_failures=remote.remote_failures,
+        notification_queue=ent.notification_queue, command_queue=ent.command_queue,
     )
 
 
@@ -124,44 +124,42 @@ def sum_counters(parts: Sequence[Counters]) -> Counters:
     return tot
 
 
-def node_stats_from(raw: dict[str, Any]) -> NodeStats:
-    inst = {n: instance_counters(e) for n, e in (raw.get("instances") or {}).items()}
+def node_stats_from(raw: StatsReply) -> NodeStats:
+    inst = {n: instance_counters(e) for n, e in raw.instances.items()}
     tot = sum_counters(list(inst.values()))
-    stage = raw.get("stage") or {}
-    directory = raw.get("directory") or {}
-    tot.units = int(raw.get("units", tot.units))  # distinct keys on the node (instances may share keys)
-    tot.capacity_bytes = sum(int(c) for c in raw.get("capacity", []))
-    tot.stage_units = _num(stage, "units_staged")
-    tot.stage_bytes = _num(stage, "bytes_staged")
-    tot.stage_failures = _num(stage, "misses") + _num(raw, "unreadable_units")
-    tot.directory_errors = _num(directory, "lookup_errors") + _num(directory, "put_errors")
-    return NodeStats(node_id=str(raw.get("node_id", "")), instances=inst, **tot.model_dump())
+    stage = raw.stage if raw.stage is not None else StageCounters()
+    directory = raw.directory if raw.directory is not None else DirectoryCounters()
+    tot.units = raw.units  # distinct keys on the node (instances may share keys)
+    tot.capacity_bytes = sum(raw.capacity)
+    tot.stage_units = stage.units_staged
+    tot.stage_bytes = stage.bytes_staged
+    tot.stage_failures = stage.misses + raw.unreadable_units
+    tot.directory_errors = directory.lookup_errors + directory.put_errors
+    return NodeStats(node_id=raw.node_id, instances=inst, **tot.model_dump())
 
 
-def drain_from(raw: dict[str, Any] | None) -> DrainStatus:
-    if not raw:
+def drain_from(raw: DrainState | None) -> DrainStatus:
+    if raw is None:
         return DrainStatus(state="serving", units_left=0)
-    return DrainStatus(**raw)
+    return DrainStatus.model_validate(raw.model_dump())
 
 
-def node_info_from(raw: dict[str, Any], admin: str | None = None) -> NodeInfo:
+def node_info_from(raw: StatsReply, admin: str | None = None) -> NodeInfo:
     instances = []
-    for name, ent in sorted((raw.get("instances") or {}).items()):
-        connected = bool(ent.get("engine_connected", False))
-        eng = ent.get("engine") or {}
-        occ = eng if connected and eng else (ent.get("view") or {})
+    for name, ent in sorted(raw.instances.items()):
+        occ = ent.occupancy()
         c = instance_counters(ent)
+        eng = ent.engine if ent.engine is not None else StoreCounters()
         instances.append(InstanceInfo(
-            name=name, capacity_bytes=[int(x) for x in ent.get("capacity", [])], units=c.units,
-            used_bytes=c.used_bytes, total_slots=_num(occ, "total_slots"), free_slots=_num(occ, "free_slots"),
-            engine_connected=connected, pinned=_num(eng, "pinned") if connected else None))
-    d = drain_from(raw.get("drain"))
+            name=name, capacity_bytes=list(ent.capacity), units=c.units,
+            used_bytes=c.used_bytes, total_slots=occ.total_slots, free_slots=occ.free_slots,
+            engine_connected=ent.engine_connected, pinned=eng.pinned if ent.engine_connected else None))
+    d = drain_from(raw.drain)
     if d.state == "serving":
-        d.units_left = int(raw.get("units", 0))
+        d.units_left = raw.units
     return NodeInfo(
-        node_id=str(raw.get("node_id", "")), mode="cluster" if raw.get("cluster_mode") else "single",
-        admin=admin, paths=[str(p) for p in raw.get("paths", [])],
-        capacity_bytes=[int(c) for c in raw.get("capacity", [])], units=int(raw.get("units", 0)),
+        node_id=raw.node_id, mode="cluster" if raw.cluster_mode else "single",
+        admin=admin, paths=list(raw.paths), capacity_bytes=list(raw.capacity), units=raw.units,
         used_bytes=sum(i.used_bytes for i in instances), instances=instances, drain=d)
 
 
@@ -179,16 +177,17 @@ class NodeBackend:
     def close(self) -> None:
         self.pool.close()
 
-    def ask(self, **msg: Any) -> dict[str, Any]:
+    def ask(self, request: type[Request], reply: type[_P], **fields: Any) -> _P:
+        """One daemon op: its request built from ``fields``, its reply read as ``reply``."""
         try:
-            return self.pool.request(msg)
+            return self.pool.request(make_request(request, **fields), reply)
         except TuttiError as exc:
             raise daemon_error(exc) from exc
 
     @property
     def node_id(self) -> str:
         if self._node_id is None:
-            self._node_id = str(self.ask(op="ping")["node_id"])
+            self._node_id = self.ask(PingRequest, PingReply).node_id
         return self._node_id
 
     def _check_node(self, node_id: str) -> None:
@@ -201,14 +200,15 @@ class NodeBackend:
         reasons: list[str] = []
         checks: dict[str, bool] = {}
         try:
-            h = self.pool.request({"op": "health"})  # in cluster mode the daemon asks etcd
+            h = self.pool.request(HealthRequest(), HealthReply)  # in cluster mode the daemon asks etcd
             checks["daemon"] = True
+            cluster_mode, etcd = h.cluster_mode, h.etcd
         except (ApiError, TuttiError) as exc:
             checks["daemon"] = False
             reasons.append(f"node daemon: {exc.message if isinstance(exc, ApiError) else exc}")
-            h = {"cluster_mode": self.config.cluster_mode, "etcd": False}
-        if h.get("cluster_mode"):
-            checks["etcd"] = bool(h.get("etcd"))
+            cluster_mode, etcd = self.config.cluster_mode, False
+        if cluster_mode:
+            checks["etcd"] = bool(etcd)
             if not checks["etcd"]:
                 reasons.append("etcd: the node's cluster directory does not answer" if checks["daemon"]
                                else "etcd: not known (the node daemon does not answer)")
@@ -216,81 +216,74 @@ class NodeBackend:
 
     # -- reads ------------------------------------------------------------------------------------
     def nodes(self) -> NodeList:
-        return NodeList(nodes=[node_info_from(self.ask(op="stats"))])
+        return NodeList(nodes=[node_info_from(self.ask(StatsRequest, StatsReply))])
 
     def node(self, node_id: str) -> NodeInfo:
         self._check_node(node_id)
-        return node_info_from(self.ask(op="stats"))
+        return node_info_from(self.ask(StatsRequest, StatsReply))
 
     def stats(self) -> StatsResponse:
-        return self._stats_from(self.ask(op="stats"))
+        return self._stats_from(self.ask(StatsRequest, StatsReply))
 
     @staticmethod
-    def _stats_from(raw: dict[str, Any]) -> StatsResponse:
+    def _stats_from(raw: StatsReply) -> StatsResponse:
         ns = node_stats_from(raw)
         return StatsResponse(totals=Counters(**{k: getattr(ns, k) for k in Counters.model_fields}), nodes=[ns])
 
     def snapshot(self) -> tuple[NodeList, StatsResponse]:
         """Nodes and stats from one daemon request (a metrics scrape)."""
-        raw = self.ask(op="stats")
+        raw = self.ask(StatsRequest, StatsReply)
         return NodeList(nodes=[node_info_from(raw)]), self._stats_from(raw)
 
     def config_view(self) -> ConfigResponse:
-        r = self.ask(op="config")
-        return ConfigResponse(nodes={str(r["node_id"]): redact(dict(r["config"]))})
+        r = self.ask(ConfigRequest, ConfigReply)
+        return ConfigResponse(nodes={r.node_id: redact(dict(r.config))})
 
     def objects(self, keys: list[str] | None, prefix: str | None, limit: int) -> ObjectList:
-        msg: dict[str, Any] = {"op": "objects", "limit": limit}
         if keys:
-            msg["keys"] = [key_int(k) for k in keys]
+            r = self.ask(ObjectsRequest, ObjectsReply, keys=[key_int(k) for k in keys], limit=limit)
         else:
-            msg["prefix"] = (prefix or "").lower()
-        r = self.ask(**msg)
-        me = str(r.get("node_id") or self.node_id)
+            r = self.ask(ObjectsRequest, ObjectsReply, prefix=(prefix or "").lower(), limit=limit)
+        me = r.node_id or self.node_id
         out = []
-        for o in r["objects"]:
-            nodes = ([me] if o["instances"] else []) + [n for n in o.get("remote", []) if n != me]
-            out.append(ObjectInfo(key=key_text(o["key"]), nodes=nodes,
-                                  instances={me: list(o["instances"])} if o["instances"] else {},
-                                  pinned=bool(o.get("pinned"))))
-        return ObjectList(objects=out, truncated=bool(r.get("truncated")))
+        for o in r.objects:
+            nodes = ([me] if o.instances else []) + [n for n in o.remote if n != me]
+            out.append(ObjectInfo(key=key_text(o.key), nodes=nodes,
+                                  instances={me: list(o.instances)} if o.instances else {}, pinned=o.pinned))
+        return ObjectList(objects=out, truncated=r.truncated)
 
     # -- operations -------------------------------------------------------------------------------
     def evict(self, prefix: str | None, node: str | None, everything: bool, keys: list[str] | None = None) -> EvictResult:
         if node is not None:
             self._check_node(node)
-        msg: dict[str, Any] = {"op": "remove_units"}
         if keys:
-            msg["keys"] = [key_int(k) for k in keys]
+            r = self.ask(RemoveUnitsRequest, RemoveUnitsReply, keys=[key_int(k) for k in keys])
         elif prefix is not None:
-            msg["prefix"] = prefix.lower()
+            r = self.ask(RemoveUnitsRequest, RemoveUnitsReply, prefix=prefix.lower())
         else:
-            msg["all"] = True
-        r = self.ask(**msg)
-        counts = {k: int(r.get(k, 0)) for k in ("evicted", "pinned_kept", "unreachable")}
-        return EvictResult(evicted=counts["evicted"], pinned_kept=counts["pinned_kept"],
-                           unreachable=counts["unreachable"], nodes={self.node_id: counts})
+            r = self.ask(RemoveUnitsRequest, RemoveUnitsReply, all=True)
+        counts = {"evicted": r.evicted, "pinned_kept": r.pinned_kept, "unreachable": r.unreachable}
+        return EvictResult(evicted=r.evicted, pinned_kept=r.pinned_kept, unreachable=r.unreachable,
+                           nodes={self.node_id: counts})
 
     def pin(self, keys: list[str]) -> PinResult:
-        r = self.ask(op="pin", keys=[key_int(k) for k in keys])
-        return PinResult(pinned=[key_text(k) for k in r["pinned"]], absent=[key_text(k) for k in r["absent"]],
-                         unreachable=[key_text(k) for k in r["unreachable"]])
+        r = self.ask(PinRequest, PinReply, keys=[key_int(k) for k in keys])
+        return PinResult(pinned=[key_text(k) for k in r.pinned], absent=[key_text(k) for k in r.absent],
+                         unreachable=[key_text(k) for k in r.unreachable])
 
     def unpin(self, keys: list[str]) -> UnpinResult:
-        r = self.ask(op="unpin", keys=[key_int(k) for k in keys])
-        return UnpinResult(unpinned=[key_text(k) for k in r["unpinned"]],
-                           not_pinned=[key_text(k) for k in r["not_pinned"]],
-                           unreachable=[key_text(k) for k in r["unreachable"]])
+        r = self.ask(UnpinRequest, UnpinReply, keys=[key_int(k) for k in keys])
+        return UnpinResult(unpinned=[key_text(k) for k in r.unpinned], not_pinned=[key_text(k) for k in r.not_pinned],
+                           unreachable=[key_text(k) for k in r.unreachable])
 
     def pins(self) -> PinList:
-        r = self.ask(op="pins")
-        keys = sorted(key_text(k) for k in r["keys"])
+        keys = sorted(key_text(k) for k in self.ask(PinsRequest, PinsReply).keys)
         return PinList(pins=keys, count=len(keys))
 
     def drain(self, node_id: str, mode: str) -> tuple[str, DrainStatus]:
         self._check_node(node_id)
-        return self.node_id, drain_from(self.ask(op="drain", mode=mode)["drain"])
+        return self.node_id, drain_from(self.ask(DrainRequest, DrainReply, mode=mode).drain)
 
     def undrain(self, node_id: str) -> tuple[str, DrainStatus]:
         self._check_node(node_id)
-        return self.node_id, drain_from(self.ask(op="undrain")["drain"])
+        return self.node_id, drain_from(self.ask(UndrainRequest, DrainReply).drain)

@@ -131,7 +131,8 @@ def _owner_main(opts: dict[str, Any]) -> None:
     import numpy as np
 
     from tutti_cluster.config import TuttiConfig
-    from tutti_cluster.daemon import DaemonLink, NodeDaemon
+    from tutti_cluster.node.daemon import NodeDaemon
+    from tutti_cluster.node.link import DaemonLink
     from tutti_cluster.store import TuttiStore
 
     logging.basicConfig(level=logging.WARNING)
@@ -366,7 +367,7 @@ def _cpu_seconds(pid: int) -> float:
 def _owner_stage_stats(ready: dict[str, Any]) -> dict[str, float]:
     """The owner daemon's stage counters, asked through its socket."""
     from tutti_cluster.config import TuttiConfig
-    from tutti_cluster.daemon import DaemonLink
+    from tutti_cluster.node.link import DaemonLink
 
     link = DaemonLink(TuttiConfig(**ready["config"]), timeout_s=5)
     try:

@@ -47,7 +47,7 @@ class ClusterClient:
     def __init__(self, store: Any, config: Any = None, *, directory: EtcdDirectory | None = None,
                  arena_bytes: int = 0, window: int = 4, timeout_s: float = 5.0, host: str | None = None,
                  link: Any = None, secret: ClusterSecret | None = None) -> None:
-        """``link``: the engine's :class:`~tutti_cluster.daemon.DaemonLink`, if attached; it then
+        """``link``: the engine's :class:`~tutti_cluster.node.link.DaemonLink`, if attached; it then
         reports :attr:`stats` (remote fetches: units, bytes, failures) to the node daemon with the
         store's counters, where ``tutti admin stats`` and the admin plane's ``/metrics`` read them.
         ``secret``: the cluster credential; by default the directory's, else the config's

@@ -58,7 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapte
 
 from tutti_cluster.cluster.auth import OWNER, REQUESTER, AuthError, ClusterSecret, new_nonce
 from tutti_cluster.cluster.transfer import Pull, TransferNode
-from tutti_cluster.daemon import SHUTDOWN_POLL_S  # the node's accept loops: the daemon's and this one
+from tutti_cluster.node.protocol import SHUTDOWN_POLL_S  # the node's accept loops: the daemon's and this one
 from tutti_cluster.errors import TuttiError
 
 log = logging.getLogger(__name__)
