@@ -8,6 +8,7 @@ reason, except under CI=true, where a missing tool is an error.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import json
 import os
 import re
@@ -324,6 +325,18 @@ def test_config_keys_are_the_fields_of_tutti_config() -> None:
     readme = (CHART / "README.md").read_text()
     for f in fields:
         assert f"`TUTTI_{f.upper()}`" in readme, f"README.md does not document config.{f}"
+
+
+def test_config_schema_and_table_are_generated_from_tutti_config() -> None:
+    """The `config` part of values.schema.json and the README's settings table are the generator's
+    output for today's TuttiConfig (as docs/openapi.json is the admin app's)."""
+    spec = importlib.util.spec_from_file_location("helm_config", ROOT / "tools" / "helm_config.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert set(gen.chart_fields()) == set(_chart_values()["config"])
+    for path, text in gen.generated().items():
+        assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: run {gen.COMMAND}"
 
 
 # Every setting away from its default; 1048576 and 1.5 check how numbers are written.

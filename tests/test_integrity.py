@@ -15,6 +15,7 @@ depend on what the checksum detects, never on its values.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -28,7 +29,7 @@ import numpy as np
 import pytest
 
 from conftest import BLOCKS, UNIT_TOKENS, make_kv, open_store, snapshot, zero
-from tutti_cluster import TuttiConfig, TuttiStore
+from tutti_cluster import TuttiConfig, TuttiStore, UnitFailure
 from tutti_cluster.errors import CapacityExceeded, LayoutError, NotFound, TuttiError
 from tutti_cluster.kv_layout import describe, layer_kv_from_tensor
 
@@ -562,6 +563,77 @@ def test_finding5_unusable_arrays_are_refused(store_dirs, bad):
     finally:
         s.close()
 
+
+
+# ---- each failed unit named: key, pool file and slot, cause (issue 44) -------------------------
+def test_a_damaged_object_names_its_unit_pool_file_slot_and_the_checksum(store_dirs):
+    """One flipped byte in one object of one unit, on disk with the store closed: the retrieve after
+    reopening reports that unit alone, with its key, the pool file and slot that hold it and cause
+    ``checksum``; the unit is dropped, so the next retrieve finds it not present (no slot)."""
+    kv = make_kv(seed=121)
+    keys = [61, 62, 63]
+    with open_store(store_dirs, kv) as s:
+        ub, g = s.unit_blocks, s.geometry()
+        assert s.store(keys, np.arange(3 * ub)).ok
+    f, off = find_slots(store_dirs)[62]
+    flip_bits(f, off + object_offset(g, 1, 1) + 9, [4])
+    zero(kv)
+    with open_store(store_dirs, kv) as s:
+        res = s.retrieve(keys, np.arange(3 * ub) + 40)
+        assert res.failed_units == [1], res
+        assert res.failures == [UnitFailure(index=1, key=62, cause="checksum", pool_file=str(f),
+                                            slot=off // g["slot_bytes"], offset=off)], res
+        text = res.failures[0].describe()
+        assert f"key 000000000000003e) in {f} slot {off // g['slot_bytes']}" in text and "checksum mismatch" in text
+        again = s.retrieve([62], np.arange(ub) + 40)
+        assert again.failures == [UnitFailure(index=0, key=62, cause="not_present")], again
+
+
+def test_a_pool_file_cut_short_under_the_store_is_an_io_error_naming_the_slot(store_dirs):
+    """A pool file truncated under an open store (a real short read from the file system): the unit
+    in it fails as ``io_error`` naming that file and slot; the unit in the other file loads. (An
+    errno such as EIO from the device itself cannot be caused here without a faulty block device.)"""
+    kv = make_kv(seed=122)
+    with open_store(store_dirs, kv, map_memory_paths=False) as s:
+        ub, g = s.unit_blocks, s.geometry()
+        assert s.store([71, 72], np.arange(2 * ub)).ok
+        slots = find_slots(store_dirs)
+        (f71, _), (f72, off) = slots[71], slots[72]
+        assert f71 != f72  # consecutive units go to different paths
+        os.truncate(f72, off + g["header_bytes"])
+        res = s.retrieve([71, 72], np.arange(2 * ub) + 40)
+        assert res.failed_units == [1], res
+        (fail,) = res.failures
+        assert (fail.index, fail.key, fail.cause, fail.pool_file, fail.slot, fail.offset) == (
+            1, 72, "io_error", str(f72), off // g["slot_bytes"], off), fail
+        assert fail.errno in (0, errno.EIO), fail  # 0: a short read
+        assert "I/O error" in fail.describe()
+
+
+def test_a_store_without_a_free_slot_names_the_cause(tmp_path):
+    """A pool of two slots, one unit pinned and one being read: a store cannot take a slot, and
+    its unit is reported ``no_free_slot`` (no pool file: it never had a slot)."""
+    kv = make_kv(seed=123)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    with open_store([probe], kv) as s:
+        slot_bytes = s.geometry()["slot_bytes"]
+    d = tmp_path / "small"
+    d.mkdir()
+    with open_store([d], kv, capacity_gb=2 * slot_bytes / (1 << 30)) as s:
+        ub = s.unit_blocks
+        assert s.stats()["total_slots"] == 2
+        assert s.store([81, 82], np.arange(2 * ub)).ok
+        s.pin([81])
+        reading = s.begin_retrieve([82], np.arange(ub) + 40)
+        for layer in range(s.num_layers):
+            s.retrieve_layer(layer, reading)
+        res = s.store([83], np.arange(ub) + 60)
+        assert res.failed_units == [0] and res.committed_units == [], res
+        assert res.failures == [UnitFailure(index=0, key=83, cause="no_free_slot")], res
+        assert "no free slot" in res.failures[0].describe()
+        assert s.finish(reading).ok
+        s.unpin([81])
 
 if __name__ == "__main__":
     if sys.argv[1] == "bounds":

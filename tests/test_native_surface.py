@@ -1,5 +1,5 @@
-"""The native module's surface against its stub (tutti_cluster/_native.pyi), and the native option
-defaults against TuttiConfig's: neither can drift without a failing test."""
+"""The native module's surface against its stub (tutti_cluster/_native.pyi), and the native options
+against TuttiConfig: neither can drift without a failing test."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import inspect
 from pathlib import Path
 
 from tutti_cluster import TuttiConfig, _native
+from tutti_cluster.config import NATIVE_FIELDS
 from tutti_cluster.store import native_options
 
 STUB = Path(_native.__file__).parent / "_native.pyi"
@@ -50,11 +51,19 @@ def test_the_stub_names_exactly_what_the_module_has():
         assert members - {"__init__"} == have, cls
 
 
-def test_native_option_defaults_are_the_configurations():
+# StoreOptions fields the store derives from the configuration and its call (native_options),
+# and the one it leaves at its native value (io_workers is not bound).
+DERIVED = {"paths", "capacity", "unit_blocks", "backend", "read_only", "file_gid"}
+
+
+def test_every_native_option_is_a_config_field_or_derived():
+    """A native option shares its name with the TuttiConfig field it comes from (one name end to
+    end), whose default is the native one (one definition), or is derived from the configuration."""
+    native = _native.StoreOptions()
+    assert set(NATIVE_FIELDS) | DERIVED == _public(native)
+    assert set(NATIVE_FIELDS) <= set(TuttiConfig.model_fields)
     c = TuttiConfig()
     mine = native_options(c, backend="cpu", unit_blocks=c.unit_tokens // 16)
-    native = _native.StoreOptions()
-    for field in ("instance", "files_per_path", "prewrite", "unit_blocks", "queue_depth", "staging_bytes",
-                  "max_requests", "io_sms", "min_io_bytes", "direct", "backend", "device", "cuda_pair",
-                  "cuda_trace", "read_only", "map_memory"):
-        assert getattr(native, field) == getattr(mine, field), field
+    for field in NATIVE_FIELDS:
+        default = TuttiConfig.model_fields[field].default
+        assert default == getattr(native, field) == getattr(mine, field), field

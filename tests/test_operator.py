@@ -110,7 +110,7 @@ def test_sigterm_ends_tutti_up_in_bounded_time_even_when_its_stop_hangs(tmp_path
     from cluster_fixtures import NodeProcess
 
     code = ("import sys, threading\n"
-            "import tutti_cluster.daemon as d\n"
+            "import tutti_cluster.node.daemon as d\n"
             "d.STOP_TIMEOUT_S = 1.0\n"
             "real = d.NodeDaemon.stop\n"
             "def stop(self):\n"
@@ -177,15 +177,24 @@ def test_bounded_warnings_count_what_they_hold_back(caplog) -> None:
     assert warn.suppressed_total == 3
 
 
-def test_failure_causes_come_from_the_stores_counters() -> None:
+def test_failure_warnings_name_each_units_key_pool_file_slot_and_cause() -> None:
+    """The store's own report of each failed unit (its cause where it was found, not a guess from
+    counters): a few in full, the rest counted by cause."""
     pytest.importorskip("vllm")
-    from tutti_cluster.vllm.logs import failure_cause
+    from tutti_cluster.store import UnitFailure
+    from tutti_cluster.vllm.logs import describe_failures
 
-    base = {"checksum_failures": 1, "io_errors": 0, "bad_headers": 0}
-    assert failure_cause(base, {**base, "checksum_failures": 2}, load=True).startswith("checksum mismatch")
-    assert failure_cause(base, {**base, "io_errors": 1}, load=False).startswith("I/O error")
-    assert "evicted or removed" in failure_cause(base, base, load=True)
-    assert "no free slot" in failure_cause(base, base, load=False)
+    fails = [UnitFailure(2, 0xAB, "checksum", "/mnt/a/tutti-default-r0.pool", 7, 7 * 69632),
+             UnitFailure(3, 0xAC, "io_error", "/mnt/b/tutti-default-r0.pool", 1, 69632, errno=5),
+             UnitFailure(4, 0xAD, "not_present"), UnitFailure(5, 0xAE, "not_present"),
+             UnitFailure(6, 0xAF, "no_free_slot")]
+    text = describe_failures(fails, at_most=3)
+    assert text.startswith("unit 2 (key 00000000000000ab) in /mnt/a/tutti-default-r0.pool slot 7 (byte 487424): "
+                           "checksum mismatch"), text
+    assert "unit 3 (key 00000000000000ac) in /mnt/b/tutti-default-r0.pool slot 1 (byte 69632): I/O error on the " \
+           "pool file: Input/output error (errno 5)" in text
+    assert "unit 4 (key 00000000000000ad) (no slot): not in the pool (evicted or removed since the lookup)" in text
+    assert text.endswith("; 2 more units (not_present: 1, no_free_slot: 1)"), text
 
 
 def _worker(tmp_path: Path, paths: list[str], **extra: Any) -> Any:

@@ -274,7 +274,8 @@ def test_importing_tutti_cluster_does_not_import_vllm() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, tutti_cluster, tutti_cluster.kv_layout, tutti_cluster.store, tutti_cluster.daemon; "
+    code = ("import sys, tutti_cluster, tutti_cluster.kv_layout, tutti_cluster.store, tutti_cluster.node.daemon, "
+            "tutti_cluster.node.link; "
             "bad = [m for m in sys.modules if m == 'vllm' or m.startswith(('vllm.', 'tutti_cluster.vllm'))]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -455,13 +456,17 @@ def _flip_object_byte(tmp_path, c, slot: int, obj: int, mask: int) -> None:
         f.write(bytes([byte[0] ^ mask]))
 
 
-def test_a_corrupt_load_is_reported_in_its_own_step_when_vllm_defers_the_finalize(tmp_path) -> None:
+def test_a_corrupt_load_is_reported_in_its_own_step_when_vllm_defers_the_finalize(tmp_path, caplog) -> None:
     """With speculative decoding vLLM collects a step's load errors and worker metadata before
     ``wait_for_save``, which it calls after the draft model's forward. A unit with a flipped byte in
     its pool file must be reported failed in that step's errors, not a step late, when the step's
-    output was already sampled from it."""
+    output was already sampled from it; the warning names its key, pool file and slot, and the cause."""
+    import glob
+    import logging
+
     from tutti_cluster.vllm import TuttiConnectorMetadata
 
+    caplog.set_level(logging.WARNING, logger="tutti_cluster.vllm")
     c, kv = _worker(tmp_path, defer_saves=False)
     try:
         _step(c, saves=[_unit(c, b"a", [0, 1]), _unit(c, b"b", [2, 3])])
@@ -480,8 +485,43 @@ def test_a_corrupt_load_is_reported_in_its_own_step_when_vllm_defers_the_finaliz
         assert errors == {10, 11}
         assert meta is not None and meta.failed == {"b": 0}
         assert c.get_block_ids_with_load_errors() == set()  # reported once
+        (pool,) = glob.glob(str(tmp_path / "store" / "*.pool"))
+        slot_bytes = c.worker.store.geometry()["slot_bytes"]
+        key = _key(c.worker.prefix, b"b".ljust(32, b"."))
+        (warned,) = [r.getMessage() for r in caplog.records if "load of request b failed" in r.getMessage()]
+        assert f"unit 0 (key {key:016x}) in {pool} slot 1 (byte {slot_bytes}): checksum mismatch" in warned, warned
         for n, t in kv.items():
             assert torch.equal(t[8:10], t[0:2])
+        _no_request_left(c)
+    finally:
+        c.shutdown()
+
+
+def test_a_save_that_finds_no_free_slot_is_warned_with_its_key_and_the_cause(tmp_path, caplog) -> None:
+    """A pool of two slots, both pinned: the save of a third unit is not stored, and the warning
+    names its key and the cause (no free slot); the engine sees no error."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="tutti_cluster.vllm")
+    (tmp_path / "probe").mkdir()
+    probe, _ = _worker(tmp_path / "probe")
+    slot_bytes = probe.worker.store.geometry()["slot_bytes"]
+    probe.shutdown()
+    c, kv = _worker(tmp_path, capacity_gb=2 * slot_bytes / (1 << 30), defer_saves=False)
+    try:
+        w = c.worker
+        assert w.store.stats()["total_slots"] == 2
+        _step(c, saves=[_unit(c, b"a", [0, 1]), _unit(c, b"b", [2, 3])])
+        stored = [_key(w.prefix, n.ljust(32, b".")) for n in (b"a", b"b")]
+        assert w.store.lookup(stored) == 2
+        w.store.pin(stored)
+        _step(c, saves=[_unit(c, b"c", [4, 5])])
+        key = _key(w.prefix, b"c".ljust(32, b"."))
+        assert w.store.lookup([key]) == 0
+        (warned,) = [r.getMessage() for r in caplog.records if "were not stored" in r.getMessage()]
+        want = f"1 of 1 units of request c were not stored: unit 0 (key {key:016x}) (no slot): no free slot"
+        assert want in warned, warned
+        w.store.unpin(stored)
         _no_request_left(c)
     finally:
         c.shutdown()

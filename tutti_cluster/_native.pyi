@@ -1,7 +1,7 @@
 """Type stub of the native core (native/bindings/module.cc)."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -22,30 +22,25 @@ class IoOp:
     READ: IoOp
     WRITE: IoOp
 
-class DirectMode:
-    AUTO: DirectMode
-    ON: DirectMode
-    OFF: DirectMode
-
 class StoreOptions:
     paths: list[str]
     capacity: list[int]
     instance: str
-    files_per_path: int
-    prewrite: bool
+    pool_files: int
+    prewrite_pool: bool
     unit_blocks: int
     queue_depth: int
-    staging_bytes: int
+    staging_mb: int
     max_requests: int
     io_sms: int
     min_io_bytes: int
-    direct: DirectMode
+    direct_io: Literal["auto", "on", "off"]
     backend: str
     device: int
     cuda_pair: bool
     cuda_trace: bool
     read_only: bool
-    map_memory: bool
+    map_memory_paths: bool
     file_gid: int
     def __init__(self) -> None: ...
 
@@ -86,9 +81,19 @@ class StoreStats:
     mapped_files: int
     backend: str
 
+class UnitFailure:
+    unit: int
+    key: int
+    cause: str
+    error: int
+    pool_file: str
+    slot: int | None
+    offset: int
+
 class RequestResult:
     units: int
     failed_units: list[int]
+    failures: list[UnitFailure]
     skipped_units: int
     committed_units: list[int]
     incomplete_layers: list[int]

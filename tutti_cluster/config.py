@@ -21,10 +21,19 @@ from typing import Annotated, Any, Literal, Sequence, get_args, get_origin
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from tutti_cluster import _native
 from tutti_cluster.errors import ConfigError
 from tutti_cluster.files import MAX_CONFIG_BYTES, read_bounded
 
 _LIST_FIELDS = ("paths", "capacity_gb", "etcd")
+
+# The native store's options (native/include/tutti/options.h) are the one definition of the defaults of
+# the fields below that share their names: each such field's default is read from here.
+_NATIVE = _native.StoreOptions()
+#: TuttiConfig fields that are native store options of the same name and meaning: their defaults are
+#: StoreOptions', and the store passes them on as they are (tutti_cluster.store.native_options).
+NATIVE_FIELDS = ("instance", "pool_files", "prewrite_pool", "queue_depth", "staging_mb", "max_requests", "io_sms",
+                 "min_io_bytes", "direct_io", "device", "cuda_pair", "cuda_trace", "map_memory_paths")
 
 # Instance names become pool file names (``tutti-<instance>.pool``, ``tutti-<instance>.<n>.pool``)
 # and keys of the daemon's state: a short plain name, so that neither a file system nor a shell ever sees anything odd.
@@ -113,22 +122,22 @@ class TuttiConfig(BaseSettings):
         default_factory=lambda: [4.0], description="Byte cap per path in GiB (one value applies to all paths)."
     )
     data_dir: Path = Field(default_factory=default_data_dir, description="Node state (socket, default storage).")
-    instance: str = Field("default", description="Name of this process's share of the file pool.")
-    direct_io: Literal["auto", "on", "off"] = Field("auto", description="O_DIRECT: auto falls back where refused.")
+    instance: str = Field(_NATIVE.instance, description="Name of this process's share of the file pool.")
+    direct_io: Literal["auto", "on", "off"] = Field(_NATIVE.direct_io, description="O_DIRECT: auto falls back where refused.")
     pool_files: int = Field(
-        0, ge=0, le=64,
+        _NATIVE.pool_files, ge=0, le=64,
         description="Pool files per path; 0 = 16 on memory file systems (parallel writes; fewer where the "
         "capacity holds fewer GPU files), 1 elsewhere.",
     )
     prewrite_pool: bool = Field(
-        True,
+        _NATIVE.prewrite_pool,
         description="Write zeros once over the pool space a block device's file system keeps unwritten "
         "after fallocate, so that stores are overwrites (first start writes the capacity once); on memory "
         "file systems, touch the pages of new pool files once, so that the first store runs at full speed.",
     )
 
     map_memory_paths: bool = Field(
-        True,
+        _NATIVE.map_memory_paths,
         description="Map the pool files on memory file systems (tmpfs, ramfs) and let the I/O kernel move "
         "objects with loads and stores instead of io_uring (byte-addressable storage: one pass over "
         "each byte, no staging; on CUDA the pool is pinned). Other paths always go through io_uring.",
@@ -143,29 +152,29 @@ class TuttiConfig(BaseSettings):
     # Layout
     unit_tokens: int = Field(256, gt=0, le=MAX_UNIT_TOKENS,
                              description="Tokens per cache unit (one GPU file); at most 2^20.")
-    min_io_bytes: int = Field(256 << 10, gt=0, le=MAX_MIN_IO_BYTES,
+    min_io_bytes: int = Field(_NATIVE.min_io_bytes, gt=0, le=MAX_MIN_IO_BYTES,
                               description="Smallest storage I/O the layout aims for; at most 1 GiB.")
 
     # Data path
     backend: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda for CUDA tensors.")
-    device: int = Field(0, ge=0, le=MAX_DEVICE, description="CUDA device ordinal for the cuda backend (at most 1023).")
-    queue_depth: int = Field(64, gt=0, le=MAX_QUEUE_DEPTH,
+    device: int = Field(_NATIVE.device, ge=0, le=MAX_DEVICE, description="CUDA device ordinal for the cuda backend (at most 1023).")
+    queue_depth: int = Field(_NATIVE.queue_depth, gt=0, le=MAX_QUEUE_DEPTH,
                              description="io_uring depth of the host agent; at most 32767 (io_uring's limit).")
     iocb_depth: int = Field(8192, gt=0, le=MAX_IOCB_DEPTH, description="IOCBs in the gio_uring table (init_queue); a request reserves one per layer (more past 2048 IOCTXs) plus one to commit, at begin; at most 2^20.")
     staging_mb: int = Field(
-        128,
+        _NATIVE.staging_mb,
         gt=0,
         le=MAX_STAGING_MB,
         description="Pinned staging area in MiB; fixed, whatever the context. Twice queue_depth x 1 MiB keeps "
         "the agent's queue full while the I/O kernel gathers and scatters the other half (the CUDA kernel "
         "keeps at most 2 x queue_depth chunks in use, whatever the size); at most 2^20 (1 TiB).",
     )
-    max_requests: int = Field(256, gt=0, le=MAX_REQUESTS,
+    max_requests: int = Field(_NATIVE.max_requests, gt=0, le=MAX_REQUESTS,
                               description="Requests in flight per store instance; at most 65536.")
-    io_sms: int = Field(8, gt=0, le=MAX_IO_SMS,
+    io_sms: int = Field(_NATIVE.io_sms, gt=0, le=MAX_IO_SMS,
                         description="SMs given to the I/O kernel (multiples of 8 on CUDA); at most 1024.")
-    cuda_pair: bool = Field(False, description="CUDA: K and V of a unit-layer as one I/O (slower on the H200).")
-    cuda_trace: bool = Field(False, description="CUDA: print the I/O kernel's counters when the store closes.")
+    cuda_pair: bool = Field(_NATIVE.cuda_pair, description="CUDA: K and V of a unit-layer as one I/O (slower on the H200).")
+    cuda_trace: bool = Field(_NATIVE.cuda_trace, description="CUDA: print the I/O kernel's counters when the store closes.")
 
     # Cluster (all unset: single-node embedded default)
     etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port (https://host:port: TLS).")

@@ -21,6 +21,7 @@ import ctypes
 import functools
 import logging
 import operator
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from tutti_cluster import _native
-from tutti_cluster.config import TuttiConfig, load_config
+from tutti_cluster.config import NATIVE_FIELDS, TuttiConfig, load_config
 from tutti_cluster.errors import ConfigError, DeviceError, LayoutError, NotFound, TuttiError
 from tutti_cluster.files import group_id, make_dir
 from tutti_cluster.keys import Key, key_array, to_key
@@ -41,7 +42,6 @@ _RETRIEVE, _STORE = _native.ReqOp.RETRIEVE, _native.ReqOp.STORE
 # A retrieve's (or scatter's) block id for a block of a unit that is checked with the rest of its
 # object but written nowhere: the engine holds it already (a prefix cache hit ending inside the unit).
 SKIP_BLOCK = -1
-_DIRECT = {"auto": _native.DirectMode.AUTO, "on": _native.DirectMode.ON, "off": _native.DirectMode.OFF}
 
 
 _U32_MAX, _U64_MAX, _INT_MAX = (1 << 32) - 1, (1 << 64) - 1, (1 << 31) - 1
@@ -55,6 +55,10 @@ def _fits(setting: str, value: int, most: int) -> int:
     return value
 
 
+# The most a native field holds where it is not a uint32 (staging_mb is shifted by 20 bits natively).
+_NATIVE_MOST = {"staging_mb": _U64_MAX >> 20, "min_io_bytes": _U64_MAX, "device": _INT_MAX}
+
+
 def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_only: bool = False) -> Any:
     """The native store's options, every field from ``config``: the one place they are translated.
 
@@ -64,35 +68,74 @@ def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_
     _fits("unit_tokens / block_tokens (blocks per unit)", unit_blocks, _U32_MAX)
     _fits("iocb_depth", config.iocb_depth, _U32_MAX)  # init_queue's uint32 (register_kv_caches)
     o = _native.StoreOptions()
+    for name in NATIVE_FIELDS:  # the same name and meaning on both sides
+        value = getattr(config, name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _fits(name, value, _NATIVE_MOST.get(name, _U32_MAX))
+        setattr(o, name, value)
     o.paths = [str(p) for p in config.storage_paths()]
     o.capacity = [_fits("capacity_gb", c, _U64_MAX) for c in config.capacity_bytes()]
-    o.instance = config.instance
-    o.files_per_path = _fits("pool_files", config.pool_files, _U32_MAX)
-    o.prewrite = config.prewrite_pool
     o.unit_blocks = unit_blocks
-    o.queue_depth = _fits("queue_depth", config.queue_depth, _U32_MAX)
-    o.staging_bytes = _fits("staging_mb", config.staging_mb, _U64_MAX >> 20) << 20
-    o.max_requests = _fits("max_requests", config.max_requests, _U32_MAX)
-    o.io_sms = _fits("io_sms", config.io_sms, _U32_MAX)
-    o.min_io_bytes = _fits("min_io_bytes", config.min_io_bytes, _U64_MAX)
-    o.direct = _DIRECT[config.direct_io]
     o.backend = backend
-    o.device = _fits("device", config.device, _INT_MAX)
-    o.cuda_pair = config.cuda_pair
-    o.cuda_trace = config.cuda_trace
     o.read_only = read_only
-    o.map_memory = config.map_memory_paths
     gid = group_id(config.file_group)
     o.file_gid = -1 if gid is None else _fits("file_group (gid)", gid, _U32_MAX - 1)
     return o
 
 
+#: Why a unit of a request failed (:attr:`UnitFailure.cause`), and what each means.
+FAILURE_CAUSES: dict[str, str] = {
+    "checksum": "checksum mismatch (the bytes on disk are not those written: the unit is dropped)",
+    "io_error": "I/O error on the pool file",
+    "not_present": "not in the pool (evicted or removed since the lookup)",
+    "too_few_blocks": "the unit holds fewer blocks than asked for",
+    "no_free_slot": "no free slot in the pool (every slot holds a unit being read, written or pinned)",
+    "incomplete_layers": "a layer of the request was not issued or its I/O could not start",
+    "device_error": "the device failed before the unit could be vouched for",
+    "commit_failed": "the unit's header could not be written",
+}
+
+
+@dataclass(frozen=True)
+class UnitFailure:
+    """One failed unit of a request: why (a key of :data:`FAILURE_CAUSES`) and where it lay.
+    ``pool_file``, ``slot`` (within that file) and ``offset`` (the slot's first byte in it) are
+    None for a unit that had no slot (``not_present``, ``too_few_blocks``, ``no_free_slot``)."""
+
+    index: int  # the unit's index in the request
+    key: int
+    cause: str
+    pool_file: str | None = None
+    slot: int | None = None
+    offset: int | None = None
+    errno: int = 0  # io_error: the errno where the backend knows it (0: a short transfer, or unknown)
+
+    @classmethod
+    def from_native(cls, f: Any) -> UnitFailure:
+        slot = f.slot
+        where = slot is not None
+        return cls(index=int(f.unit), key=int(f.key), cause=str(f.cause), pool_file=f.pool_file if where else None,
+                   slot=slot, offset=int(f.offset) if where else None, errno=int(f.error))
+
+    def describe(self) -> str:
+        """``unit 3 (key 00000000000000ab) in /mnt/a/tutti-default.pool slot 7 (byte 917504): checksum mismatch ...``"""
+        where = (f" in {self.pool_file} slot {self.slot} (byte {self.offset})" if self.pool_file is not None
+                 else " (no slot)")
+        why = FAILURE_CAUSES.get(self.cause, self.cause)
+        if self.cause == "io_error":
+            why += (f": {os.strerror(self.errno)} (errno {self.errno})" if self.errno
+                    else ": short transfer or errno unknown")
+        return f"unit {self.index} (key {self.key:016x}){where}: {why}"
+
+
 @dataclass
 class RequestResult:
-    """Outcome of one request. ``failed_units`` were not moved: treat them (and what follows) as misses."""
+    """Outcome of one request. ``failed_units`` were not moved: treat them (and what follows) as misses;
+    ``failures`` says why each failed, and where it lay (one :class:`UnitFailure` per failed unit)."""
 
     units: int
     failed_units: list[int] = field(default_factory=list)
+    failures: list[UnitFailure] = field(default_factory=list)
     skipped_units: int = 0
     committed_units: list[int] = field(default_factory=list)
     #: Layers never issued or whose I/O could not start: then every unit failed (nothing loaded,
@@ -530,7 +573,9 @@ class TuttiStore:
                 raise TuttiError(f"no request {req} in flight")
             self._ops.pop(req)
             keys = self._keys.pop(req)
-        res = RequestResult(**struct_dict(self._e.finish(req)))
+        fields = struct_dict(self._e.finish(req))
+        fields["failures"] = [UnitFailure.from_native(f) for f in fields["failures"]]
+        res = RequestResult(**fields)
         if self.on_commit is not None:
             for u in res.committed_units:
                 self.on_commit(int(keys[u]))

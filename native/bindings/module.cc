@@ -160,10 +160,6 @@ PYBIND11_MODULE(_native, m) {
 
   py::enum_<ReqOp>(m, "ReqOp").value("RETRIEVE", ReqOp::kRetrieve).value("STORE", ReqOp::kStore);
   py::enum_<IoOp>(m, "IoOp").value("READ", IoOp::kRead).value("WRITE", IoOp::kWrite);
-  py::enum_<DirectMode>(m, "DirectMode")
-      .value("AUTO", DirectMode::kAuto)
-      .value("ON", DirectMode::kOn)
-      .value("OFF", DirectMode::kOff);
 
   // The options struct itself: the Python side fills every field from TuttiConfig in one place.
   py::class_<StoreOptions>(m, "StoreOptions")
@@ -171,21 +167,32 @@ PYBIND11_MODULE(_native, m) {
       .def_readwrite("paths", &StoreOptions::paths)
       .def_readwrite("capacity", &StoreOptions::capacity)
       .def_readwrite("instance", &StoreOptions::instance)
-      .def_readwrite("files_per_path", &StoreOptions::files_per_path)
-      .def_readwrite("prewrite", &StoreOptions::prewrite)
+      .def_readwrite("pool_files", &StoreOptions::pool_files)
+      .def_readwrite("prewrite_pool", &StoreOptions::prewrite_pool)
       .def_readwrite("unit_blocks", &StoreOptions::unit_blocks)
       .def_readwrite("queue_depth", &StoreOptions::queue_depth)
-      .def_readwrite("staging_bytes", &StoreOptions::staging_bytes)
+      .def_readwrite("staging_mb", &StoreOptions::staging_mb)
       .def_readwrite("max_requests", &StoreOptions::max_requests)
       .def_readwrite("io_sms", &StoreOptions::io_sms)
       .def_readwrite("min_io_bytes", &StoreOptions::min_io_bytes)
-      .def_readwrite("direct", &StoreOptions::direct)
+      // TuttiConfig's words for DirectMode: "auto", "on", "off".
+      .def_property(
+          "direct_io",
+          [](const StoreOptions& o) {
+            return std::string(o.direct_io == DirectMode::kOn ? "on" : o.direct_io == DirectMode::kOff ? "off" : "auto");
+          },
+          [](StoreOptions& o, const std::string& v) {
+            if (v == "auto") o.direct_io = DirectMode::kAuto;
+            else if (v == "on") o.direct_io = DirectMode::kOn;
+            else if (v == "off") o.direct_io = DirectMode::kOff;
+            else throw py::value_error("direct_io must be 'auto', 'on' or 'off', not '" + v + "'");
+          })
       .def_readwrite("backend", &StoreOptions::backend)
       .def_readwrite("device", &StoreOptions::device)
       .def_readwrite("cuda_pair", &StoreOptions::cuda_pair)
       .def_readwrite("cuda_trace", &StoreOptions::cuda_trace)
       .def_readwrite("read_only", &StoreOptions::read_only)
-      .def_readwrite("map_memory", &StoreOptions::map_memory)
+      .def_readwrite("map_memory_paths", &StoreOptions::map_memory_paths)
       .def_readwrite("file_gid", &StoreOptions::file_gid);
 
   // Results as the structs themselves (read-only attributes); the Python side turns them into
@@ -225,9 +232,21 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("fixed_buffers", &StoreStats::fixed_buffers)
       .def_readonly("mapped_files", &StoreStats::mapped_files)
       .def_readonly("backend", &StoreStats::backend);
+  py::class_<UnitFailure>(m, "UnitFailure")
+      .def_readonly("unit", &UnitFailure::unit)
+      .def_readonly("key", &UnitFailure::key)
+      .def_property_readonly("cause", [](const UnitFailure& f) { return std::string(unit_fail_cause_name(f.cause)); })
+      .def_readonly("error", &UnitFailure::error)
+      .def_readonly("pool_file", &UnitFailure::pool_file)
+      .def_property_readonly("slot", [](const UnitFailure& f) -> py::object {
+        if (f.slot == UnitFailure::kNoSlot) return py::none();
+        return py::int_(f.slot);
+      })
+      .def_readonly("offset", &UnitFailure::offset);
   py::class_<RequestResult>(m, "RequestResult")
       .def_readonly("units", &RequestResult::units)
       .def_readonly("failed_units", &RequestResult::failed_units)
+      .def_readonly("failures", &RequestResult::failures)
       .def_readonly("skipped_units", &RequestResult::skipped_units)
       .def_readonly("committed_units", &RequestResult::committed_units)
       .def_readonly("incomplete_layers", &RequestResult::incomplete_layers);

@@ -22,7 +22,8 @@ struct RequestView {
   const Ioctx* ctx = nullptr;
   const Extent* extents = nullptr;
   uint64_t* checksums = nullptr;            // [unit][obj]: expected on retrieve, written by the kernel on store
-  uint8_t* unit_failed = nullptr;           // written by the kernel
+  uint8_t* unit_failed = nullptr;           // written by the kernel: 1 an I/O error, 2 a checksum mismatch
+  int32_t* unit_errno = nullptr;            // written by a host kernel with an I/O error: its errno (0: short)
   uint32_t num_units = 0;
 };
 

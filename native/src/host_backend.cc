@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
@@ -184,8 +185,10 @@ class HostBackend final : public Backend {
     const Geometry& g = k_->geom;
     return r.checksums[static_cast<uint64_t>(x.unit) * g.num_objs() + layer * g.objs_per_layer + x.obj];
   }
-  // Marks the unit failed (its blocks are reported as not loaded) and counts the IOCB's error; any thread.
-  static void fail_unit(RequestView& r, Iocb& b, uint32_t unit, uint8_t why) {
+  // Marks the unit failed (its blocks are reported as not loaded) and counts the IOCB's error; an
+  // I/O error (why 1) also records its errno (0: a short transfer) for finish to report; any thread.
+  static void fail_unit(RequestView& r, Iocb& b, uint32_t unit, uint8_t why, int32_t err = 0) {
+    if (why == 1 && r.unit_errno) __atomic_store_n(&r.unit_errno[unit], err, __ATOMIC_RELAXED);
     __atomic_store_n(&r.unit_failed[unit], why, __ATOMIC_RELAXED);
     __atomic_fetch_add(&b.errors, 1, __ATOMIC_RELAXED);
   }
@@ -453,7 +456,7 @@ void HostBackend::verify(const Cqe& c) {
   const uint32_t n = group_size(b, r, off);
   const uint64_t want = n * g.obj_bytes;
   if (c.res != static_cast<int64_t>(want)) {
-    fail_unit(r, b, unit, 1);
+    fail_unit(r, b, unit, 1, c.res < 0 ? static_cast<int32_t>(-c.res) : 0);
     return;
   }
   if (op != IoOp::kRead) return;
@@ -508,7 +511,7 @@ void HostBackend::move_mapped(uint32_t id, uint32_t off) {
   sigjmp_buf guard;
   if (sigsetjmp(guard, 0) != 0) {  // the mapping was cut under the copy (install_bus_guard)
     t_bus_guard = nullptr;
-    fail_unit(r, b, x.unit, 1);
+    fail_unit(r, b, x.unit, 1, EIO);  // the file's pages could not be read or written
     return;
   }
   t_bus_guard = &guard;

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 #include "backend.h"
 #include "extent.h"
@@ -17,6 +18,20 @@ namespace {
 constexpr uint32_t kNoSlot = UINT32_MAX;
 
 }  // namespace
+
+const char* unit_fail_cause_name(UnitFailCause c) {
+  switch (c) {
+    case UnitFailCause::kChecksum: return "checksum";
+    case UnitFailCause::kIoError: return "io_error";
+    case UnitFailCause::kNotPresent: return "not_present";
+    case UnitFailCause::kTooFewBlocks: return "too_few_blocks";
+    case UnitFailCause::kNoFreeSlot: return "no_free_slot";
+    case UnitFailCause::kIncompleteLayers: return "incomplete_layers";
+    case UnitFailCause::kDeviceError: return "device_error";
+    case UnitFailCause::kCommitFailed: return "commit_failed";
+  }
+  return "unknown";
+}
 
 Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int64_t* block_ids, uint64_t n_blocks,
                     uint32_t* request, const uint64_t* inner, const uint32_t* n_inner) {
@@ -47,6 +62,8 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   r.unit_slot.assign(n_units, kNoSlot);
   r.unit_present.assign(n_units, 0);
   r.unit_failed.assign(n_units, 0);
+  r.unit_errno.assign(n_units, 0);
+  r.unit_cause.assign(n_units, 0);
   r.unit_blocks.assign(n_units, g.unit_blocks);
   if (n_units) r.unit_blocks.back() = static_cast<uint32_t>(n_blocks - whole);
   if (n_inner && op == ReqOp::kStore) {
@@ -75,6 +92,7 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
         if (held) index_->unpin(keys[u]);
         r.unit_slot[u] = kNoSlot;
         r.unit_failed[u] = 1;
+        r.unit_cause[u] = static_cast<uint8_t>(held ? UnitFailCause::kTooFewBlocks : UnitFailCause::kNotPresent);
       }
     } else {
       bool dup = index_->contains(keys[u]) || std::find(keys, keys + u, keys[u]) != keys + u;
@@ -89,6 +107,7 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
           return st;
         }
         r.unit_failed[u] = 1;
+        r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kNoFreeSlot);
         r.unit_slot[u] = kNoSlot;
         continue;
       }
@@ -139,6 +158,7 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
   v.extents = r.extents.data();
   v.checksums = r.checksums.data();
   v.unit_failed = r.unit_failed.data();
+  v.unit_errno = r.unit_errno.data();
   v.num_units = n_units;
   const uint64_t map_bytes = r.extents.size() * sizeof(Extent) + r.ctx.size() * sizeof(Ioctx) +
                              r.checksums.size() * sizeof(uint64_t) + n_units * (sizeof(uint64_t) + sizeof(uint32_t) + 2);
@@ -261,6 +281,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   out->units = n;
   out->skipped_units = r.skipped;
   out->failed_units.clear();
+  out->failures.clear();
   out->committed_units.clear();
   out->incomplete_layers.clear();
   for (uint32_t l = 0; l < g.num_layers; ++l)
@@ -270,9 +291,15 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   Status est = backend_->end_request(id, &views_[id]);
   if (!est.ok() || !out->incomplete_layers.empty())
     for (uint32_t u = 0; u < n; ++u) not_moved[u] = r.unit_present[u];
+  // Causes the kernel left (1 an I/O error, 2 a checksum mismatch), or a unit it could not vouch for.
+  const UnitFailCause unmoved = est.ok() ? UnitFailCause::kIncompleteLayers : UnitFailCause::kDeviceError;
   for (uint32_t u = 0; u < n; ++u) {
     if (r.unit_failed[u] == 2) checksum_failures_++;
     else if (r.unit_failed[u] == 1 && r.unit_slot[u] != kNoSlot) io_errors_++;
+    if (r.unit_cause[u]) continue;  // found at begin: no slot
+    if (r.unit_failed[u] == 2) r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kChecksum);
+    else if (r.unit_failed[u]) r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kIoError);
+    else if (not_moved[u]) r.unit_cause[u] = static_cast<uint8_t>(unmoved);
   }
   if (r.op == ReqOp::kStore && n > 0) {
     // Commit after write: a unit's header goes out only now that every object of it is on storage,
@@ -303,6 +330,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
       const uint32_t u = units[i];
       if (!committed[i]) {
         r.unit_failed[u] |= 1;
+        r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kCommitFailed);
         io_errors_++;
         invalidate(r.unit_slot[u]);
         continue;  // released below
@@ -331,8 +359,23 @@ Status Store::finish(uint32_t id, RequestResult* out) {
       }
     }
   }
-  for (uint32_t u = 0; u < n; ++u)
-    if (r.unit_failed[u]) out->failed_units.push_back(u);
+  // The failed units only (the per-layer path records nothing): why, and the slot each lay in.
+  for (uint32_t u = 0; u < n; ++u) {
+    if (!r.unit_failed[u]) continue;
+    out->failed_units.push_back(u);
+    UnitFailure f;
+    f.unit = u;
+    f.key = r.keys[u];
+    f.cause = r.unit_cause[u] ? static_cast<UnitFailCause>(r.unit_cause[u]) : UnitFailCause::kIoError;
+    if (f.cause == UnitFailCause::kIoError) f.error = r.unit_errno[u];
+    if (const uint32_t slot = r.unit_slot[u]; slot != kNoSlot) {
+      const PoolPath& p = pool_->path(pool_->path_of(slot));
+      f.pool_file = p.file;
+      f.slot = slot - p.first_slot;
+      f.offset = pool_->offset_of(slot);
+    }
+    out->failures.push_back(std::move(f));
+  }
   release_request(id, r);
   return Status::Ok();
 }

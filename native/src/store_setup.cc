@@ -53,14 +53,17 @@ Status Store::init_queue(uint32_t depth) {
     return {Code::kConfig, "unknown backend '" + opt_.backend + "'"};
   }
   const uint64_t chunk = std::max(g.obj_bytes, g.header_bytes);
-  uint32_t chunks = static_cast<uint32_t>(opt_.staging_bytes / chunk);
+  if (opt_.staging_mb > (UINT64_MAX >> 20))
+    return {Code::kConfig, "staging_mb (" + std::to_string(opt_.staging_mb) + ") does not fit 64 bits of bytes"};
+  const uint64_t staging_request = opt_.staging_mb << 20;
+  uint32_t chunks = static_cast<uint32_t>(std::min<uint64_t>(staging_request / chunk, UINT32_MAX));
   if (chunks < 2)
-    return {Code::kConfig, "staging_bytes (" + std::to_string(opt_.staging_bytes) + ") must hold at least two objects of " +
+    return {Code::kConfig, "staging_mb (" + std::to_string(opt_.staging_mb) + ") must hold at least two objects of " +
                                std::to_string(chunk) + " bytes"};
   const uint32_t workers = std::max<uint32_t>(1, backend_->num_workers(std::max<uint32_t>(1, opt_.io_workers), opt_.io_sms));
   const uint32_t nq = backend_->num_queues(workers);
   if (chunks < nq)
-    return {Code::kConfig, "staging_bytes (" + std::to_string(opt_.staging_bytes) + ") must hold at least " +
+    return {Code::kConfig, "staging_mb (" + std::to_string(opt_.staging_mb) + ") must hold at least " +
                                std::to_string(nq) + " objects of " + std::to_string(chunk) + " bytes (one per I/O queue)"};
   chunks -= chunks % nq;
   staging_bytes_ = static_cast<uint64_t>(chunks) * chunk;
@@ -123,7 +126,7 @@ Status Store::init_queue(uint32_t depth) {
   kctx_->num_chunks = chunks;
   kctx_->queues = qs;
   kctx_->queue_depth = opt_.queue_depth;
-  if (opt_.map_memory) {
+  if (opt_.map_memory_paths) {
     st = pool_->map_memory_files();
     if (!st.ok()) return st;
   }

@@ -45,8 +45,8 @@ Status UnitStore::open_units(const StoreOptions& opt, const Geometry& geom, cons
   files.gid = opt.file_gid;
   files.stamp = !opt.read_only;
   files.desc = desc;
-  Status st = pool_->open(opt.paths, opt.capacity, opt.instance, geom_, opt.direct, opt.read_only, opt.files_per_path,
-                         opt.prewrite, files);
+  Status st = pool_->open(opt.paths, opt.capacity, opt.instance, geom_, opt.direct_io, opt.read_only, opt.pool_files,
+                         opt.prewrite_pool, files);
   if (!st.ok()) return st;
   slot_checksums_.assign(static_cast<uint64_t>(pool_->num_slots()) * geom_.num_objs(), 0);
   slot_key_.assign(pool_->num_slots(), 0);

@@ -470,7 +470,7 @@ static void test_store_round_trip_with_random_blocks() {
   o.capacity = {64ull << 20};
   o.instance = "t";
   o.unit_blocks = unit_blocks;
-  o.staging_bytes = 1 << 20;
+  o.staging_mb = 1;
   std::unique_ptr<Store> s;
   CHECK(Store::open(o, ls, "u8", &s).ok());
   CHECK(s->init_queue(64).ok());

@@ -48,10 +48,13 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tutti_cluster.errors import ConfigError, TuttiError
 from tutti_cluster.pipeline.hooks import LayerHooks
+
+if TYPE_CHECKING:
+    from tutti_cluster.store import UnitFailure
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,7 @@ class ScheduleReport:
     committed_units: list[int] = field(default_factory=list)
     skipped_units: int = 0  # stored already (by an earlier request): nothing to write
     not_stored_units: list[int] = field(default_factory=list)  # reported, never silently dropped
+    failures: list[UnitFailure] = field(default_factory=list)  # why each was not stored, and where
     store_units: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -259,6 +263,7 @@ class SlackScheduler(LayerHooks):
         self.report.committed_units = sorted(committed)
         self.report.skipped_units = res.skipped_units
         self.report.not_stored_units = sorted(res.failed_units)
+        self.report.failures = list(res.failures)
         if res.failed_units:
             log.warning("write-back: %d of %d units not stored", len(res.failed_units), res.units)
         return self.report

@@ -5,7 +5,8 @@
 - :class:`BoundedLog`: warnings of one kind (failed loads, failed saves) at most ``per_minute`` a
   minute; past that they are counted, and the count is logged with the next warning let through
   (or at shutdown), so that a damaged disk cannot flood the log.
-- :func:`failure_cause`: why the store's units failed, from its counters before and after.
+- :func:`describe_failures`: a request's failed units as the store reports them (each one's key,
+  pool file and slot, and cause).
 - :func:`describe_pools`: a store instance's paths, capacity and pool files.
 - :class:`Reminder`: a warning repeated every minute from a daemon thread, until stopped (an engine
   serving without its cache says so until it restarts).
@@ -16,14 +17,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from tutti_cluster.config import TuttiConfig
 from tutti_cluster.demo import pool_files
+from tutti_cluster.store import UnitFailure
 
-__all__ = ["BoundedLog", "Reminder", "banner", "describe_pools", "failure_cause", "pool_files"]
+__all__ = ["BoundedLog", "Reminder", "banner", "describe_failures", "describe_pools", "pool_files"]
 
 
 class BoundedLog:
@@ -113,19 +116,12 @@ def banner(*, version: str, rank: int, instance: str, backend: str, pools: str, 
             f"{daemon}; {cluster}")
 
 
-# Counters of the store's stats that tell why units failed, and what each means.
-_CAUSES = (
-    ("checksum_failures", "checksum mismatch (the bytes on disk are not those written: the unit is dropped)"),
-    ("io_errors", "I/O error on the pool file"),
-    ("bad_headers", "damaged unit header"),
-)
-
-
-def failure_cause(before: dict[str, Any], after: dict[str, Any], load: bool) -> str:
-    """Why units failed between two snapshots of the store's stats."""
-    causes = [text for k, text in _CAUSES if int(after.get(k, 0) or 0) > int(before.get(k, 0) or 0)]
-    if causes:
-        return "; ".join(causes)
-    if load:
-        return "not in the pool any more (evicted or removed since the lookup)"
-    return "no free slot in the pool (every slot holds a unit being read, written or pinned)"
+def describe_failures(failures: Sequence[UnitFailure], at_most: int = 3) -> str:
+    """The first ``at_most`` failed units in full (index, key, pool file, slot and byte offset,
+    cause), then how many more failed, by cause."""
+    text = "; ".join(f.describe() for f in failures[:at_most])
+    rest = Counter(f.cause for f in failures[at_most:])
+    if rest:
+        n = sum(rest.values())
+        text += f"; {n} more unit{'s' if n != 1 else ''} ({', '.join(f'{k}: {v}' for k, v in rest.items())})"
+    return text

@@ -43,7 +43,7 @@ from tutti_cluster.errors import CapacityExceeded, ConfigError, LayoutError, Sto
 from tutti_cluster.kv_layout import LayerKV, layer_kv_from_vllm
 from tutti_cluster.pipeline.scheduler import SlackScheduler
 from tutti_cluster.vllm.config import ConnectorSetup, rank_prefix, unit_key
-from tutti_cluster.vllm.logs import BoundedLog, Reminder, banner, describe_pools, failure_cause, pool_files
+from tutti_cluster.vllm.logs import BoundedLog, Reminder, banner, describe_failures, describe_pools
 from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
 from tutti_cluster.vllm.metrics import TuttiConnectorStats
 
@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from tutti_cluster.store import UnitFailure
 
 log = logging.getLogger("tutti_cluster.vllm")  # one logger for every part of the connector
 
@@ -103,7 +105,6 @@ class TuttiWorker:
         # Operator-facing: failures logged at most 10 a minute per kind, with their cause.
         self._load_warnings = BoundedLog(log)
         self._store_warnings = BoundedLog(log)
-        self._stats_seen: dict[str, Any] = {}  # the store's counters at the last failure (failure_cause)
         self.store_error: str | None = None  # why the store did not open (on_store_error: serve_without_cache)
         self._reminder: Reminder | None = None
         self._daemon_note = "no node daemon"
@@ -166,7 +167,6 @@ class TuttiWorker:
             self._store_failed(cfg, e)
             return
         st = self.store.stats()
-        self._stats_seen = st
         from tutti_cluster import __version__
 
         mode = (f"cluster mode (etcd {','.join(cfg.etcd)}, node {cfg.node_id or 'the host name'})" if cfg.etcd
@@ -216,7 +216,7 @@ class TuttiWorker:
     def _attach_node(self, cfg: TuttiConfig) -> None:
         """Announces the store to the node daemon (when one runs) and, in cluster mode, opens the
         remote-fetch client. The daemon registers committed units in the cluster directory."""
-        from tutti_cluster.daemon import DaemonLink
+        from tutti_cluster.node.link import DaemonLink
 
         link = DaemonLink(cfg)
         try:
@@ -261,20 +261,6 @@ class TuttiWorker:
                 return TuttiHandshake(rank=self.rank, keys=[], store_error=self.store_error)
             return None
         return TuttiHandshake(rank=self.rank, keys=self.store.keys(), inner=self.store.inner_keys())
-
-    def _cause(self, load: bool) -> str:
-        """Why units failed since the last failure (the store's counters)."""
-        try:
-            now = self.store.stats()
-        except TuttiError:
-            return "unknown"
-        cause = failure_cause(self._stats_seen, now, load)
-        self._stats_seen = now
-        return cause
-
-    def _where(self) -> str:
-        files = pool_files(self.store.config)
-        return ", ".join(map(str, files)) or f"instance {self.store.config.instance}"
 
     # ---- loads ----------------------------------------------------------------------------------
     def _begin(self, t: Transfer, load: bool) -> _InFlight | None:
@@ -379,20 +365,21 @@ class TuttiWorker:
 
     def _finish_loads(self, flights: list[_InFlight]) -> None:
         for f in flights:
+            failures: list[UnitFailure] = []
             try:
                 res = self.store.finish(f.handle)
-                failed = sorted(res.failed_units)
+                failed, failures = sorted(res.failed_units), res.failures
+                why = describe_failures(failures)
             except TuttiError as e:
-                self._load_warnings.warning("Tutti load of request %s failed: %s", f.transfer.req_id, e)
-                failed = [0]
+                failed, why = [0], f"the request failed: {e}"
             if f.error:  # a layer of it did not move (or was not waited for): no block is loaded
                 failed = [0]
+                why = why or "a layer of the request did not move (logged above)"
             if failed:
                 self._load_warnings.warning(
-                    "Tutti: load of request %s failed from unit %d of %d (key %016x, %d units in all): %s; pool "
-                    "files %s; vLLM recomputes them", f.transfer.req_id, failed[0], len(f.keys),
-                    f.keys[failed[0]] if failed[0] < len(f.keys) else 0,
-                    len(f.keys) - failed[0], self._cause(load=True), self._where())
+                    "Tutti: load of request %s failed from unit %d of %d (key %016x, %d units recomputed): %s",
+                    f.transfer.req_id, failed[0], len(f.keys), f.keys[failed[0]] if failed[0] < len(f.keys) else 0,
+                    len(f.keys) - failed[0], why)
                 # vLLM keeps the prefix before the first invalid block and recomputes the rest.
                 first = failed[0]
                 bad = f.transfer.written(first * self.unit_blocks)
@@ -503,10 +490,12 @@ class TuttiWorker:
             if f.error or f.sched is None:
                 res = self.store.finish(f.handle)
                 committed, skipped, failed_units = sorted(res.committed_units), res.skipped_units, list(res.failed_units)
+                failures = res.failures
             else:
                 report = f.sched.flush()
                 committed, skipped, failed_units = (report.committed_units, report.skipped_units,
                                                     list(report.not_stored_units))
+                failures = report.failures
             failed = len(failed_units)
         except TuttiError as e:
             self._store_warnings.warning("Tutti store of request %s (%d units, first key %016x) failed: %s",
@@ -523,11 +512,8 @@ class TuttiWorker:
         self._stats.add("store_skipped_units", skipped)
         self._stats.add("store_failed_units", failed)
         if failed and not f.error:  # a dropped save (over a failed load) is no store failure
-            u = sorted(failed_units)[0]
-            self._store_warnings.warning(
-                "Tutti: %d of %d units of request %s were not stored (first: unit %d, key %016x): %s; pool files %s",
-                failed, len(f.keys), f.transfer.req_id, u, f.keys[u] if u < len(f.keys) else 0, self._cause(load=False),
-                self._where())
+            self._store_warnings.warning("Tutti: %d of %d units of request %s were not stored: %s", failed, len(f.keys),
+                                         f.transfer.req_id, describe_failures(failures) or "no cause reported")
 
     def _settle_writes(self, wait: bool, req_ids: set[str] | None = None) -> None:
         """Finishes the saves whose writes are all issued and done (``wait``: all of them, writing

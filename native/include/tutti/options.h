@@ -13,22 +13,23 @@ enum class DirectMode : int { kAuto = 0, kOn = 1, kOff = 2 };
 // Remote units in flight at once per store (Store::scatter_unit_async).
 constexpr uint32_t kScatterSlots = 4;
 
-// Defaults are TuttiConfig's (tutti_cluster/config.py; a test keeps them equal); the Python side
-// sets every field from the configuration anyway.
+// The one definition of these defaults: TuttiConfig (tutti_cluster/config.py) reads the defaults of the
+// fields it shares by name (every field but paths, capacity, unit_blocks, io_workers, backend,
+// read_only and file_gid) from StoreOptions(), and the Python side sets every field from the configuration.
 struct StoreOptions {
   std::vector<std::string> paths;
   std::vector<uint64_t> capacity;  // bytes per path
   std::string instance = "default";
-  uint32_t files_per_path = 0;     // pool files per path; 0: up to 16 on memory file systems, 1 elsewhere
-  bool prewrite = true;            // zero what fallocate left unwritten, once (see FilePool::open)
+  uint32_t pool_files = 0;         // pool files per path; 0: up to 16 on memory file systems, 1 elsewhere
+  bool prewrite_pool = true;       // zero what fallocate left unwritten, once (see FilePool::open)
   uint32_t unit_blocks = 16;
   uint32_t queue_depth = 64;       // io_uring depth of the agent
-  uint64_t staging_bytes = 128ull << 20;
+  uint64_t staging_mb = 128;       // pinned staging area in MiB
   uint32_t max_requests = 256;     // requests in flight
   uint32_t io_workers = 1;         // kernel workers (thread blocks / host scatter threads)
   uint32_t io_sms = 8;
   uint64_t min_io_bytes = 256 << 10;
-  DirectMode direct = DirectMode::kAuto;
+  DirectMode direct_io = DirectMode::kAuto;
   std::string backend = "cpu";     // "cpu" or "cuda"
   int device = 0;
   bool cuda_pair = false;          // CUDA: K and V of a unit-layer as one I/O (slower on the H200 host)
@@ -36,7 +37,7 @@ struct StoreOptions {
   bool read_only = false;          // open existing pools for reading only (no agent)
   // Map the pool files on memory file systems and move their objects with loads and stores
   // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
-  bool map_memory = true;
+  bool map_memory_paths = true;
   // Group of the pool files (mode 0640), or -1: owner only (0600). See PoolFileOptions.
   int64_t file_gid = -1;
 };

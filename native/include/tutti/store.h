@@ -28,9 +28,35 @@ struct Ioctx;
 struct KernelContext;
 struct RequestView;
 
+// Why a unit of a request failed (RequestResult::failures); unit_fail_cause_name gives its short name.
+enum class UnitFailCause : uint8_t {
+  kChecksum = 1,      // retrieve: an object's bytes are not those written (the unit is dropped)
+  kIoError,           // a read or write of the pool file failed or came up short (UnitFailure::error)
+  kNotPresent,        // retrieve: not in the pool (evicted or removed since the lookup)
+  kTooFewBlocks,      // retrieve: a partial unit holds fewer blocks than asked for
+  kNoFreeSlot,        // store: every slot holds a unit being read, written or pinned
+  kIncompleteLayers,  // a layer was never issued or its I/O could not start (every unit failed)
+  kDeviceError,       // the device failed: the kernel could not vouch for the unit
+  kCommitFailed,      // store: the unit's header could not be written
+};
+const char* unit_fail_cause_name(UnitFailCause c);
+
+// One failed unit of a request: why, and where it lay (a unit without a slot: pool_file empty).
+struct UnitFailure {
+  static constexpr uint32_t kNoSlot = UINT32_MAX;
+  uint32_t unit = 0;  // index in the request
+  uint64_t key = 0;
+  UnitFailCause cause = UnitFailCause::kIoError;
+  int32_t error = 0;       // kIoError: the errno, when the backend knows it (0: a short transfer, or unknown)
+  std::string pool_file;   // the pool file that holds the unit's slot, empty when it had none
+  uint32_t slot = kNoSlot;  // the slot's index within pool_file
+  uint64_t offset = 0;      // the slot's byte offset in pool_file
+};
+
 struct RequestResult {
   uint32_t units = 0;
   std::vector<uint32_t> failed_units;
+  std::vector<UnitFailure> failures;  // one per failed unit, in failed_units' order
   uint32_t skipped_units = 0;  // store: already present
   std::vector<uint32_t> committed_units;  // store: made visible by this request
   // Layers never issued, or whose I/O could not be started: when any, every unit of the request
@@ -110,6 +136,8 @@ class Store : public UnitStore {
     std::vector<uint32_t> unit_slot;
     std::vector<uint8_t> unit_present;  // retrieve: pinned; store: slot reserved
     std::vector<uint8_t> unit_failed;
+    std::vector<int32_t> unit_errno;   // written by a host kernel with an I/O error (RequestView)
+    std::vector<uint8_t> unit_cause;   // UnitFailCause found on the host (begin, finish), 0 when none
     std::vector<uint32_t> unit_blocks;  // KV blocks each unit moves: unit_blocks, fewer for a partial last unit
     std::vector<std::vector<uint64_t>> inner;  // store: each unit's inner block keys (may be empty)
     std::vector<Ioctx> ctx;

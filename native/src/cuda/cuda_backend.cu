@@ -1077,6 +1077,8 @@ Status CudaBackend::end_request(uint32_t id, RequestView* v) {
   // after fencing these words), so the mapped results can be read here.
   std::atomic_thread_fence(std::memory_order_acquire);
   std::memcpy(v->checksums, m.sums_out, m.nsums * 8);
+  // The kernel's flags are the causes finish reports per failed unit (1 an I/O error, 2 a checksum
+  // mismatch); the errno of an I/O error stays with the agent (v->unit_errno is left 0: unknown).
   std::memcpy(v->unit_failed, m.failed_out, m.units);
   return Status::Ok();
 }
