@@ -235,6 +235,38 @@ def read_bounded(path: Path | str, limit: int, *, what: str, error: type[TuttiEr
         os.close(fd)
 
 
+def read_credential(path: str | os.PathLike[str], what: str, limit: int, *, private: bool) -> bytes:
+    """The bytes of a credential or token file: a regular file (a symbolic link to one is followed,
+    as a Kubernetes Secret volume mounts them) of at most ``limit`` bytes, not blank, and with
+    ``private`` (a key, a password, a token) one that neither its group nor others may access.
+    ConfigError naming ``what`` and the path otherwise; a FIFO or a device is refused without being
+    read (O_NONBLOCK, then the kind of the open file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot open: {exc.strerror or exc}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{what} {path}: not a regular file but {file_kind(st.st_mode)}")
+        mode = stat.S_IMODE(st.st_mode)
+        if private and mode & 0o077:
+            raise ConfigError(f"{what} {path}: mode {mode:04o} lets its group or others access it; it must be "
+                              f"owner-only (chmod 600 {path})")
+        raw = b""
+        while len(raw) <= limit and (chunk := os.read(fd, limit + 1 - len(raw))):
+            raw += chunk
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > limit:
+        raise ConfigError(f"{what} {path}: larger than {limit} bytes")
+    if not raw.strip():
+        raise ConfigError(f"{what} {path}: empty")
+    return raw
+
+
 def tighten_files(directory: Path, gid: int | None = None) -> None:
     """Takes away what no file of the node grants: every regular file of this user directly in
     ``directory`` keeps at most owner read and write, and group read where its group is ``gid``

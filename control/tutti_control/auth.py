@@ -14,13 +14,12 @@ import hmac
 import logging
 import os
 import secrets
-import stat
 import threading
 from pathlib import Path
 
 from tutti_cluster.config import TuttiConfig
 from tutti_cluster.errors import ConfigError, StorageError
-from tutti_cluster.files import file_mode, group_id, make_dir, set_access
+from tutti_cluster.files import file_mode, group_id, make_dir, read_credential, set_access
 
 log = logging.getLogger(__name__)
 
@@ -37,35 +36,14 @@ MAX_TOKEN_FILE_BYTES = 4096
 
 
 def read_token_file(path: Path, what: str = "admin token", *, private: bool = False) -> str:
-    """The token in ``path``: a regular file (a FIFO or a device would block or never end) of at most
-    MAX_TOKEN_FILE_BYTES, not empty, and with ``private`` one that neither its group nor others may
-    access; ConfigError otherwise. Symbolic links are followed (a Kubernetes Secret volume is links
-    to the current version)."""
+    """The token in ``path`` (``files.read_credential``: a regular file of at most
+    MAX_TOKEN_FILE_BYTES, not empty, owner-only with ``private``), as UTF-8 text; ConfigError
+    otherwise."""
+    raw = read_credential(path, f"the {what} file", MAX_TOKEN_FILE_BYTES, private=private)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"the {what} file {path} is not a regular file")
-        if private and st.st_mode & 0o077:
-            raise ConfigError(f"the {what} file {path} has mode {stat.S_IMODE(st.st_mode):04o}, which lets its "
-                              f"group or others access it; it must be owner-only (chmod 600 {path})")
-        raw = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)
-        if st.st_size > MAX_TOKEN_FILE_BYTES or len(raw) > MAX_TOKEN_FILE_BYTES:
-            raise ConfigError(f"the {what} file {path} is larger than {MAX_TOKEN_FILE_BYTES} bytes")
-    except OSError as exc:
-        raise ConfigError(f"cannot read the {what} file {path}: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    try:
-        token = raw.decode().strip()
+        return raw.decode().strip()
     except UnicodeDecodeError:
         raise ConfigError(f"the {what} file {path} is not UTF-8 text") from None
-    if not token:
-        raise ConfigError(f"the {what} file {path} is empty")
-    return token
 
 
 class TokenFile:

@@ -24,11 +24,11 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
-import stat
 from pathlib import Path
 from typing import Any, Sequence
 
 from tutti_cluster.errors import ConfigError, StorageError, TuttiError
+from tutti_cluster.files import read_credential
 
 MIN_SECRET_BYTES = 32
 MAX_FILE_BYTES = 64 << 10  # a handful of secrets; anything far larger is not a key file
@@ -149,37 +149,14 @@ def _secret_lines(raw: bytes, path: Any) -> list[bytes]:
 
 
 def read_secret_file(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a credential file, checked: a regular file (a symbolic link to one is followed,
-    as Kubernetes mounts Secrets), of at most 64 KiB, that neither its group nor others may read or
-    write. Opened without blocking, so that a FIFO never hangs the caller."""
+    """The bytes of the cluster credential file (``files.read_credential``): a regular file (a
+    symbolic link to one is followed, as Kubernetes mounts Secrets) of at most 64 KiB that neither
+    its group nor others may read or write. Opened without blocking, so that a FIFO never hangs
+    the caller."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        raise ConfigError(f"cannot open the cluster secret file {path}: {exc.strerror or exc} ({HOW_TO_MAKE})") \
-            from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"the cluster secret file {path} is not a regular file")
-        mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
-            raise ConfigError(f"the cluster secret file {path} has mode {mode:04o}: its group or others may access "
-                              f"it; the credential must be owner-only (chmod 600 {path})")
-        if st.st_size > MAX_FILE_BYTES:
-            raise ConfigError(f"the cluster secret file {path} has {st.st_size} bytes: not a key file "
-                              f"(at most {MAX_FILE_BYTES})")
-        chunks = []
-        total = 0
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-            total += len(chunk)
-            if total > MAX_FILE_BYTES:
-                raise ConfigError(f"the cluster secret file {path} is larger than {MAX_FILE_BYTES} bytes")
-        return b"".join(chunks)
-    except OSError as exc:
-        raise ConfigError(f"cannot read the cluster secret file {path}: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
+        return read_credential(path, "the cluster secret file", MAX_FILE_BYTES, private=True)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} ({HOW_TO_MAKE})") from None
 
 
 def write_secret_file(path: str | os.PathLike[str]) -> Path:

@@ -31,12 +31,12 @@ import logging
 import os
 import re
 import ssl
-import stat
 import threading
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from tutti_cluster.errors import ConfigError, TuttiError
+from tutti_cluster.files import read_credential
 
 try:
     import grpc
@@ -90,40 +90,9 @@ class EtcdAuthError(EtcdError):
 
 def read_credential_file(path: str | os.PathLike[str], setting: str, limit: int = MAX_CREDENTIAL_BYTES,
                          private: bool = False) -> bytes:
-    """The bytes of a credential file: a regular file (a symbolic link to one is followed, as a
-    Kubernetes Secret volume mounts them) of at most ``limit`` bytes, not empty, and with
-    ``private`` (a key, a password) one that neither its group nor others may access, as the
-    cluster credential. ConfigError naming the setting and the path otherwise (a FIFO or a device
-    is refused without reading from it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"{setting} {path}: cannot open: {exc.strerror or exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{setting} {path}: not a regular file")
-        if private and st.st_mode & 0o077:
-            raise ConfigError(f"{setting} {path}: mode {stat.S_IMODE(st.st_mode):04o} lets its group or others "
-                              f"access it; it must be owner-only (chmod 600 {path})")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as exc:
-        raise ConfigError(f"{setting} {path}: cannot read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    if size > limit:
-        raise ConfigError(f"{setting} {path}: larger than {limit} bytes")
-    data = b"".join(chunks)
-    if not data.strip():
-        raise ConfigError(f"{setting} {path}: empty")
-    return data
+    """The bytes of a credential file named by ``setting`` (``files.read_credential``): a key or a
+    password (``private``) must be owner-only, a CA or certificate may be shared."""
+    return read_credential(path, setting, limit, private=private)
 
 
 def _no_passphrase(*_: Any) -> bytes:
