@@ -1,15 +1,18 @@
 """The layout: tests/ holds tests (test_*.py, conftest.py and the fixtures a test imports or runs;
 measurement scripts and the GPU host's run scripts live in tools/, the native benchmarks in
 native/bench/); the runtime imports no benchmark code and needs no package of the ``bench`` extra;
-the Python packages' imports have no circle."""
+the Python packages' imports have no circle and keep to docs/ARCHITECTURE.md's table of what may
+import what."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import json
+import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,15 +102,23 @@ def imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The imports that run when the module is imported: ``imports`` less those inside functions."""
+    deferred = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for n in ast.walk(f)}
+    return [n for n in imports(tree) if id(n) not in deferred]
+
+
+def import_graph(find: Callable[[ast.Module], list[ast.Import | ast.ImportFrom]] = imports) -> dict[str, set[str]]:
     """Module -> the modules of these packages it imports (a package's ``__init__`` where a name
-    comes from the package itself; a parent package that Python runs first is no edge)."""
+    comes from the package itself; a parent package that Python runs first is no edge), the imports
+    being those ``find`` picks."""
     files = {module_name(p): p for pkg in PACKAGES for p in pkg.rglob("*.py")}
     known = set(files) | {module_name(p.with_name(p.name.split(".")[0] + ".py"))
                           for pkg in PACKAGES for p in [*pkg.rglob("*.pyi"), *pkg.rglob("*.so")]}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for m, path in files.items():
-        for node in imports(ast.parse(path.read_text(), str(path))):
+        for node in find(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -165,3 +176,79 @@ def test_the_circle_check_sees_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     tree = ast.parse("import x\nif TYPE_CHECKING:\n    import y\ndef f():\n    from z import w\n")
     assert [ast.unparse(n) for n in imports(tree)] == ["import x", "from z import w"]
+
+
+# docs/ARCHITECTURE.md, "What may import what": a module, or with ".*" a package and everything in
+# it, -> what it may import (the same notation). A module keeps to its own entry, else to the
+# longest package entry over it; a module that no entry covers is a new place the table must name.
+BASE = tuple(f"tutti_cluster.{m}" for m in ("errors", "files", "keys", "kv_layout", "config"))
+RUNTIME_ALL = ("tutti_cluster", *BASE, "tutti_cluster._native", "tutti_cluster.store", "tutti_cluster.demo",
+               "tutti_cluster.node.*", "tutti_cluster.cluster.*", "tutti_cluster.pipeline.*", "tutti_cluster.vllm.*")
+MAY_IMPORT: dict[str, tuple[str, ...]] = {
+    "tutti_cluster": (*BASE, "tutti_cluster.store"),
+    "tutti_cluster.errors": (),
+    "tutti_cluster.files": ("tutti_cluster.errors",),
+    "tutti_cluster.keys": ("tutti_cluster.errors",),
+    "tutti_cluster.kv_layout": ("tutti_cluster.errors",),
+    "tutti_cluster.config": ("tutti_cluster.errors", "tutti_cluster.files", "tutti_cluster._native"),
+    "tutti_cluster.store": (*BASE, "tutti_cluster._native"),
+    "tutti_cluster.demo": (*BASE, "tutti_cluster.store"),
+    "tutti_cluster.cli": ("tutti_cluster.*", "tutti_control.*"),  # bench/, tutti_control: in functions only
+    "tutti_cluster.node.protocol": ("tutti_cluster.config", "tutti_cluster.errors"),
+    "tutti_cluster.node.link": ("tutti_cluster.node.protocol", "tutti_cluster.config", "tutti_cluster.errors"),
+    "tutti_cluster.node.*": (*BASE, "tutti_cluster.store", "tutti_cluster.node.*", "tutti_cluster.cluster.*"),
+    "tutti_cluster.cluster.*": (*BASE, "tutti_cluster.store", "tutti_cluster.cluster.*", "tutti_cluster.node.protocol"),
+    "tutti_cluster.pipeline.*": ("tutti_cluster.errors", "tutti_cluster.pipeline.*"),
+    "tutti_cluster.vllm.*": ("tutti_cluster", *BASE, "tutti_cluster.store", "tutti_cluster.demo", "tutti_cluster.cli",
+                             "tutti_cluster.node.link", "tutti_cluster.cluster.*", "tutti_cluster.pipeline.*",
+                             "tutti_cluster.vllm.*"),
+    "tutti_cluster.bench.*": (*RUNTIME_ALL, "tutti_cluster.bench.*"),
+    "tutti_control.*": ("tutti_control.*", "tutti_cluster.config", "tutti_cluster.errors", "tutti_cluster.files",
+                        "tutti_cluster.node.link", "tutti_cluster.node.protocol", "tutti_cluster.cluster.auth",
+                        "tutti_cluster.cluster.directory", "tutti_cluster.cluster.etcd"),
+}
+
+
+def covers(entry: str, module: str) -> bool:
+    return module == entry or (entry.endswith(".*") and (module == entry[:-2] or module.startswith(entry[:-1])))
+
+
+def broken_rules(graph: dict[str, set[str]], rules: dict[str, tuple[str, ...]] = MAY_IMPORT) -> list[str]:
+    found = []
+    for m in sorted(graph):
+        entry = m if m in rules else max((e for e in rules if e.endswith(".*") and covers(e, m)), key=len, default=None)
+        if entry is None:
+            found.append(f"{m}: no entry in the table")
+            continue
+        found += [f"{m} imports {t}" for t in sorted(graph[m]) if not any(covers(a, t) for a in rules[entry])]
+    return found
+
+
+def test_every_module_imports_only_what_the_architecture_allows():
+    assert not broken_rules(import_graph())
+
+
+def test_the_cli_imports_the_benchmarks_and_the_admin_plane_only_inside_functions():
+    graph = import_graph(module_level_imports)
+    assert not [f"{m} imports {t}" for m, ts in graph.items()
+                if m.startswith("tutti_cluster") and not m.startswith("tutti_cluster.bench")
+                for t in ts if t.split(".")[0] == "tutti_control" or t.startswith("tutti_cluster.bench")]
+
+
+def test_the_bindings_and_the_engine_api_include_only_the_engine_api():
+    api = ROOT / "native" / "include"
+    for path in [*(ROOT / "native" / "bindings").glob("*.cc"), *(api / "tutti").glob("*.h")]:
+        for header in re.findall(r'#include\s*"([^"]+)"', path.read_text()):
+            assert header.startswith("tutti/") and (api / header).is_file(), f"{path.name} includes {header}"
+
+
+def test_the_rule_check_sees_a_broken_rule():
+    graph = {"tutti_cluster.node.link": {"tutti_cluster.node.protocol", "tutti_cluster.node.daemon"},
+             "tutti_cluster.store": {"tutti_cluster.bench.runner"}, "tutti_cluster.nova": set(),
+             "tutti_control.app": {"tutti_cluster.store"}, "tutti_cluster.pipeline.table": {"tutti_cluster.errors"}}
+    assert broken_rules(graph) == ["tutti_cluster.node.link imports tutti_cluster.node.daemon",
+                                   "tutti_cluster.nova: no entry in the table",
+                                   "tutti_cluster.store imports tutti_cluster.bench.runner",
+                                   "tutti_control.app imports tutti_cluster.store"]
+    tree = ast.parse("import x\ntry:\n    import y\nexcept ImportError:\n    pass\ndef f():\n    import z\n")
+    assert [ast.unparse(n) for n in module_level_imports(tree)] == ["import x", "import y"]
