@@ -8,8 +8,6 @@ from pathlib import Path
 from tutti_cluster.config import add_config_arguments
 
 SYSTEMS = ("tutti", "tutti-mapped", "per-block", "per-chunk", "kvikio")
-# --pipeline's systems (tutti_cluster.bench.prefill.harness.SYSTEMS, kept here so --help needs no torch).
-PIPELINE_SYSTEMS = ("ideal", "tutti", "naive", "load-all", "per-chunk", "recompute")
 MODEL_SHAPES = ("llama3-8b", "glm4-9b-1m", "tiny")
 # The store settings a bench run takes from the command line; the others (cluster, admin) play no
 # part in it, and the device is --device's.

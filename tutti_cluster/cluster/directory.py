@@ -472,10 +472,6 @@ class EtcdDirectory:
                 self._pending_deletes.update(ks)
             return False
 
-    def local_keys(self) -> set[int]:
-        with self._lock:
-            return set(self._local)
-
     # -- lookups ----------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int], prefix: bool = True, exclude_self: bool = True) -> list[list[str]]:
         """Owners of each key (node ids), in one transaction per ``max_txn_ops`` keys.
