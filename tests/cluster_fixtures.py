@@ -58,7 +58,7 @@ def owner_handshake(conn: socket.socket, secret: Any = None) -> bool:
     owners (which then answer whatever they script); reads byte by byte, so that nothing past the
     requester's auth line is consumed. False when the requester does not prove the credential."""
     from tutti_cluster.cluster.auth import OWNER, REQUESTER, new_nonce
-    from tutti_cluster.cluster.stage import AuthOp, Hello, Welcome
+    from tutti_cluster.cluster.stage_wire import AuthOp, Hello, Welcome
 
     secret = secret or cluster_secret()
     nonce = new_nonce()
@@ -311,7 +311,7 @@ class StageConn:
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.hello: dict | None = None
         if secret is not None:
-            from tutti_cluster.cluster.stage import _requester_handshake
+            from tutti_cluster.cluster.stage_wire import _requester_handshake
 
             rest = _requester_handshake(self.sock, cluster_secret() if secret is StageConn._DEFAULT else secret,
                                         timeout)

@@ -144,7 +144,7 @@ def test_a_client_with_a_wrong_credential_is_refused(cluster, engines):
     """Another cluster's credential: the handshake fails on both sides (raw, and through the real
     requester code, whose stream ends with an error and yields nothing)."""
     from tutti_cluster.cluster.auth import AuthError, ClusterSecret
-    from tutti_cluster.cluster.stage import StageStream, ping
+    from tutti_cluster.cluster.stage_stream import StageStream, ping
 
     _, a, _, stage = cluster
     wrong = ClusterSecret.generate()
@@ -163,7 +163,7 @@ def test_a_replayed_handshake_and_session_are_refused(cluster):
     sniffer on the pod network sees them) and sent again on a new connection: the owner's nonce is
     new, so the captured proof is wrong and nothing is staged for the replay."""
     from tutti_cluster.cluster.auth import REQUESTER, new_nonce
-    from tutti_cluster.cluster.stage import AuthOp, StageOp
+    from tutti_cluster.cluster.stage_wire import AuthOp, StageOp
 
     _, a, _, stage = cluster
     c = StageConn(stage, secret=None)  # the legitimate requester, speaking the protocol by hand
@@ -195,7 +195,8 @@ def test_a_requester_never_talks_to_an_owner_without_the_credential(engines):
     """An impostor at an owner's address (it sends a hello and accepts any proof, but cannot prove
     the credential back): the requester ends its stream with an error and never sends its request
     (the keys it wants stay its own)."""
-    from tutti_cluster.cluster.stage import Hello, StageStream, Welcome
+    from tutti_cluster.cluster.stage_stream import StageStream
+    from tutti_cluster.cluster.stage_wire import Hello, Welcome
 
     heard: list[bytes] = []
     srv = socket.create_server(("127.0.0.1", 0))
@@ -314,7 +315,8 @@ def test_rotation_accepts_both_secrets_while_both_are_listed(engines):
     """During a rotation the file lists the new secret first and the old one after: such an owner
     serves requesters holding either, and records signed with either verify."""
     from tutti_cluster.cluster.auth import ClusterSecret
-    from tutti_cluster.cluster.stage import StageServer, ping
+    from tutti_cluster.cluster.stage import StageServer
+    from tutti_cluster.cluster.stage_stream import ping
 
     old, new = ClusterSecret.generate(), ClusterSecret.generate()
     both = ClusterSecret([new._keys[0], old._keys[0]], "rotating")

@@ -173,7 +173,7 @@ def test_bad_records_in_etcd_are_skipped_not_fatal(etcd_server):
     """Garbage under the directory's prefixes (another node's bug, a hand-made key) costs only
     itself: the other nodes' records and entries are still read, and nothing raises."""
     from tutti_cluster.cluster.directory import NODE_PREFIX, UNIT_PREFIX
-    from tutti_cluster.cluster.stage import StageStream, ping
+    from tutti_cluster.cluster.stage_stream import StageStream, ping
 
     a, b = node(etcd_server, "A"), node(etcd_server, "B")
     e = EtcdDirectory(etcd_server.endpoint, "E", lease_ttl_s=3, secret=SECRET)

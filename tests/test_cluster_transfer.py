@@ -33,7 +33,7 @@ def served(engines):
 
 
 def test_stream_is_byte_exact_and_in_order(served):
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, units, srv = served
     keys = list(range(1, 9))
@@ -50,7 +50,7 @@ def test_stream_is_byte_exact_and_in_order(served):
 def test_held_slots_stay_the_callers_until_done(served):
     """hold=True (an asynchronous consumer): each view stays valid until its done(), even while
     later units arrive, and every slot comes back."""
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, units, srv = served
     keys = list(range(1, 9))
@@ -78,7 +78,7 @@ def test_an_owner_waiting_for_our_done_is_not_silent(served, monkeypatch):
     slower than our line timeout, its silence is ours and must not cut it off, also where we ask
     for a window above the owner's (3 here), which it then answers with its own. Slow pulls are a
     slow network, which the loopback does not make: each wait is stretched by a sleep (a fake)."""
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, units, srv = served
     real_wait = requester.wait
@@ -97,7 +97,7 @@ def test_an_owner_waiting_for_our_done_is_not_silent(served, monkeypatch):
 
 
 def test_stream_stops_at_the_first_miss(served):
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, units, srv = served
     s = StageStream(requester, srv.address, owner.segment, [1, 2, 99, 3], secret=SECRET)
@@ -106,7 +106,8 @@ def test_stream_stops_at_the_first_miss(served):
 
 
 def test_unit_larger_than_a_slot_is_a_miss(engines):
-    from tutti_cluster.cluster.stage import StageServer, StageStream
+    from tutti_cluster.cluster.stage import StageServer
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester = engines
     srv = StageServer(owner, {1: b"x" * 100, 2: b"y" * (UNIT + 1)}.get, secret=SECRET).start()
@@ -119,7 +120,7 @@ def test_unit_larger_than_a_slot_is_a_miss(engines):
 
 
 def test_unreachable_owner_ends_the_stream_without_raising(engines):
-    from tutti_cluster.cluster.stage import StageStream, ping
+    from tutti_cluster.cluster.stage_stream import StageStream, ping
 
     owner, requester = engines
     addr = f"127.0.0.1:{free_port()}"
@@ -129,7 +130,7 @@ def test_unreachable_owner_ends_the_stream_without_raising(engines):
 
 
 def test_wrong_segment_is_a_transfer_failure_not_an_exception(served):
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, units, srv = served
     s = StageStream(requester, srv.address, f"127.0.0.1:{free_port()}", [1, 2], timeout_s=2, secret=SECRET)
@@ -150,7 +151,7 @@ def test_dropped_requester_returns_its_slots(served):
     while srv.stats.reclaimed_slots < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert srv.stats.reclaimed_slots == 3
-    from tutti_cluster.cluster.stage import ping
+    from tutti_cluster.cluster.stage_stream import ping
 
     assert ping(srv.address, secret=SECRET)
 

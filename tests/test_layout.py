@@ -38,7 +38,8 @@ def test_native_benchmarks_are_apart_from_the_native_tests():
 
 # The store, the node daemon and the cluster plane; the vLLM connector's three sides.
 RUNTIME = ("tutti_cluster.store", "tutti_cluster.node.daemon", "tutti_cluster.node.link",
-           "tutti_cluster.cluster.client", "tutti_cluster.cluster.directory", "tutti_cluster.cluster.stage")
+           "tutti_cluster.cluster.client", "tutti_cluster.cluster.directory", "tutti_cluster.cluster.stage",
+           "tutti_cluster.cluster.stage_stream")
 VLLM = ("tutti_cluster.vllm.connector", "tutti_cluster.vllm.scheduler", "tutti_cluster.vllm.worker")
 BENCH_EXTRA = ("matplotlib", "tqdm")  # pyproject's `bench` extra
 

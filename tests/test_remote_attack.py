@@ -540,7 +540,7 @@ def test_slow_partial_lines_and_a_cut_request(served):
     assert reply == b"" or set(json.loads(reply)) == {"error"}, reply
     assert c.f.readline() == b""
     c.close()
-    from tutti_cluster.cluster.stage import ping
+    from tutti_cluster.cluster.stage_stream import ping
 
     assert ping(srv.address, secret=SECRET)
 
@@ -657,7 +657,8 @@ def test_an_owner_out_of_slots_answers_busy_before_its_requester_gives_up(engine
     error, and ClusterClient forgets its node record) while the owner was still waiting on our
     behalf. With both sides' defaults, the owner's answer now comes first: a 'busy' miss, no
     error, and the owner's slots are all its own again."""
-    from tutti_cluster.cluster.stage import StageServer, StageStream
+    from tutti_cluster.cluster.stage import StageServer
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester = engines
     units = {1: os.urandom(UNIT)}
@@ -686,7 +687,7 @@ def test_a_held_slot_stays_the_callers_after_the_stream_ends(served):
     also those the caller still holds: the next ``acquire`` lends it again and a pull overwrites
     the unit under the caller (on a GPU store, under the scatter still reading it). The
     caller cannot help it: the end comes from the ``next()`` that asks for the following unit."""
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, units, srv = served
     stream = StageStream(requester, srv.address, owner.segment, [1, 2, 3], window=2, depth=3, hold=True, secret=SECRET)
@@ -717,7 +718,7 @@ def test_hold_mode_caller_that_never_calls_done(served):
     """A hold-mode caller that keeps every slot (never calls done): the stream ends with an error
     within about its timeout, never hangs; late dones (after the end, twice) never lend a slot
     twice."""
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, units, srv = served
     stream = StageStream(requester, srv.address, owner.segment, list(range(1, 9)), window=2, depth=2,
@@ -739,7 +740,7 @@ def test_hold_mode_caller_that_never_calls_done(served):
 def test_hold_mode_consumer_breaking_early_after_its_dones(served):
     """A hold-mode caller that stops after two units (calling their dones first, as documented)
     ends the stream; a done called again after the close does nothing."""
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, units, srv = served
     stream = StageStream(requester, srv.address, owner.segment, list(range(1, 9)), window=2, depth=3, hold=True, secret=SECRET)
@@ -770,7 +771,7 @@ def test_hold_mode_consumer_breaking_early_after_its_dones(served):
 def test_requester_against_an_owner_answering_wrong_things(engines, name, script, good):
     """Each wrong answer ends the stream with an error (or a miss) after at most the ``good`` units
     announced correctly before it, byte-exact; the requester never raises and gets every slot back."""
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester = engines
     slots = [owner.acquire(0) for _ in range(4)]
@@ -820,7 +821,7 @@ def test_requester_never_yields_a_unit_it_was_not_announced_correctly(engines, l
     ends, errors, garbage): every unit yielded is the next requested key, was announced as such
     with a length that fits, and holds exactly the owner slot's bytes; no exception; every
     requester slot comes back."""
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester = engines
     slots = sorted(owner.acquire(0) for _ in range(4))
@@ -860,9 +861,9 @@ def test_corrupt_last_unit_is_reported_to_its_owner(etcd, engines, unit_stores, 
     None``), so ``stream.report_corrupt(key)`` in ``fail()`` sends nothing. The owner never hears
     that its copy is corrupt, keeps advertising it, and every requester keeps fetching it. (With
     depth 2, the 2-core default, each unit is judged while the stream is open, and it works.)"""
-    from tutti_cluster.cluster import stage
+    from tutti_cluster.cluster import stage_stream
 
-    monkeypatch.setattr(stage, "default_depth", lambda: 3)  # as on a host of more than four cores
+    monkeypatch.setattr(stage_stream, "default_depth", lambda: 3)  # as on a host of more than four cores
     kv, units, b, kv2 = unit_stores
     bad = bytearray(units[13])
     bad[-100] ^= 0x01  # the last unit's last object (its header is fine)
@@ -889,9 +890,9 @@ def test_the_first_failing_unit_in_order_decides_what_was_placed(etcd, engines, 
     before their verdicts (an import fails at once, a scatter's verdict comes later), the ones
     after it do not, and only a corrupt unit is reported to the owner. The failing import is a
     stand-in (a full local store, a fault not caused here)."""
-    from tutti_cluster.cluster import stage
+    from tutti_cluster.cluster import stage_stream
 
-    monkeypatch.setattr(stage, "default_depth", lambda: 3)
+    monkeypatch.setattr(stage_stream, "default_depth", lambda: 3)
     kv, units, b, kv2 = unit_stores
     source = dict(units)
     if fault == "corrupt middle unit":
@@ -957,13 +958,13 @@ def test_an_owner_announcing_another_units_bytes_is_not_placed(etcd, engines, un
 def test_retrieve_remote_through_a_real_owner_is_byte_exact(etcd, engines, unit_stores, monkeypatch):
     """The happy path at depth 2 and 3 (one or two scatters in flight), with replicas kept: byte
     exact, every unit placed and committed locally, and the owner's and requester's slots back."""
-    from tutti_cluster.cluster import stage
+    from tutti_cluster.cluster import stage_stream
 
     kv, units, b, kv2 = unit_stores
     with real_owner(etcd, "O2", units, len(units[11])) as owner:
         ub = b.unit_blocks
         for depth, first in ((2, 20), (3, 40)):
-            monkeypatch.setattr(stage, "default_depth", lambda depth=depth: depth)
+            monkeypatch.setattr(stage_stream, "default_depth", lambda depth=depth: depth)
             with requester(etcd, b, name=f"R{depth}") as client:
                 placed = client.retrieve_remote([11, 12, 13], list(range(first, first + 3 * ub)),
                                                 keep_replica=(depth == 3), owners=[["O2"]] * 3)

@@ -51,7 +51,7 @@ def assert_error_shape(reply: dict) -> None:
 
 def assert_still_serving(srv, owner, units) -> None:
     """A whole stream works on a fresh connection, and every owner slot comes back afterwards."""
-    from tutti_cluster.cluster.stage import ping
+    from tutti_cluster.cluster.stage_stream import ping
 
     assert ping(srv.address, secret=SECRET)
     c = StageConn(srv.address)
@@ -146,10 +146,10 @@ def test_the_endpoint_survives_random_lines(served):
 
 
 def test_a_line_over_the_limit_is_refused_and_the_connection_stays(served, monkeypatch):
-    from tutti_cluster.cluster import stage
+    from tutti_cluster.cluster import stage_wire
 
     owner, _requester, units, srv, _checked = served
-    monkeypatch.setattr(stage, "MAX_LINE", 4096)
+    monkeypatch.setattr(stage_wire, "MAX_LINE", 4096)
     c = StageConn(srv.address)
     try:
         assert_error_shape(c.ask(b'{"op": "stage", "keys": [' + b"1, " * 5000 + b"1]}"))
@@ -183,7 +183,7 @@ def test_lines_are_split_like_a_bounded_readline_whatever_the_chunks(lines, tail
     reader does not), the bytes in arbitrary chunks with read timeouts between them while the
     connection is not idle: the lines come out as they went in, one over the limit as b"" (too
     long), an unterminated last one as it is, then None. While idle, a timeout is raised."""
-    from tutti_cluster.cluster import stage
+    from tutti_cluster.cluster import stage_wire
 
     data = b"".join(x + b"\n" for x in lines) + tail
     chunks: list = []
@@ -193,8 +193,8 @@ def test_lines_are_split_like_a_bounded_readline_whatever_the_chunks(lines, tail
         pos += n
     chunks.append(data[pos:])
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(stage, "MAX_LINE", limit)
-        reader = stage._Lines(_Chunks([c for c in chunks if c != b""]))
+        mp.setattr(stage_wire, "MAX_LINE", limit)
+        reader = stage_wire._Lines(_Chunks([c for c in chunks if c != b""]))
         got = []
         while (line := reader.next(lambda: False)) is not None:
             got.append(line)
@@ -203,7 +203,7 @@ def test_lines_are_split_like_a_bounded_readline_whatever_the_chunks(lines, tail
         want.append(tail if len(tail) <= limit else b"")
     assert got == want
     with pytest.raises(TimeoutError):
-        stage._Lines(_Chunks([b"{", TimeoutError()])).next(lambda: True)
+        stage_wire._Lines(_Chunks([b"{", TimeoutError()])).next(lambda: True)
 
 
 class FakeOwner:
@@ -238,7 +238,7 @@ class FakeOwner:
     b'{"key": 1, "addr": -1, "len": 10}', b'{"key": 1, "miss": 5}', b'{"error": ["x"]}', b"[" * 100000,
 ])
 def test_a_requester_ends_its_stream_on_a_garbage_answer(served, answer):
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, _units, _srv, _checked = served
     fake = FakeOwner(answer)
@@ -275,7 +275,7 @@ class TricklingOwner(FakeOwner):
 
 
 def test_a_trickling_owner_is_cut_off_after_the_timeout(served):
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
 
     owner, requester, _units, _srv, _checked = served
     fake = TricklingOwner(b"")
@@ -310,7 +310,7 @@ class AnnounceThenWaitOwner(FakeOwner):
 
 
 def test_a_failed_pull_ends_the_stream_while_the_owner_waits_for_our_done(served, monkeypatch):
-    from tutti_cluster.cluster.stage import StageStream
+    from tutti_cluster.cluster.stage_stream import StageStream
     from tutti_cluster.errors import TuttiError
 
     owner, requester, _units, _srv, _checked = served

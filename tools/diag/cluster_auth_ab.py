@@ -35,7 +35,8 @@ from typing import Any
 
 from tutti_cluster.cluster import stage as stage_mod
 from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
-from tutti_cluster.cluster.stage import StageServer, StageStream, ping
+from tutti_cluster.cluster.stage import StageServer
+from tutti_cluster.cluster.stage_stream import StageStream, ping
 from tutti_cluster.cluster.transfer import TransferNode
 
 try:

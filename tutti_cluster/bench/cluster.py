@@ -188,7 +188,7 @@ def _owner_main(opts: dict[str, Any]) -> None:
 # -- requester side -----------------------------------------------------------------------------------
 def _measure_fetch(args: argparse.Namespace, etcd: str, work: Path) -> dict[str, Any]:
     from tutti_cluster.cluster.client import ClusterClient
-    from tutti_cluster.cluster.stage import default_depth
+    from tutti_cluster.cluster.stage_stream import default_depth
     from tutti_cluster.config import TuttiConfig
     from tutti_cluster.store import TuttiStore
 

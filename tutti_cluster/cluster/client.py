@@ -5,7 +5,7 @@
 - ``lookup(keys)``: the local store first; for the keys after the local hit prefix, one etcd
   transaction (:meth:`EtcdDirectory.lookup`) gives the owners of the remote hit prefix.
 - ``retrieve_remote(keys, block_ids)``: for each run of keys held by one owner, a stage stream
-  (:class:`~tutti_cluster.cluster.stage.StageStream`) has the owner read the units from its SSD into
+  (:class:`~tutti_cluster.cluster.stage_stream.StageStream`) has the owner read the units from its SSD into
   its registered arena, our Transfer Engine pulls each into our registered arena, and
   ``store.scatter_unit_async`` places it into the KV blocks, checksums and its key verified on
   the same pass (on a GPU store by a kernel reading the arena, which is registered with the store,
@@ -82,7 +82,7 @@ class ClusterClient:
     def transfer(self) -> Any:
         """Our Transfer Engine, started on the first remote fetch."""
         if self._transfer is None:
-            from tutti_cluster.cluster.stage import default_depth
+            from tutti_cluster.cluster.stage_stream import default_depth
             from tutti_cluster.cluster.transfer import TransferNode
 
             slot = int(self.store.geometry()["slot_bytes"]) if callable(getattr(self.store, "geometry", None)) else 0
@@ -126,7 +126,7 @@ class ClusterClient:
         when the lookup ran in another process. Returns how many leading units were placed; the
         caller recomputes the others.
         """
-        from tutti_cluster.cluster.stage import StageStream
+        from tutti_cluster.cluster.stage_stream import StageStream
         from tutti_cluster.keys import to_key
 
         ks = [to_key(k) for k in keys]
