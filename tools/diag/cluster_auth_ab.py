@@ -36,7 +36,10 @@ from typing import Any
 from tutti_cluster.cluster import stage as stage_mod
 from tutti_cluster.cluster.directory import EtcdDirectory, NodeRecord
 from tutti_cluster.cluster.stage import StageServer
-from tutti_cluster.cluster.stage_stream import StageStream, ping
+try:
+    from tutti_cluster.cluster.stage_stream import StageStream, ping
+except ImportError:  # trees before the stage endpoint's split
+    from tutti_cluster.cluster.stage import StageStream, ping  # type: ignore[attr-defined,no-redef]
 from tutti_cluster.cluster.transfer import TransferNode
 
 try:
