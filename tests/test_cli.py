@@ -13,7 +13,7 @@ import pytest
 from tutti_cluster import cli
 from tutti_cluster.bench.args import BENCH_CONFIG_FIELDS, build_parser as bench_parser
 from tutti_cluster.config import CONFIG_GROUPS, NO_FLAG_FIELDS, TuttiConfig, config_arguments, flag_name, load_config
-from tutti_cluster.demo import pool_files
+from tutti_cluster.store import pool_files
 
 # Blocked in a child process: a None entry in sys.modules makes the import fail, as a missing package would.
 OPTIONAL = ("torch", "fastapi", "uvicorn", "httpx", "prometheus_client", "mooncake", "grpc", "schemathesis")

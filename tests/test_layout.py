@@ -200,7 +200,7 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "tutti_cluster.node.*": (*BASE, "tutti_cluster.store", "tutti_cluster.node.*", "tutti_cluster.cluster.*"),
     "tutti_cluster.cluster.*": (*BASE, "tutti_cluster.store", "tutti_cluster.cluster.*", "tutti_cluster.node.protocol"),
     "tutti_cluster.pipeline.*": ("tutti_cluster.errors", "tutti_cluster.pipeline.*"),
-    "tutti_cluster.vllm.*": ("tutti_cluster", *BASE, "tutti_cluster.store", "tutti_cluster.demo", "tutti_cluster.cli",
+    "tutti_cluster.vllm.*": ("tutti_cluster", *BASE, "tutti_cluster.store", "tutti_cluster.cli",
                              "tutti_cluster.node.link", "tutti_cluster.cluster.*", "tutti_cluster.pipeline.*",
                              "tutti_cluster.vllm.*"),
     "tutti_cluster.bench.*": (*RUNTIME_ALL, "tutti_cluster.bench.*"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import stat
 import time
 from collections.abc import Iterable
@@ -20,7 +19,7 @@ import numpy as np
 
 from tutti_cluster.config import TuttiConfig
 from tutti_cluster.keys import chain_keys
-from tutti_cluster.store import TuttiStore
+from tutti_cluster.store import TuttiStore, pool_files
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +50,6 @@ class DemoResult:
     pool_files: list[Path] = field(default_factory=list)  # the instance's pool files, kept or removed
     pool_bytes: int = 0  # their size on storage before removal
     kept: bool = False
-
-
-def pool_files(config: TuttiConfig) -> list[Path]:
-    """The pool files of ``config.instance`` on its storage paths (``tutti-<instance>.pool`` and
-    ``tutti-<instance>.<n>.pool``; never another instance's, whose names may hold dots too)."""
-    pattern = re.compile(re.escape(f"tutti-{config.instance}") + r"(\.[0-9]+)?\.pool")
-    return sorted(f for p in config.storage_paths() if p.is_dir() for f in p.iterdir() if pattern.fullmatch(f.name))
 
 
 def _own_file(path: Path) -> os.stat_result | None:

@@ -22,9 +22,11 @@ import functools
 import logging
 import operator
 import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -779,3 +781,10 @@ class TuttiStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def pool_files(config: TuttiConfig) -> list[Path]:
+    """The pool files of ``config.instance`` on its storage paths (``tutti-<instance>.pool`` and
+    ``tutti-<instance>.<n>.pool``; never another instance's, whose names may hold dots too)."""
+    pattern = re.compile(re.escape(f"tutti-{config.instance}") + r"(\.[0-9]+)?\.pool")
+    return sorted(f for p in config.storage_paths() if p.is_dir() for f in p.iterdir() if pattern.fullmatch(f.name))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tutti_cluster.config import TuttiConfig
-from tutti_cluster.demo import pool_files
+from tutti_cluster.store import pool_files
 from tutti_cluster.store import UnitFailure
 
 __all__ = ["BoundedLog", "Reminder", "banner", "describe_failures", "describe_pools", "pool_files"]
