@@ -24,7 +24,7 @@ import atexit
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -186,22 +186,8 @@ class EtcdServer:
 
     def _wait_ready(self, timeout: float = 20.0) -> None:
         import http.client
-        import json
 
-        deadline = time.monotonic() + timeout
-        last = ""
-        while time.monotonic() < deadline:
-            try:
-                conn = http.client.HTTPConnection(self.host, self.client_port, timeout=2)
-                conn.request("GET", "/health")
-                last = conn.getresponse().read().decode()
-                conn.close()
-                if json.loads(last).get("health") == "true":
-                    return
-            except (OSError, ValueError) as exc:
-                last = str(exc)
-            time.sleep(0.1)
-        raise TimeoutError(f"etcd not healthy: {last}")
+        wait_etcd_healthy(lambda: http.client.HTTPConnection(self.host, self.client_port, timeout=2), timeout)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None:
@@ -638,3 +624,22 @@ def wait_for(pred, timeout: float = 10.0, step: float = 0.1):
         if v or time.monotonic() > deadline:
             return v
         time.sleep(step)
+
+
+def wait_etcd_healthy(connect: Callable[[], Any], timeout: float = 20.0) -> None:
+    """Wait until etcd's ``/health`` says true over the connection ``connect`` makes (plain HTTP or
+    TLS): its client port opens before the member has elected itself leader."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            conn = connect()
+            conn.request("GET", "/health")
+            last = conn.getresponse().read().decode()
+            conn.close()
+            if json.loads(last).get("health") == "true":
+                return
+        except (OSError, ValueError) as exc:
+            last = str(exc)
+        time.sleep(0.1)
+    raise TimeoutError(f"etcd not healthy: {last}")

@@ -23,7 +23,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from cluster_fixtures import ETCD_BIN, free_port, require_etcd, require_mooncake, stop_process, wait_port
+from cluster_fixtures import (ETCD_BIN, free_port, require_etcd, require_mooncake, stop_process, wait_etcd_healthy,
+                              wait_port)
 from tutti_cluster.cluster.auth import cluster_secret, write_secret_file
 
 pytestmark = pytest.mark.cluster
@@ -96,23 +97,11 @@ class SecureEtcd:
 
     def _wait_healthy(self, timeout: float = 20.0) -> None:
         import http.client
-        import json
 
         ctx = ssl.create_default_context(cafile=str(self.dir / "ca.crt"))
         ctx.load_cert_chain(str(self.dir / "node.crt"), str(self.dir / "node.key"))
-        deadline, last = time.monotonic() + timeout, ""
-        while time.monotonic() < deadline:
-            try:
-                conn = http.client.HTTPSConnection("127.0.0.1", self.port, timeout=2, context=ctx)
-                conn.request("GET", "/health")
-                last = conn.getresponse().read().decode()
-                conn.close()
-                if json.loads(last).get("health") == "true":
-                    return
-            except (OSError, ValueError) as exc:
-                last = str(exc)
-            time.sleep(0.1)
-        raise TimeoutError(f"etcd not healthy: {last}")
+        wait_etcd_healthy(lambda: http.client.HTTPSConnection("127.0.0.1", self.port, timeout=2, context=ctx),
+                          timeout)
 
     def enable_auth(self) -> None:
         """What docs/CLUSTER.md tells an operator to run (with etcdctl), through etcd's Auth API."""
