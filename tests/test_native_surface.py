@@ -53,7 +53,7 @@ def test_the_stub_names_exactly_what_the_module_has():
 
 # StoreOptions fields the store derives from the configuration and its call (native_options),
 # and the one it leaves at its native value (io_workers is not bound).
-DERIVED = {"paths", "capacity", "unit_blocks", "backend", "read_only", "file_gid"}
+DERIVED = {"paths", "capacity", "memory_paths", "memory_capacity", "unit_blocks", "backend", "read_only", "file_gid"}
 
 
 def test_every_native_option_is_a_config_field_or_derived():

@@ -25,6 +25,11 @@ class IoOp:
 class StoreOptions:
     paths: list[str]
     capacity: list[int]
+    memory_paths: list[str]
+    memory_capacity: list[int]
+    write_policy: Literal["write_back", "write_through", "memory_only"]
+    promote_hits: int
+    promote_window_s: float
     instance: str
     pool_files: int
     prewrite_pool: bool
@@ -65,6 +70,18 @@ class StoreStats:
     checksum_failures: int
     io_errors: int
     bad_headers: int
+    memory_units: int
+    memory_slots: int
+    memory_free_slots: int
+    memory_hits: int
+    storage_hits: int
+    memory_bytes_read: int
+    promotions: int
+    demotions: int
+    flushes: int
+    flush_bytes: int
+    flush_errors: int
+    flush_backlog: int
     bytes_read: int
     bytes_written: int
     agent_ops: int
@@ -110,6 +127,8 @@ class UnitStore:
     def pin(self, keys: npt.NDArray[np.uint64], on: bool) -> None: ...
     def remove(self, key: int) -> bool: ...
     def keys(self) -> list[int]: ...
+    def unit_tiers(self, keys: npt.NDArray[np.uint64]) -> list[int]: ...
+    def flush(self, timeout_s: float = -1.0) -> bool: ...
     def inner_keys(self) -> npt.NDArray[np.uint64]: ...
     def drain_evicted(self) -> list[int]: ...
     def geometry(self) -> Geometry: ...

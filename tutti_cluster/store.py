@@ -77,6 +77,8 @@ def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_
         setattr(o, name, value)
     o.paths = [str(p) for p in config.storage_paths()]
     o.capacity = [_fits("capacity_gb", c, _U64_MAX) for c in config.capacity_bytes()]
+    o.memory_paths = [str(p) for p in config.memory_paths]
+    o.memory_capacity = [_fits("memory_capacity_gb", c, _U64_MAX) for c in config.memory_capacity_bytes()]
     o.unit_blocks = unit_blocks
     o.backend = backend
     o.read_only = read_only
@@ -84,6 +86,9 @@ def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_
     o.file_gid = -1 if gid is None else _fits("file_group (gid)", gid, _U32_MAX - 1)
     return o
 
+
+#: unit_tiers' words for the native bits (1: a copy in memory, 2: one on storage).
+_TIERS = ("", "memory", "storage", "both")
 
 #: Why a unit of a request failed (:attr:`UnitFailure.cause`), and what each means.
 FAILURE_CAUSES: dict[str, str] = {
@@ -749,6 +754,16 @@ class TuttiStore:
         """Keys present, most recently used first."""
         return [int(k) for k in self._n.keys()]
 
+    def unit_tiers(self, keys: Sequence[Key]) -> list[str]:
+        """Where each unit of ``keys`` lies: ``"memory"`` (in the memory tier only, its storage copy
+        not yet written), ``"storage"``, ``"both"``, or ``""`` when absent."""
+        return [_TIERS[t] for t in self._n.unit_tiers(key_array(keys))]
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Waits until every unit stored into the memory tier has its storage copy (``write_back``),
+        at most ``timeout_s`` seconds; True when none is left waiting. At once without a memory tier."""
+        return bool(self._n.flush(-1.0 if timeout_s is None else timeout_s))
+
     def inner_keys(self) -> dict[int, int]:
         """Inner key -> the key of the stored unit it lies in (see :meth:`begin_store`)."""
         a = self._n.inner_keys()
@@ -784,7 +799,8 @@ class TuttiStore:
 
 
 def pool_files(config: TuttiConfig) -> list[Path]:
-    """The pool files of ``config.instance`` on its storage paths (``tutti-<instance>.pool`` and
-    ``tutti-<instance>.<n>.pool``; never another instance's, whose names may hold dots too)."""
+    """The pool files of ``config.instance`` on its storage and memory paths (``tutti-<instance>.pool``
+    and ``tutti-<instance>.<n>.pool``; never another instance's, whose names may hold dots too)."""
     pattern = re.compile(re.escape(f"tutti-{config.instance}") + r"(\.[0-9]+)?\.pool")
-    return sorted(f for p in config.storage_paths() if p.is_dir() for f in p.iterdir() if pattern.fullmatch(f.name))
+    dirs = [*config.storage_paths(), *config.memory_paths]
+    return sorted(f for p in dirs if p.is_dir() for f in p.iterdir() if pattern.fullmatch(f.name))

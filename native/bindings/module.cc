@@ -166,6 +166,24 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init<>())
       .def_readwrite("paths", &StoreOptions::paths)
       .def_readwrite("capacity", &StoreOptions::capacity)
+      .def_readwrite("memory_paths", &StoreOptions::memory_paths)
+      .def_readwrite("memory_capacity", &StoreOptions::memory_capacity)
+      // TuttiConfig's words for WritePolicy.
+      .def_property(
+          "write_policy",
+          [](const StoreOptions& o) {
+            return std::string(o.write_policy == WritePolicy::kWriteThrough ? "write_through"
+                               : o.write_policy == WritePolicy::kMemoryOnly ? "memory_only"
+                                                                             : "write_back");
+          },
+          [](StoreOptions& o, const std::string& v) {
+            if (v == "write_back") o.write_policy = WritePolicy::kWriteBack;
+            else if (v == "write_through") o.write_policy = WritePolicy::kWriteThrough;
+            else if (v == "memory_only") o.write_policy = WritePolicy::kMemoryOnly;
+            else throw py::value_error("write_policy must be 'write_back', 'write_through' or 'memory_only', not '" + v + "'");
+          })
+      .def_readwrite("promote_hits", &StoreOptions::promote_hits)
+      .def_readwrite("promote_window_s", &StoreOptions::promote_window_s)
       .def_readwrite("instance", &StoreOptions::instance)
       .def_readwrite("pool_files", &StoreOptions::pool_files)
       .def_readwrite("prewrite_pool", &StoreOptions::prewrite_pool)
@@ -217,6 +235,18 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("checksum_failures", &StoreStats::checksum_failures)
       .def_readonly("io_errors", &StoreStats::io_errors)
       .def_readonly("bad_headers", &StoreStats::bad_headers)
+      .def_readonly("memory_units", &StoreStats::memory_units)
+      .def_readonly("memory_slots", &StoreStats::memory_slots)
+      .def_readonly("memory_free_slots", &StoreStats::memory_free_slots)
+      .def_readonly("memory_hits", &StoreStats::memory_hits)
+      .def_readonly("storage_hits", &StoreStats::storage_hits)
+      .def_readonly("memory_bytes_read", &StoreStats::memory_bytes_read)
+      .def_readonly("promotions", &StoreStats::promotions)
+      .def_readonly("demotions", &StoreStats::demotions)
+      .def_readonly("flushes", &StoreStats::flushes)
+      .def_readonly("flush_bytes", &StoreStats::flush_bytes)
+      .def_readonly("flush_errors", &StoreStats::flush_errors)
+      .def_readonly("flush_backlog", &StoreStats::flush_backlog)
       .def_readonly("bytes_read", &StoreStats::bytes_read)
       .def_readonly("bytes_written", &StoreStats::bytes_written)
       .def_readonly("agent_ops", &StoreStats::agent_ops)
@@ -322,6 +352,17 @@ PYBIND11_MODULE(_native, m) {
         return removed;
       })
       .def("keys", [](PyUnits& p) { return p.hold()->keys(); })
+      .def("unit_tiers", [](PyUnits& p, U64Array keys) {
+        std::vector<uint8_t> out(keys.size());
+        p.hold()->unit_tiers(keys.data(), static_cast<uint32_t>(keys.size()), out.data());
+        return out;
+      })
+      .def("flush", [](PyUnits& p, double timeout_s) {
+        auto held = p.hold();
+        UnitStore& s = *held;
+        py::gil_scoped_release nogil;
+        return s.flush(timeout_s);
+      }, py::arg("timeout_s") = -1.0)
       .def("inner_keys", [](PyUnits& p) {
         std::vector<uint64_t> v = p.hold()->inner_keys();
         py::array_t<uint64_t> out(static_cast<py::ssize_t>(v.size()));

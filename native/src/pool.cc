@@ -337,13 +337,23 @@ static std::string pool_file_name(const std::string& dir, const std::string& ins
 
 Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<uint64_t>& capacity,
                       const std::string& instance, const Geometry& g, DirectMode mode, bool read_only,
-                      uint32_t files_per_path, bool prewrite, const PoolFileOptions& pool_files) {
+                      uint32_t files_per_path, bool prewrite, const PoolFileOptions& pool_files,
+                      const std::vector<Tier>& tiers) {
   if (dirs.empty()) return {Code::kConfig, "no storage paths configured"};
   if (capacity.size() != dirs.size()) return {Code::kConfig, "one capacity per storage path is required"};
+  if (!tiers.empty() && tiers.size() != dirs.size()) return {Code::kConfig, "one tier per storage path is required"};
+  auto tier_of_dir = [&](size_t d) { return tiers.empty() ? Tier::kStorage : tiers[d]; };
+  for (size_t d = 0; d < dirs.size(); ++d) {
+    if (tier_of_dir(d) == Tier::kMemory && !memory_fs(dirs[d]))
+      return {Code::kConfig, "memory tier path " + dirs[d] + " is not on a memory file system (tmpfs or ramfs)"};
+    for (size_t e = 0; e < d; ++e)
+      if (dirs[e] == dirs[d]) return {Code::kConfig, "path " + dirs[d] + " is named twice (a storage and a memory path?)"};
+  }
   if (instance.empty() || instance.find('/') != std::string::npos)
     return {Code::kConfig, "instance name must be non-empty and contain no '/'"};
   slot_bytes_ = g.slot_bytes;
   num_slots_ = 0;
+  tier_slots_[0] = tier_slots_[1] = 0;
   // Files per path: as configured, or (read-only) as many as exist.
   std::vector<uint32_t> files(dirs.size());
   for (size_t d = 0; d < dirs.size(); ++d) {
@@ -371,6 +381,7 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
       p.file = pool_file_name(dirs[d], instance, k);
       p.capacity = capacity[d] / files[d];
       p.memory = memory_fs(dirs[d]);
+      p.tier = tier_of_dir(d);
       paths_.push_back(p);
     }
   free_.assign(paths_.size(), {});
@@ -410,6 +421,7 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
     p.first_slot = num_slots_;
     p.num_slots = static_cast<uint32_t>(n);
     num_slots_ += p.num_slots;
+    tier_slots_[static_cast<int>(p.tier)] += p.num_slots;
   }
   std::vector<PoolPath*> fresh_memory;
   for (PoolPath& p : paths_)
@@ -436,12 +448,13 @@ Status FilePool::map_memory_files() {
   return Status::Ok();
 }
 
-bool FilePool::alloc(uint32_t* slot) {
+bool FilePool::alloc(uint32_t* slot, Tier t) {
   std::lock_guard<std::mutex> g(mu_);
+  uint32_t& next = next_path_[static_cast<int>(t)];
   for (size_t tries = 0; tries < paths_.size(); ++tries) {
-    uint32_t p = next_path_;
-    next_path_ = (next_path_ + 1) % paths_.size();
-    if (!free_[p].empty()) {
+    uint32_t p = next;
+    next = (next + 1) % paths_.size();
+    if (paths_[p].tier == t && !free_[p].empty()) {
       *slot = free_[p].back();
       free_[p].pop_back();
       return true;
@@ -462,10 +475,13 @@ void FilePool::set_used(const std::vector<uint8_t>& used) {
     if (!used[slot]) free_[slot_path_[slot]].push_back(slot);
 }
 
-uint32_t FilePool::free_slots() const {
+uint32_t FilePool::free_slots() const { return free_slots(Tier::kStorage) + free_slots(Tier::kMemory); }
+
+uint32_t FilePool::free_slots(Tier t) const {
   std::lock_guard<std::mutex> g(mu_);
   uint32_t n = 0;
-  for (const auto& f : free_) n += static_cast<uint32_t>(f.size());
+  for (size_t p = 0; p < paths_.size(); ++p)
+    if (paths_[p].tier == t) n += static_cast<uint32_t>(free_[p].size());
   return n;
 }
 

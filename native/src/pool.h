@@ -20,6 +20,7 @@ struct PoolPath {
   std::string dir;
   std::string file;
   uint32_t dir_index = 0;  // which storage path (SSD) the file is on
+  Tier tier = Tier::kStorage;
   uint64_t capacity = 0;   // bytes this instance may use in this file
   int fd = -1;
   bool direct = false;    // O_DIRECT accepted by the file system
@@ -59,7 +60,8 @@ class FilePool {
   // Opens (creating and fallocating when needed) the pool files of every path and takes an exclusive
   // lock on each, so one process owns one share: `<dir>/tutti-<instance>.pool`, and with
   // `files_per_path` > 1 also `<dir>/tutti-<instance>.<k>.pool`; the capacity of a path is split
-  // evenly. 0 files per path means: 16 on memory file systems (tmpfs, ramfs; fewer where the
+  // evenly. `tiers` gives each path's tier (all storage when empty); a memory-tier path must be on
+  // a memory file system (ConfigError otherwise). 0 files per path means: 16 on memory file systems (tmpfs, ramfs; fewer where the
   // capacity holds fewer GPU files), 1 elsewhere. Files are
   // ordered so that consecutive slots go to different paths. `read_only` opens the existing files
   // without lock, for readers such as the node daemon. `prewrite` writes zeros once over what
@@ -75,7 +77,8 @@ class FilePool {
   // when the open fails (no space to preallocate, say), one that was empty is cut back to empty.
   Status open(const std::vector<std::string>& dirs, const std::vector<uint64_t>& capacity,
               const std::string& instance, const Geometry& g, DirectMode mode, bool read_only,
-              uint32_t files_per_path = 1, bool prewrite = false, const PoolFileOptions& files = {});
+              uint32_t files_per_path = 1, bool prewrite = false, const PoolFileOptions& files = {},
+              const std::vector<Tier>& tiers = {});
   void close();
   // Maps every pool file on a memory file system (tmpfs, ramfs) shared and populated, so that the
   // I/O kernel can move objects between it and the KV blocks with loads and stores (byte-addressable
@@ -83,6 +86,9 @@ class FilePool {
   Status map_memory_files();
 
   uint32_t num_slots() const { return num_slots_; }
+  uint32_t num_slots(Tier t) const { return tier_slots_[static_cast<int>(t)]; }
+  bool has_memory_tier() const { return num_slots(Tier::kMemory) != 0; }
+  Tier tier_of(uint32_t slot) const { return paths_[slot_path_[slot]].tier; }
   // Pool files ("paths" of the I/O layer: an SQE names one by its registered index).
   uint32_t num_paths() const { return static_cast<uint32_t>(paths_.size()); }
   const PoolPath& path(uint32_t p) const { return paths_[p]; }
@@ -91,13 +97,14 @@ class FilePool {
     return static_cast<uint64_t>(slot - paths_[slot_path_[slot]].first_slot) * slot_bytes_;
   }
 
-  // Free-slot management. Allocation goes round-robin over the paths, so consecutive cache units
-  // of a prefix are striped across the storage devices.
-  bool alloc(uint32_t* slot);
+  // Free-slot management. Allocation goes round-robin over the paths of a tier, so consecutive
+  // cache units of a prefix are striped across the storage devices.
+  bool alloc(uint32_t* slot, Tier t = Tier::kStorage);
   void release(uint32_t slot);
   // Recovery: rebuilds the free lists from the slots found in use (one pass).
   void set_used(const std::vector<uint8_t>& used);
   uint32_t free_slots() const;
+  uint32_t free_slots(Tier t) const;
 
   // Synchronous header I/O (recovery, invalidation before reuse); `buf` is 4 KiB aligned.
   Status pread_all(uint32_t slot, uint64_t off, void* buf, uint64_t n) const;
@@ -115,7 +122,8 @@ class FilePool {
   uint32_t num_slots_ = 0;
   mutable std::mutex mu_;
   std::vector<std::vector<uint32_t>> free_;  // per path
-  uint32_t next_path_ = 0;
+  uint32_t next_path_[2] = {0, 0};  // per tier
+  uint32_t tier_slots_[2] = {0, 0};
   mutable std::mutex ring_mu_;      // write_slot_heads
   mutable io_uring* ring_ = nullptr;  // made at the first write_slot_heads
   mutable bool ring_failed_ = false;

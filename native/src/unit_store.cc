@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 
 #include "header.h"
 #include "index.h"
@@ -45,8 +46,17 @@ Status UnitStore::open_units(const StoreOptions& opt, const Geometry& geom, cons
   files.gid = opt.file_gid;
   files.stamp = !opt.read_only;
   files.desc = desc;
-  Status st = pool_->open(opt.paths, opt.capacity, opt.instance, geom_, opt.direct_io, opt.read_only, opt.pool_files,
-                         opt.prewrite_pool, files);
+  if (opt.memory_capacity.size() != opt.memory_paths.size())
+    return {Code::kConfig, "one capacity per memory tier path is required"};
+  // One pool over both tiers: the storage paths, then the memory tier's.
+  std::vector<std::string> dirs = opt.paths;
+  std::vector<uint64_t> capacity = opt.capacity;
+  std::vector<Tier> tiers(dirs.size(), Tier::kStorage);
+  dirs.insert(dirs.end(), opt.memory_paths.begin(), opt.memory_paths.end());
+  capacity.insert(capacity.end(), opt.memory_capacity.begin(), opt.memory_capacity.end());
+  tiers.resize(dirs.size(), Tier::kMemory);
+  Status st = pool_->open(dirs, capacity, opt.instance, geom_, opt.direct_io, opt.read_only, opt.pool_files,
+                         opt.prewrite_pool, files, tiers);
   if (!st.ok()) return st;
   slot_checksums_.assign(static_cast<uint64_t>(pool_->num_slots()) * geom_.num_objs(), 0);
   slot_key_.assign(pool_->num_slots(), 0);
@@ -54,6 +64,7 @@ Status UnitStore::open_units(const StoreOptions& opt, const Geometry& geom, cons
   if (!st.ok() || opt.read_only) return st;
   const auto now = std::chrono::system_clock::now().time_since_epoch();
   commit_seq_ = std::max(commit_seq_, static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(now).count()));
+  if (pool_->has_memory_tier()) start_flusher();
   return st;
 }
 
@@ -61,7 +72,10 @@ UnitStore::UnitStore() : pool_(std::make_unique<FilePool>()), index_(std::make_u
 
 UnitStore::~UnitStore() { UnitStore::close(); }
 
-void UnitStore::close() { pool_->close(); }
+void UnitStore::close() {
+  stop_flusher();  // a copy under way completes; units still in memory only are queued again at the next open
+  pool_->close();
+}
 
 // Rebuilds the index from the slot headers: only units whose header verifies come back.
 Status UnitStore::recover() {
@@ -115,13 +129,34 @@ Status UnitStore::recover() {
   bad_headers_ = bad;
   std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.seq < b.seq; });
   std::vector<uint8_t> used(pool_->num_slots(), 0);
+  std::unordered_map<uint64_t, uint64_t> seq_of;  // key -> the commit its entry holds
+  auto drop = [&](uint32_t slot) {  // a writer invalidates it below, or it would come back later
+    used[slot] = 0;
+    if (!opt_.read_only) claim.push_back(slot);
+  };
   for (const Found& f : found) {
-    uint32_t old;
-    if (index_->remove(f.key, &old)) {  // an older copy of the same unit: a writer invalidates it below,
-      used[old] = 0;                   // or it would come back once the newer one is removed
-      if (!opt_.read_only) claim.push_back(old);
+    Index::Copies old;
+    const bool mem = pool_->tier_of(f.slot) == Tier::kMemory;
+    if (index_->find(f.key, &old)) {
+      if (seq_of[f.key] == f.seq && old.copy == Index::kNoCopy && old.mem != mem) {
+        // The same commit in the other tier: the memory copy serves, the storage copy backs it.
+        const uint32_t m = mem ? f.slot : old.slot, s = mem ? old.slot : f.slot;
+        index_->insert(f.key, m, f.blocks, true);
+        index_->set_copy(f.key, m, s);
+        slot_key_[f.slot] = f.key;
+        used[f.slot] = 1;
+        continue;
+      }
+      if (seq_of[f.key] == f.seq) {  // a third copy of one commit: never made by a writer
+        drop(f.slot);
+        continue;
+      }
+      index_->remove(f.key, &old);  // an older commit of the same unit
+      drop(old.slot);
+      if (old.copy != Index::kNoCopy) drop(old.copy);
     }
-    index_->insert(f.key, f.slot, f.blocks);
+    seq_of[f.key] = f.seq;
+    index_->insert(f.key, f.slot, f.blocks, mem);
     if (f.inner.empty()) inner_of_.erase(f.key);
     else inner_of_[f.key] = f.inner;
     slot_key_[f.slot] = f.key;
@@ -133,6 +168,12 @@ Status UnitStore::recover() {
     Status st = invalidate(slot);
     if (!st.ok()) return st;
   }
+  // Units in memory only (a close or a crash before their flush) wait for their storage copy again.
+  if (!opt_.read_only && opt_.write_policy != WritePolicy::kMemoryOnly)
+    for (const Found& f : found) {
+      Index::Copies c;
+      if (index_->find(f.key, &c) && c.mem && c.slot == f.slot && c.copy == Index::kNoCopy) flush_q_.push_back(f.key);
+    }
   return Status::Ok();
 }
 
@@ -156,11 +197,23 @@ void UnitStore::stored_blocks(const uint64_t* keys, uint32_t n, uint32_t* out) c
 }
 
 uint32_t UnitStore::lookup(const uint64_t* keys, uint32_t n) {
-  uint32_t hit = index_->lookup_prefix(keys, n);
+  uint32_t in_memory = 0;
+  uint32_t hit = index_->lookup_prefix(keys, n, &in_memory);
   std::lock_guard<std::mutex> g(mu_);
   lookups_ += n;
   hits_ += hit;
+  if (pool_->has_memory_tier()) {
+    memory_hits_ += in_memory;
+    storage_hits_ += hit - in_memory;
+  }
   return hit;
+}
+
+void UnitStore::unit_tiers(const uint64_t* keys, uint32_t n, uint8_t* out) const {
+  for (uint32_t i = 0; i < n; ++i) {
+    Index::Copies c;
+    out[i] = !index_->find(keys[i], &c) ? 0 : c.mem ? (c.copy == Index::kNoCopy ? 1 : 3) : 2;
+  }
 }
 
 // Invalidates a slot's header before it goes back to the free list, so that a crash while the slot is
@@ -178,15 +231,44 @@ void UnitStore::free_slot(uint32_t slot) {
   pool_->release(slot);
 }
 
-Status UnitStore::alloc_slot(uint32_t* slot) {
-  if (pool_->alloc(slot)) return Status::Ok();
+Status UnitStore::alloc_slot(uint32_t* slot, Tier t) {
+  if (pool_->alloc(slot, t)) return Status::Ok();
   uint64_t key;
-  if (!index_->evict_lru(&key, slot))
+  if (t == Tier::kMemory) {
+    bool gone;
+    if (!index_->evict_memory_lru(opt_.write_policy == WritePolicy::kMemoryOnly, &key, slot, &gone))
+      return {Code::kCapacityExceeded, "every memory tier slot holds a unit being read, pinned or not yet on storage"};
+    if (gone) {
+      evictions_++;
+      evicted_.push_back(key);
+      inner_of_.erase(key);
+    } else {
+      demotions_++;
+    }
+    return invalidate(*slot);
+  }
+  Index::Copies c;
+  if (!index_->evict_lru(&key, &c))
     return {Code::kCapacityExceeded, "every GPU file is pinned or in use; nothing can be evicted"};
   evictions_++;
   evicted_.push_back(key);
   inner_of_.erase(key);
+  if (c.copy != Index::kNoCopy) {  // a memory copy and its storage copy: the storage slot is reused
+    free_slot(c.slot);
+    *slot = c.copy;
+  } else {
+    *slot = c.slot;
+  }
   return invalidate(*slot);
+}
+
+Status UnitStore::alloc_store_slot(uint32_t* slot) {
+  if (pool_->has_memory_tier()) {
+    Status st = alloc_slot(slot, Tier::kMemory);
+    if (st.ok() || st.code() != Code::kCapacityExceeded || opt_.write_policy == WritePolicy::kMemoryOnly) return st;
+    work_cv_.notify_one();  // memory full of units not yet on storage: this one goes straight there
+  }
+  return alloc_slot(slot, Tier::kStorage);
 }
 
 Status UnitStore::decode_unit(const uint8_t* data, uint64_t n, uint64_t* key, uint32_t* blocks,
@@ -258,8 +340,8 @@ Status UnitStore::refresh() {
   // Under mu_: readers of the per-slot state and the inner keys (inner_keys) take it too.
   std::lock_guard<std::mutex> lk(mu_);
   for (uint64_t key : index_->keys()) {
-    uint32_t slot;
-    index_->remove(key, &slot);
+    Index::Copies c;
+    index_->remove(key, &c);
   }
   inner_of_.clear();
   return recover();
@@ -274,7 +356,7 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
   std::lock_guard<std::mutex> lk(mu_);
   if (index_->contains(*key)) return Status::Ok();
   uint32_t slot;
-  st = alloc_slot(&slot);
+  st = alloc_store_slot(&slot);
   if (!st.ok()) return st;
   AlignedBuf buf(n);
   if (!buf.p) {
@@ -315,7 +397,12 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
     std::memcpy(&slot_checksums_[static_cast<uint64_t>(slots[i]) * g.num_objs()], sums + static_cast<uint64_t>(i) * g.num_objs(),
                 g.num_objs() * sizeof(uint64_t));
     slot_key_[slots[i]] = keys[i];
-    index_->insert(keys[i], slots[i], blocks[i]);
+    const bool mem = pool_->tier_of(slots[i]) == Tier::kMemory;
+    index_->insert(keys[i], slots[i], blocks[i], mem);
+    if (mem && opt_.write_policy != WritePolicy::kMemoryOnly) {
+      flush_q_.push_back(keys[i]);
+      work_cv_.notify_one();
+    }
     if (kept[i]) inner_of_[keys[i]].assign(inner[i].begin(), inner[i].begin() + kept[i]);
     else inner_of_.erase(keys[i]);
     bytes_written_ += g.slot_bytes;
@@ -333,19 +420,22 @@ Status UnitStore::remove(uint64_t key, bool* removed) {
   *removed = false;
   if (opt_.read_only) return {Code::kInvalid, "store opened read-only: remove units through the engine that owns them"};
   std::lock_guard<std::mutex> lk(mu_);
-  uint32_t slot;
+  Index::Copies c;
   const uint32_t blocks = index_->blocks(key);
   // A pinned unit stays: pinned by its owner, or read by a retrieve whose slot must not be reused.
-  if (index_->remove_unpinned(key, &slot) != Index::Removed::kGone) return Status::Ok();
+  if (index_->remove_unpinned(key, &c) != Index::Removed::kGone) return Status::Ok();
   inner_of_.erase(key);
-  // The header goes first: a unit whose header cannot be cleared stays (it would come back at the
-  // next open otherwise).
-  Status st = invalidate(slot);
-  if (!st.ok()) {
-    index_->insert(key, slot, blocks);
-    return st;
+  // The headers go first, the storage copy's first: a unit whose header cannot be cleared stays
+  // (it would come back at the next open otherwise).
+  for (uint32_t slot : {c.copy, c.slot}) {
+    if (slot == Index::kNoCopy) continue;
+    Status st = invalidate(slot);
+    if (!st.ok()) {
+      index_->insert(key, slot, blocks, pool_->tier_of(slot) == Tier::kMemory);
+      return st;
+    }
+    pool_->release(slot);
   }
-  pool_->release(slot);
   *removed = true;
   return Status::Ok();
 }
@@ -364,6 +454,18 @@ StoreStats UnitStore::stats() const {
 
 StoreStats UnitStore::units_stats() const {
   StoreStats s;
+  s.memory_units = index_->in_memory();
+  s.memory_slots = pool_->num_slots(Tier::kMemory);
+  s.memory_free_slots = pool_->free_slots(Tier::kMemory);
+  s.memory_hits = memory_hits_;
+  s.storage_hits = storage_hits_;
+  s.memory_bytes_read = memory_bytes_read_;
+  s.promotions = promotions_;
+  s.demotions = demotions_;
+  s.flushes = flushes_;
+  s.flush_bytes = flush_bytes_;
+  s.flush_errors = flush_errors_;
+  s.flush_backlog = flush_q_.size() + moving_.size();
   s.units = index_->size();
   s.pinned = index_->pinned();
   s.free_slots = pool_->free_slots();
@@ -381,6 +483,159 @@ StoreStats UnitStore::units_stats() const {
   s.direct_io = pool_->num_paths() > 0 && pool_->path(0).direct;
   s.backend = "none";
   return s;
+}
+
+// ---- The memory tier: flushes and promotions, on one background thread --------------------------
+
+static double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void UnitStore::start_flusher() {
+  if (opt_.read_only || flusher_.joinable()) return;
+  stop_ = false;
+  flusher_ = std::thread([this] { flusher_loop(); });
+}
+
+void UnitStore::stop_flusher() {
+  if (!flusher_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  flusher_.join();
+  idle_cv_.notify_all();
+}
+
+void UnitStore::flusher_loop() {
+  std::unique_lock<std::mutex> lk(mu_);
+  while (true) {
+    work_cv_.wait(lk, [this] { return stop_ || !flush_q_.empty() || !promote_q_.empty(); });
+    if (stop_) break;
+    // Flushes first: a unit in memory only is one crash of the host away from being lost.
+    const bool flush = !flush_q_.empty();
+    std::deque<uint64_t>& q = flush ? flush_q_ : promote_q_;
+    const uint64_t key = q.front();
+    q.pop_front();
+    lk.unlock();
+    copy_unit(key, flush ? Tier::kStorage : Tier::kMemory);
+    lk.lock();
+    if (flush_q_.empty() && moving_.empty()) idle_cv_.notify_all();
+  }
+}
+
+bool UnitStore::flush(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto idle = [this] { return stop_ || !flusher_.joinable() || (flush_q_.empty() && moving_.empty()); };
+  if (timeout_s < 0) idle_cv_.wait(lk, idle);
+  else idle_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), idle);
+  return flush_q_.empty() && moving_.empty();
+}
+
+void UnitStore::note_storage_hit(uint64_t key) {
+  if (opt_.promote_hits == 0 || !pool_->has_memory_tier() || opt_.read_only) return;
+  const double now = now_s();
+  if (storage_reads_.size() >= (1u << 16))  // bounded: forget the hits older than the window
+    for (auto it = storage_reads_.begin(); it != storage_reads_.end();)
+      it = now - it->second.second > opt_.promote_window_s ? storage_reads_.erase(it) : std::next(it);
+  auto& [hits, first] = storage_reads_[key];
+  if (hits == 0 || now - first > opt_.promote_window_s) {
+    hits = 0;
+    first = now;
+  }
+  if (++hits < opt_.promote_hits) return;
+  storage_reads_.erase(key);
+  promote_q_.push_back(key);
+  work_cv_.notify_one();
+}
+
+// Copies the GPU file in slot `from` to slot `to` (another tier): objects, then the header, the same
+// bytes, so the copy is the same commit. Read from the memory tier's mapping when there is one,
+// else through `buf`; verified on the way (a damaged source is never copied). Not under mu_.
+static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32_t to, uint8_t* buf,
+                        const std::function<Status(const uint8_t*)>& verify) {
+  const PoolPath& src = pool.path(pool.path_of(from));
+  const uint8_t* data = buf;
+  if (src.map) {
+    data = src.map + pool.offset_of(from);
+  } else {
+    Status st = pool.pread_all(from, 0, buf, g.slot_bytes);
+    if (!st.ok()) return st;
+  }
+  Status st = verify(data);
+  if (!st.ok()) return st;
+  const PoolPath& dst = pool.path(pool.path_of(to));
+  if (data != buf && !dst.cached()) {  // O_DIRECT takes aligned memory only: the mapping is page aligned
+    if (reinterpret_cast<uintptr_t>(data) % dst.buffer_align != 0) {
+      std::memcpy(buf, data, g.slot_bytes);
+      data = buf;
+    }
+  }
+  st = pool.pwrite_all(to, g.header_bytes, data + g.header_bytes, g.slot_bytes - g.header_bytes);
+  if (!st.ok()) return st;
+  return pool.pwrite_all(to, 0, data, g.header_bytes);
+}
+
+// A flush (to the storage tier: the unit must lie in memory only) or a promotion (to memory: the
+// unit must lie on storage only). The source is pinned while it is read; the copy is recorded only
+// if the unit still lies where it did, else its slot is freed again.
+void UnitStore::copy_unit(uint64_t key, Tier to_tier) {
+  const bool flush = to_tier == Tier::kStorage;
+  uint32_t from, to;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    Index::Copies c;
+    if (moving_.count(key) || !index_->find(key, &c) || c.mem != flush || c.copy != Index::kNoCopy) return;
+    if (!alloc_slot(&to, to_tier).ok()) {
+      if (flush) flush_errors_++;  // storage full of pinned units: the unit stays in memory only
+      return;
+    }
+    from = c.slot;
+    index_->pin(key);
+    moving_.insert(key);
+  }
+  AlignedBuf buf(geom_.slot_bytes);
+  bool damaged = false;
+  auto verify = [&](const uint8_t* d) {
+    uint64_t k;
+    uint32_t blocks;
+    std::vector<uint64_t> sums;
+    Status v = verify_unit(d, geom_.slot_bytes, &k, &blocks, &sums);
+    if (v.ok() && k != key) v = {Code::kNotFound, "slot holds another key"};
+    damaged = !v.ok();
+    return v;
+  };
+  Status st = buf.p ? copy_slot(*pool_, geom_, from, to, buf.data(), verify)
+                    : Status{Code::kCapacityExceeded, "out of memory"};
+  std::lock_guard<std::mutex> lk(mu_);
+  index_->unpin(key);
+  moving_.erase(key);
+  if (st.ok() && (flush ? index_->set_copy(key, from, to) : index_->promote(key, from, to))) {
+    std::memcpy(&slot_checksums_[static_cast<uint64_t>(to) * geom_.num_objs()],
+                &slot_checksums_[static_cast<uint64_t>(from) * geom_.num_objs()], geom_.num_objs() * sizeof(uint64_t));
+    slot_key_[to] = key;
+    if (flush) {
+      flushes_++;
+      flush_bytes_ += geom_.slot_bytes;
+      bytes_written_ += geom_.slot_bytes;
+    } else {
+      promotions_++;
+    }
+    return;
+  }
+  free_slot(to);
+  if (st.ok()) return;  // removed or replaced meanwhile
+  if (flush) flush_errors_++;
+  bool gone;
+  if (damaged && index_->drop_copy(key, from, &gone)) {  // a damaged copy is a miss; the other serves
+    checksum_failures_++;
+    free_slot(from);
+    if (gone) {
+      evicted_.push_back(key);
+      inner_of_.erase(key);
+    }
+  }
 }
 
 }  // namespace tutti

@@ -174,14 +174,43 @@ static void test_index_lru_and_pins() {
   CHECK(ix.lookup_prefix(keys, 4) == 2);  // touches 1 and 2
   CHECK(ix.pin(3));
   uint64_t k;
-  uint32_t slot;
-  CHECK(ix.evict_lru(&k, &slot) && k == 4 && slot == 40);
-  CHECK(ix.evict_lru(&k, &slot) && k == 1);  // 3 is pinned
-  CHECK(ix.evict_lru(&k, &slot) && k == 2);
-  CHECK(!ix.evict_lru(&k, &slot));
+  Index::Copies c;
+  CHECK(ix.evict_lru(&k, &c) && k == 4 && c.slot == 40);
+  CHECK(ix.evict_lru(&k, &c) && k == 1);  // 3 is pinned
+  CHECK(ix.evict_lru(&k, &c) && k == 2);
+  CHECK(!ix.evict_lru(&k, &c));
   ix.unpin(3);
-  CHECK(ix.evict_lru(&k, &slot) && k == 3);
+  CHECK(ix.evict_lru(&k, &c) && k == 3);
   CHECK(ix.size() == 0);
+}
+
+// Two tiers: memory units are demoted to their storage copy or, in memory only, skipped (or
+// evicted when asked); storage eviction never takes a unit whose only copy is in memory.
+static void test_index_tiers() {
+  Index ix;
+  ix.insert(1, 100, 16, true);   // memory only
+  ix.insert(2, 101, 16, true);
+  CHECK(ix.set_copy(2, 101, 7));  // flushed: storage copy in slot 7
+  CHECK(!ix.set_copy(2, 101, 8));  // once
+  ix.insert(3, 9, 16, false);     // storage only
+  CHECK(ix.in_memory() == 2);
+  uint64_t k;
+  uint32_t slot;
+  bool gone;
+  // Memory LRU is 1 (oldest), then 2: 1 has no storage copy, so 2 is demoted.
+  CHECK(ix.evict_memory_lru(false, &k, &slot, &gone) && k == 2 && slot == 101 && !gone);
+  Index::Copies c;
+  CHECK(ix.find(2, &c) && c.slot == 7 && !c.mem && c.copy == Index::kNoCopy);
+  CHECK(!ix.evict_memory_lru(false, &k, &slot, &gone));
+  // Storage eviction skips 1 (memory only): 2 is older than 3.
+  CHECK(ix.evict_lru(&k, &c) && k == 2 && c.slot == 7);
+  CHECK(ix.promote(3, 9, 102) && ix.find(3, &c) && c.mem && c.slot == 102 && c.copy == 9);
+  CHECK(!ix.promote(3, 9, 103));
+  // A damaged memory copy: the storage copy serves; then the storage copy too: gone.
+  CHECK(ix.drop_copy(3, 102, &gone) && !gone && ix.find(3, &c) && c.slot == 9 && !c.mem);
+  CHECK(ix.drop_copy(3, 9, &gone) && gone && !ix.contains(3));
+  CHECK(ix.evict_memory_lru(true, &k, &slot, &gone) && k == 1 && slot == 100 && gone);
+  CHECK(ix.size() == 0 && ix.in_memory() == 0);
 }
 
 static void test_extents() {
@@ -501,6 +530,7 @@ int main() {
   run("crc32c_values_and_pieces", test_crc32c_values_and_pieces);
   run("crc32c_lane_scheme", test_crc32c_lane_scheme);
   run("index_lru_and_pins", test_index_lru_and_pins);
+  run("index_tiers", test_index_tiers);
   run("extents", test_extents);
   run("header_round_trip", test_header_round_trip);
   run("pool_round_robin", test_pool_round_robin);

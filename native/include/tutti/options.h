@@ -10,6 +10,15 @@ namespace tutti {
 // O_DIRECT on the pool files: where the file system takes it (kAuto), required, or never.
 enum class DirectMode : int { kAuto = 0, kOn = 1, kOff = 2 };
 
+// The tier a pool file serves: the storage tier (SSDs) or the memory tier in front of it.
+enum class Tier : uint8_t { kStorage = 0, kMemory = 1 };
+
+// Where a store lands and when it reaches the storage tier (StoreOptions::write_policy).
+//   kWriteBack: into the memory tier; a background flusher copies it to the storage tier.
+//   kWriteThrough: into the memory tier, and `finish` returns once the storage copy is committed.
+//   kMemoryOnly: into the memory tier only (the storage tier is still read, and promoted from).
+enum class WritePolicy : int { kWriteBack = 0, kWriteThrough = 1, kMemoryOnly = 2 };
+
 // Remote units in flight at once per store (Store::scatter_unit_async).
 constexpr uint32_t kScatterSlots = 4;
 
@@ -19,6 +28,15 @@ constexpr uint32_t kScatterSlots = 4;
 struct StoreOptions {
   std::vector<std::string> paths;
   std::vector<uint64_t> capacity;  // bytes per path
+  // The memory tier in front of `paths` (the storage tier): tmpfs or ramfs directories and their
+  // bytes. Empty: one tier, today's store. A unit is read from its fastest copy.
+  std::vector<std::string> memory_paths;
+  std::vector<uint64_t> memory_capacity;
+  WritePolicy write_policy = WritePolicy::kWriteBack;
+  // A unit read from the storage tier is copied into the memory tier on its promote_hits-th hit
+  // within promote_window_s seconds (0: never), so one long scan does not flush the hot set.
+  uint32_t promote_hits = 2;
+  double promote_window_s = 60.0;
   std::string instance = "default";
   uint32_t pool_files = 0;         // pool files per path; 0: up to 16 on memory file systems, 1 elsewhere
   bool prewrite_pool = true;       // zero what fallocate left unwritten, once (see FilePool::open)
@@ -45,6 +63,13 @@ struct StoreOptions {
 struct StoreStats {
   uint64_t units = 0, pinned = 0, free_slots = 0, total_slots = 0;
   uint64_t hits = 0, lookups = 0, evictions = 0, checksum_failures = 0, io_errors = 0;
+  // The memory tier (zero without one): units with a copy there, its slots, lookup hits whose
+  // fastest copy is there or only on storage, bytes retrieves read from it (bytes_read counts both),
+  // storage copies taken into it (promotions) and memory copies dropped for room (demotions), units
+  // copied to storage (flushes, flush_bytes), copies that failed, and units in memory only.
+  uint64_t memory_units = 0, memory_slots = 0, memory_free_slots = 0, memory_hits = 0, storage_hits = 0;
+  uint64_t memory_bytes_read = 0, promotions = 0, demotions = 0, flushes = 0, flush_bytes = 0, flush_errors = 0;
+  uint64_t flush_backlog = 0;
   uint64_t bad_headers = 0;  // slots whose header did not verify when the index was (re)built
   uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
   double agent_cpu_s = 0, kernel_cpu_s = 0;

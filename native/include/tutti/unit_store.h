@@ -4,11 +4,15 @@
 // unit store with the extent map, IOCB table, queues and backend on top.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "tutti/common.h"
@@ -49,6 +53,11 @@ class UnitStore {
   // (inner key, unit key) of every stored unit's inner block keys (layout.h, format 4), flattened.
   std::vector<uint64_t> inner_keys() const;
   virtual StoreStats stats() const;
+  // Where each unit lies (memory tier): bit 1 a copy in memory, bit 2 one on storage, 0 absent.
+  void unit_tiers(const uint64_t* keys, uint32_t n, uint8_t* out) const;
+  // Waits until no unit waits for its storage copy (write_back), at most `timeout_s` seconds (< 0:
+  // no limit). True when none waits.
+  bool flush(double timeout_s = -1);
   // Evicted keys since the last call (for the node daemon and cluster directory).
   std::vector<uint64_t> drain_evicted();
   virtual void close();
@@ -57,7 +66,18 @@ class UnitStore {
   UnitStore();
   Status open_units(const StoreOptions& opt, const Geometry& geom, const std::string& desc);
   Status recover();
-  Status alloc_slot(uint32_t* slot);
+  // A free slot of tier `t`, evicting when the tier is full:
+  // on storage the least recently used unit (both copies), in memory the least recently used
+  // unit that has a storage copy (demoted to it), or under memory_only any.
+  Status alloc_slot(uint32_t* slot, Tier t = Tier::kStorage);
+  // A slot for a new unit: in the memory tier when there is one and it has room, else storage.
+  Status alloc_store_slot(uint32_t* slot);
+  // A retrieve read `key` from the storage tier: counts it towards promotion. Under mu_.
+  void note_storage_hit(uint64_t key);
+  // Copies a memory unit to the storage tier (flush) or a storage unit into memory (promotion),
+  // objects first and the header (the same bytes: the same key and commit) last, then records the
+  // second copy. Not under mu_.
+  void copy_unit(uint64_t key, Tier to_tier);
   void free_slot(uint32_t slot);
   // Overwrites a slot's header with the layout's free-slot header (layout.h), so that a crash while
   // the slot is rewritten never brings the old key back.
@@ -95,6 +115,18 @@ class UnitStore {
   std::vector<uint64_t> evicted_;
   uint64_t lookups_ = 0, hits_ = 0, evictions_ = 0, checksum_failures_ = 0, io_errors_ = 0, bad_headers_ = 0;
   uint64_t bytes_read_ = 0, bytes_written_ = 0;
+  // The memory tier: counters, and the flusher thread with its queues (under mu_).
+  uint64_t memory_hits_ = 0, storage_hits_ = 0, memory_bytes_read_ = 0, promotions_ = 0, demotions_ = 0;
+  uint64_t flushes_ = 0, flush_bytes_ = 0, flush_errors_ = 0;
+  void flusher_loop();
+  void start_flusher();
+  void stop_flusher();
+  std::deque<uint64_t> flush_q_, promote_q_;
+  std::unordered_set<uint64_t> moving_;  // keys being copied between tiers
+  std::unordered_map<uint64_t, std::pair<uint32_t, double>> storage_reads_;  // key -> (hits, first hit time)
+  std::condition_variable work_cv_, idle_cv_;
+  std::thread flusher_;
+  bool stop_ = false;
 };
 
 }  // namespace tutti
