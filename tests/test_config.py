@@ -122,3 +122,46 @@ def test_tutti_up_on_a_read_only_data_dir_is_one_error_line(tmp_path: Path):
     assert "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("tutti: error:")]
     assert len(lines) == 1 and str(data) in lines[0] and "ead-only" in lines[0], r.stderr
+
+
+def test_the_memory_tier_settings_are_checked_where_they_are_given(tmp_path: Path, monkeypatch):
+    ssd, shm = tmp_path / "ssd", tmp_path / "shm"
+    # A directory is in one tier, once (spelled alike or not), and the embedded default's store counts.
+    for kw in ({"paths": [str(ssd)], "memory_paths": [f"{ssd}/"]}, {"paths": [str(ssd)], "memory_paths": [f"{ssd}/."]},
+               {"data_dir": str(tmp_path), "memory_paths": [str(tmp_path / "store")]}):
+        with pytest.raises(ConfigError, match="also a storage path"):
+            TuttiConfig(**kw)
+    with pytest.raises(ConfigError, match="given twice"):
+        TuttiConfig(paths=[str(ssd)], memory_paths=[str(shm), f"{shm}/"])
+    with pytest.raises(ConfigError, match="write_policy"):
+        TuttiConfig(memory_paths=[str(shm)], write_policy="write_around")
+    with pytest.raises(ConfigError, match="memory_only needs memory_paths"):
+        TuttiConfig(write_policy="memory_only")
+    # One capacity for every memory path, or one per path.
+    with pytest.raises(ConfigError, match="memory_capacity_gb has 2 values for 3 memory paths"):
+        TuttiConfig(memory_paths=[str(shm / c) for c in "abc"], memory_capacity_gb=[1, 2])
+    with pytest.raises(ConfigError, match="memory_capacity_gb has 2 values for 0 memory paths"):
+        TuttiConfig(memory_capacity_gb=[1, 2])
+    for bad in ({"memory_capacity_gb": 0}, {"memory_capacity_gb": NAN}, {"memory_paths": [str(shm), ""]},
+                {"promote_hits": -1}, {"promote_window_s": 0}, {"promote_window_s": INF}):
+        with pytest.raises(ConfigError, match="memory_capacity_gb|memory_paths|promote_"):
+            TuttiConfig(**bad)
+    # Lists from the environment, as paths and capacity_gb; the capacity of each memory path in bytes.
+    monkeypatch.setenv("TUTTI_MEMORY_PATHS", f"{shm}/a,{shm}/b")
+    monkeypatch.setenv("TUTTI_MEMORY_CAPACITY_GB", "0.5")
+    cfg = TuttiConfig(paths=[str(ssd)], write_policy="write_through", promote_hits=0)
+    assert cfg.memory_paths == [shm / "a", shm / "b"] and cfg.memory_capacity_bytes() == [1 << 29, 1 << 29]
+    assert TuttiConfig(memory_paths=[], paths=[str(ssd)]).memory_capacity_bytes() == []
+    assert TuttiConfig(memory_paths=[str(shm / "a"), str(shm / "b")],
+                       memory_capacity_gb=[1, 2]).memory_capacity_bytes() == [1 << 30, 2 << 30]
+
+
+def test_the_memory_tier_is_off_and_its_policy_the_native_default_unless_configured():
+    from tutti_cluster import _native
+    from tutti_cluster.config import NATIVE_FIELDS
+
+    cfg, native = TuttiConfig(), _native.StoreOptions()
+    assert cfg.memory_paths == [] and cfg.memory_capacity_bytes() == []
+    assert (cfg.write_policy, cfg.promote_hits, cfg.promote_window_s) == (
+        native.write_policy, native.promote_hits, native.promote_window_s) == ("write_back", 2, 60.0)
+    assert {"write_policy", "promote_hits", "promote_window_s"} <= set(NATIVE_FIELDS)

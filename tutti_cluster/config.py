@@ -7,6 +7,11 @@ environment as comma-separated text, e.g. ``TUTTI_PATHS=/mnt/nvme0,/mnt/nvme1``.
 The ``tutti`` commands take their flags from the fields below (:func:`add_config_arguments`): each
 field ``foo_bar`` is ``--foo-bar``, with the field's description as its help; lists take one or more
 values, separated by spaces or commas (``--paths /mnt/a /mnt/b`` or ``--paths /mnt/a,/mnt/b``).
+
+Tiers: ``paths`` are the storage tier. ``memory_paths`` (tmpfs or ramfs directories, their own
+``memory_capacity_gb``) add a host-memory tier in front of it: stores land in memory and reach storage
+as ``write_policy`` says, and a unit read from storage is promoted into memory on its ``promote_hits``-th
+hit within ``promote_window_s``. Without ``memory_paths`` there is one tier, the storage paths.
 """
 
 from __future__ import annotations
@@ -18,14 +23,14 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Sequence, get_args, get_origin
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from tutti_cluster import _native
 from tutti_cluster.errors import ConfigError
 from tutti_cluster.files import MAX_CONFIG_BYTES, read_bounded
 
-_LIST_FIELDS = ("paths", "capacity_gb", "etcd")
+_LIST_FIELDS = ("paths", "capacity_gb", "memory_paths", "memory_capacity_gb", "etcd")
 
 # The native store's options (native/include/tutti/options.h) are the one definition of the defaults of
 # the fields below that share their names: each such field's default is read from here.
@@ -33,7 +38,8 @@ _NATIVE = _native.StoreOptions()
 #: TuttiConfig fields that are native store options of the same name and meaning: their defaults are
 #: StoreOptions', and the store passes them on as they are (tutti_cluster.store.native_options).
 NATIVE_FIELDS = ("instance", "pool_files", "prewrite_pool", "queue_depth", "staging_mb", "max_requests", "io_sms",
-                 "min_io_bytes", "direct_io", "device", "cuda_pair", "cuda_trace", "map_memory_paths")
+                 "min_io_bytes", "direct_io", "device", "cuda_pair", "cuda_trace", "map_memory_paths", "write_policy",
+                 "promote_hits", "promote_window_s")
 
 # Instance names become pool file names (``tutti-<instance>.pool``, ``tutti-<instance>.<n>.pool``)
 # and keys of the daemon's state: a short plain name, so that neither a file system nor a shell ever sees anything odd.
@@ -55,6 +61,7 @@ MAX_IOCB_DEPTH = 1 << 20          # uint32; the table is allocated whole at regi
 MAX_STAGING_MB = 1 << 20          # uint64 bytes after << 20; 1 TiB of pinned host memory
 MAX_REQUESTS = 1 << 16            # uint32; each request's state is allocated at registration
 MAX_IO_SMS = 1024                 # uint32; far above the SMs of any GPU
+MAX_PROMOTE_HITS = 1 << 20        # uint32; a hit count no window ever reaches
 
 
 def check_instance_name(name: object) -> str:
@@ -148,6 +155,27 @@ class TuttiConfig(BaseSettings):
         "and admin token, and the directories made for them (files 0640, directories 0750, the socket 0660); "
         "unset: owner only (0600 and 0700).",
     )
+
+    # Tiers (the host-memory tier in front of the storage paths; none by default)
+    memory_paths: list[Path] = Field(
+        default_factory=list,
+        description="Memory-tier directories (tmpfs or ramfs), in front of the storage paths: stores land "
+        "there first and reads take a unit from its fastest copy. Not one of the storage paths; empty: no "
+        "memory tier.")
+    memory_capacity_gb: list[Annotated[float, Field(gt=0, le=MAX_CAPACITY_GB, allow_inf_nan=False)]] = Field(
+        default_factory=lambda: [1.0],
+        description="Byte cap per memory path in GiB (one value applies to all memory paths).")
+    write_policy: Literal["write_back", "write_through", "memory_only"] = Field(
+        _NATIVE.write_policy,
+        description="With a memory tier: write_back commits a store in memory and copies it to storage in the "
+        "background (durable once copied), write_through returns once the storage copy is committed, "
+        "memory_only never writes to storage.")
+    promote_hits: int = Field(
+        _NATIVE.promote_hits, ge=0, le=MAX_PROMOTE_HITS,
+        description="A unit read from the storage tier is copied into the memory tier on this hit within "
+        "promote_window_s (0: never).")
+    promote_window_s: float = Field(_NATIVE.promote_window_s, gt=0, allow_inf_nan=False,
+                                    description="Window of promote_hits in seconds.")
 
     # Layout
     unit_tokens: int = Field(256, gt=0, le=MAX_UNIT_TOKENS,
@@ -259,7 +287,7 @@ class TuttiConfig(BaseSettings):
                                  "Mooncake takes no range above 32767)")
         return v
 
-    @field_validator("paths", "capacity_gb", "etcd", mode="before")
+    @field_validator("paths", "capacity_gb", "memory_paths", "memory_capacity_gb", "etcd", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):
@@ -268,14 +296,14 @@ class TuttiConfig(BaseSettings):
             return [v]
         return v
 
-    @field_validator("paths", mode="before")
+    @field_validator("paths", "memory_paths", mode="before")
     @classmethod
-    def _paths(cls, v: Any) -> Any:
+    def _paths(cls, v: Any, info: ValidationInfo) -> Any:
         # Path("") is the working directory: an empty entry is a mistake, never a place for a pool
         # (comma-separated text included: TUTTI_PATHS=",/mnt/a" has one).
         items = v.split(",") if isinstance(v, str) else v
         if isinstance(items, (list, tuple)) and any(isinstance(p, (str, os.PathLike)) and not str(p).strip() for p in items):
-            raise ValueError("paths must not hold an empty entry")
+            raise ValueError(f"{info.field_name} must not hold an empty entry")
         return v
 
     @field_validator("file_group", mode="before")
@@ -305,6 +333,21 @@ class TuttiConfig(BaseSettings):
             raise ValueError(f"capacity_gb has {len(self.capacity_gb)} values for {n} paths")
         if self.io_sms % 8 and self.backend == "cuda":
             raise ValueError("io_sms must be a multiple of 8 on the cuda backend")
+        m = len(self.memory_paths)
+        if len(self.memory_capacity_gb) not in (1, m):
+            raise ValueError(f"memory_capacity_gb has {len(self.memory_capacity_gb)} values for {m} memory paths")
+        # Each tier's pool files are its own: a directory is in one tier, once.
+        storage = {os.path.abspath(p) for p in self.storage_paths()}
+        seen: set[str] = set()
+        for p in self.memory_paths:
+            where = os.path.abspath(p)
+            if where in storage:
+                raise ValueError(f"memory path {p} is also a storage path: a directory belongs to one tier")
+            if where in seen:
+                raise ValueError(f"memory path {p} is given twice")
+            seen.add(where)
+        if self.write_policy == "memory_only" and not self.memory_paths:
+            raise ValueError("write_policy memory_only needs memory_paths (a memory tier to write to)")
         return self
 
     def storage_paths(self) -> list[Path]:
@@ -315,6 +358,12 @@ class TuttiConfig(BaseSettings):
         """Byte cap of each storage path."""
         caps = self.capacity_gb * len(self.storage_paths()) if len(self.capacity_gb) == 1 else self.capacity_gb
         return [int(c * (1 << 30)) for c in caps]
+
+    def memory_capacity_bytes(self) -> list[int]:
+        """Byte cap of each memory path ([] without a memory tier)."""
+        caps = self.memory_capacity_gb * len(self.memory_paths) if len(self.memory_capacity_gb) == 1 \
+            else self.memory_capacity_gb
+        return [int(c * (1 << 30)) for c in caps[:len(self.memory_paths)]]
 
     @property
     def cluster_mode(self) -> bool:
@@ -349,6 +398,8 @@ def load_config(**overrides: Any) -> TuttiConfig:
 CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
     "storage": ("paths", "capacity_gb", "data_dir", "instance", "direct_io", "pool_files", "prewrite_pool",
                 "map_memory_paths", "file_group"),
+    "tiers (memory_paths unset: the storage paths alone)": ("memory_paths", "memory_capacity_gb", "write_policy",
+                                                            "promote_hits", "promote_window_s"),
     "layout": ("unit_tokens", "min_io_bytes"),
     "data path": ("backend", "device", "queue_depth", "iocb_depth", "staging_mb", "max_requests", "io_sms",
                   "cuda_pair", "cuda_trace"),
@@ -362,7 +413,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
 }
 # Secrets never go on a command line (other users see it in the process list): environment or file.
 NO_FLAG_FIELDS = frozenset({"admin_token"})
-_METAVARS = {"paths": "DIR", "file_group": "GROUP", "capacity_gb": "GIB", "etcd": "HOST:PORT", "mooncake_master": "HOST:PORT",
+_METAVARS = {"paths": "DIR", "memory_paths": "DIR", "memory_capacity_gb": "GIB", "file_group": "GROUP", "capacity_gb": "GIB", "etcd": "HOST:PORT", "mooncake_master": "HOST:PORT",
              "etcd_ca_file": "FILE", "etcd_cert_file": "FILE", "etcd_key_file": "FILE", "etcd_user": "NAME",
              "etcd_password_file": "FILE",
              "data_dir": "DIR", "admin_token_file": "FILE", "instance": "NAME", "node_id": "NAME",
