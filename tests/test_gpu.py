@@ -591,6 +591,47 @@ def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str
 
 
 @gpu
+def test_memory_tier_mixes_mapped_and_io_uring_units_in_one_request(shm_dirs: list[Path], dirs: list[Path]) -> None:
+    """The memory tier on tmpfs (mapped: the I/O kernel's loads and stores) in front of a disk
+    storage tier (io_uring): stores land in memory and the host flushes them to disk; a retrieve
+    whose units lie in both tiers moves each byte-exact from its fastest copy; a unit read twice
+    from disk is promoted and then read from memory."""
+    kv = make_gpu_kv("kv_first", layers=3, blocks=256, seed=12)
+    rng = np.random.default_rng(23)
+    keys = [int(k) for k in rng.integers(1, 1 << 62, 24)]
+    with open_gpu_store(dirs, kv, "kv_first", map_memory_paths=True, memory_paths=[str(shm_dirs[0])],
+                        memory_capacity_gb=0.012) as s:
+        mem_slots = s.stats()["memory_slots"]
+        assert 4 <= mem_slots < 24
+        src = rng.permutation(256)[: 24 * s.unit_blocks]
+        res = s.store(keys, src)
+        torch.cuda.synchronize()
+        assert res.ok and res.committed_units == list(range(24)), res
+        assert s.flush(timeout_s=60)
+        tiers = s.unit_tiers(keys)
+        assert tiers.count("both") == mem_slots and tiers.count("storage") == 24 - mem_slots
+        want = clone(kv)
+        poison(kv)
+        dst = rng.permutation(256)[: 24 * s.unit_blocks]
+        res = s.retrieve(keys, dst)
+        torch.cuda.synchronize()
+        assert res.ok, res
+        assert_moved(want, src, kv, dst, "kv_first")
+        st = s.stats()
+        assert 0 < st["memory_bytes_read"] < st["bytes_read"]
+        cold = [k for k, t in zip(keys, tiers) if t == "storage"][:2]
+        blocks = dst[: 2 * s.unit_blocks]
+        assert s.retrieve(cold, blocks).ok  # the second hit of each: promoted after the read
+        assert s.flush(timeout_s=60)
+        assert s.unit_tiers(cold) == ["both", "both"] and s.stats()["promotions"] == 2
+        poison(kv)
+        res = s.retrieve(keys, dst)
+        torch.cuda.synchronize()
+        assert res.ok, res
+        assert_moved(want, src, kv, dst, "kv_first")
+
+
+@gpu
 @pytest.mark.slow
 def test_ring_stress_millions_of_ioctxs(shm_dirs: list[Path]) -> None:
     """4 KiB objects through a small staging area: >= 2M IOCTXs, the rings wrap thousands of times."""

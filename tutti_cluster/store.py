@@ -760,8 +760,9 @@ class TuttiStore:
         return [_TIERS[t] for t in self._n.unit_tiers(key_array(keys))]
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Waits until every unit stored into the memory tier has its storage copy (``write_back``),
-        at most ``timeout_s`` seconds; True when none is left waiting. At once without a memory tier."""
+        """Waits until the memory tier's background copies are done: every unit stored into it has
+        its storage copy (``write_back``) and every promotion due is made; at most ``timeout_s``
+        seconds. True when none is left waiting; at once without a memory tier."""
         return bool(self._n.flush(-1.0 if timeout_s is None else timeout_s))
 
     def inner_keys(self) -> dict[int, int]:

@@ -521,16 +521,17 @@ void UnitStore::flusher_loop() {
     lk.unlock();
     copy_unit(key, flush ? Tier::kStorage : Tier::kMemory);
     lk.lock();
-    if (flush_q_.empty() && moving_.empty()) idle_cv_.notify_all();
+    if (flush_q_.empty() && promote_q_.empty() && moving_.empty()) idle_cv_.notify_all();
   }
 }
 
 bool UnitStore::flush(double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
-  auto idle = [this] { return stop_ || !flusher_.joinable() || (flush_q_.empty() && moving_.empty()); };
+  auto settled = [this] { return flush_q_.empty() && promote_q_.empty() && moving_.empty(); };
+  auto idle = [&] { return stop_ || !flusher_.joinable() || settled(); };
   if (timeout_s < 0) idle_cv_.wait(lk, idle);
   else idle_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), idle);
-  return flush_q_.empty() && moving_.empty();
+  return settled();
 }
 
 void UnitStore::note_storage_hit(uint64_t key) {

@@ -55,8 +55,8 @@ class UnitStore {
   virtual StoreStats stats() const;
   // Where each unit lies (memory tier): bit 1 a copy in memory, bit 2 one on storage, 0 absent.
   void unit_tiers(const uint64_t* keys, uint32_t n, uint8_t* out) const;
-  // Waits until no unit waits for its storage copy (write_back), at most `timeout_s` seconds (< 0:
-  // no limit). True when none waits.
+  // Waits until the background copies are done: no unit waits for its storage copy (write_back)
+  // or for its promotion, at most `timeout_s` seconds (< 0: no limit). True when none waits.
   bool flush(double timeout_s = -1);
   // Evicted keys since the last call (for the node daemon and cluster directory).
   std::vector<uint64_t> drain_evicted();
