@@ -353,7 +353,7 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
   uint32_t blocks;
   Status st = verify_unit(data, n, key, &blocks, &sums, &inner);
   if (!st.ok()) return st;
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
   if (index_->contains(*key)) return Status::Ok();
   uint32_t slot;
   st = alloc_store_slot(&slot);
@@ -372,7 +372,13 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
     commit_units(&slot, key, &blocks, sums.data(), 1, &done, &inner);  // a replica keeps its inner keys
     if (!done[0]) st = {Code::kStorage, "writing the unit's header failed"};
   }
-  if (!st.ok()) free_slot(slot);
+  if (!st.ok()) {
+    free_slot(slot);
+    return st;
+  }
+  lk.unlock();
+  if (opt_.write_policy == WritePolicy::kWriteThrough && pool_->tier_of(slot) == Tier::kMemory)
+    copy_unit(*key, Tier::kStorage);
   return st;
 }
 
@@ -399,7 +405,7 @@ void UnitStore::commit_units(const uint32_t* slots, const uint64_t* keys, const 
     slot_key_[slots[i]] = keys[i];
     const bool mem = pool_->tier_of(slots[i]) == Tier::kMemory;
     index_->insert(keys[i], slots[i], blocks[i], mem);
-    if (mem && opt_.write_policy != WritePolicy::kMemoryOnly) {
+    if (mem && opt_.write_policy == WritePolicy::kWriteBack) {  // write_through: the caller copies it
       flush_q_.push_back(keys[i]);
       work_cv_.notify_one();
     }
@@ -551,31 +557,17 @@ void UnitStore::note_storage_hit(uint64_t key) {
   work_cv_.notify_one();
 }
 
-// Copies the GPU file in slot `from` to slot `to` (another tier): objects, then the header, the same
-// bytes, so the copy is the same commit. Read from the memory tier's mapping when there is one,
-// else through `buf`; verified on the way (a damaged source is never copied). Not under mu_.
+// Copies the GPU file in slot `from` to slot `to` (another tier) through `buf`: objects, then the
+// header, the same bytes, so the copy is the same commit. Verified on the way (a damaged source is
+// never copied). The memory tier is read with pread, not through the I/O kernel's mapping, which the
+// engine session makes and removes on its own schedule. Not under mu_.
 static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32_t to, uint8_t* buf,
                         const std::function<Status(const uint8_t*)>& verify) {
-  const PoolPath& src = pool.path(pool.path_of(from));
-  const uint8_t* data = buf;
-  if (src.map) {
-    data = src.map + pool.offset_of(from);
-  } else {
-    Status st = pool.pread_all(from, 0, buf, g.slot_bytes);
-    if (!st.ok()) return st;
-  }
-  Status st = verify(data);
-  if (!st.ok()) return st;
-  const PoolPath& dst = pool.path(pool.path_of(to));
-  if (data != buf && !dst.cached()) {  // O_DIRECT takes aligned memory only: the mapping is page aligned
-    if (reinterpret_cast<uintptr_t>(data) % dst.buffer_align != 0) {
-      std::memcpy(buf, data, g.slot_bytes);
-      data = buf;
-    }
-  }
-  st = pool.pwrite_all(to, g.header_bytes, data + g.header_bytes, g.slot_bytes - g.header_bytes);
-  if (!st.ok()) return st;
-  return pool.pwrite_all(to, 0, data, g.header_bytes);
+  Status st = pool.pread_all(from, 0, buf, g.slot_bytes);
+  if (st.ok()) st = verify(buf);
+  if (st.ok()) st = pool.pwrite_all(to, g.header_bytes, buf + g.header_bytes, g.slot_bytes - g.header_bytes);
+  if (st.ok()) st = pool.pwrite_all(to, 0, buf, g.header_bytes);
+  return st;
 }
 
 // A flush (to the storage tier: the unit must lie in memory only) or a promotion (to memory: the
