@@ -579,3 +579,65 @@ def test_the_data_plane_never_imports_fastapi():
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_metrics_show_each_tier(tmp_path: Path):
+    """An engine with a memory tier (write_back): stores land in memory and are flushed to storage,
+    lookups hit in memory; /metrics shows the store's per-tier counters and the memory tier's share."""
+    import shutil
+    import tempfile
+
+    from conftest import BLOCK_TOKENS, make_kv
+    from tutti_cluster import TuttiStore
+    from tutti_cluster.node.daemon import NodeDaemon
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    shm = Path(tempfile.mkdtemp(prefix="tutti-test-", dir="/dev/shm"))
+    base = {"paths": [str(tmp_path / "ssd")], "unit_tokens": 64, "data_dir": str(tmp_path / "node"),
+            "node_id": "node-m", "memory_paths": [str(shm)]}
+    (tmp_path / "ssd").mkdir()
+    cfg = TuttiConfig(**base, capacity_gb=0.05, memory_capacity_gb=0.01)
+    ecfg = TuttiConfig(**base, capacity_gb=0.002, memory_capacity_gb=0.002, instance="e0", staging_mb=2)
+    d = NodeDaemon(cfg).start()
+    store = TuttiStore(ecfg)
+    link = DaemonLink(ecfg)
+    backend = NodeBackend(cfg)
+    try:
+        store.register_kv_caches(make_kv(layers=1), block_tokens=BLOCK_TOKENS)
+        assert link.attach(store) is not None
+        keys = [0x4700 + i for i in range(3)]
+        assert store.store(keys, list(range(len(keys) * store.unit_blocks))).units == len(keys)
+        assert store.flush(timeout_s=30) and store.lookup(keys) == len(keys)
+        st = store.stats()
+        assert st["memory_hits"] >= len(keys) and st["flushes"] >= len(keys) and st["memory_units"] == len(keys)
+        inst = (("instance", "e0"), ("node", "node-m"))
+        with TestClient(create_app(backend, TOKEN), raise_server_exceptions=False) as c:
+            def scrape() -> dict | None:
+                out = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for fam in text_string_to_metric_families(c.get("/metrics").text) for s in fam.samples}
+                return out if out.get(("tutti_flushes_total", inst)) == st["flushes"] else None
+
+            m = wait_for(scrape, 15)
+            assert m, "metrics did not catch up with the engine"
+            assert m[("tutti_tier_hits_total", inst + (("tier", "memory"),))] == st["memory_hits"]
+            assert m[("tutti_tier_hits_total", inst + (("tier", "storage"),))] == st["storage_hits"]
+            for name, key in (("tutti_memory_units", "memory_units"), ("tutti_memory_slots", "memory_slots"),
+                              ("tutti_memory_free_slots", "memory_free_slots"), ("tutti_flush_bytes_total", "flush_bytes"),
+                              ("tutti_flush_errors_total", "flush_errors"), ("tutti_flush_backlog_units", "flush_backlog"),
+                              ("tutti_promotions_total", "promotions"), ("tutti_demotions_total", "demotions"),
+                              ("tutti_memory_read_bytes_total", "memory_bytes_read")):
+                assert m[(name, inst)] == st[key], name
+            assert m[("tutti_memory_slots", inst)] > 0 and m[("tutti_flush_bytes_total", inst)] > 0
+            assert m[("tutti_instance_memory_capacity_bytes", inst)] == ecfg.memory_capacity_bytes()[0]
+            path = (("node", "node-m"), ("path", str(shm)))
+            assert m[("tutti_memory_path_capacity_bytes", path)] == cfg.memory_capacity_bytes()[0]
+            assert m[("tutti_memory_path_allocated_bytes", path)] == ecfg.memory_capacity_bytes()[0]
+            node = c.get("/v1/nodes/node-m", headers=AUTH).json()
+            assert node["memory_paths"] == [str(shm)] and node["instances"][0]["memory_units"] == len(keys)
+    finally:
+        backend.close()
+        link.close()
+        store.close()
+        d.stop()
+        shutil.rmtree(shm, ignore_errors=True)

@@ -880,3 +880,144 @@ def test_a_command_channel_ended_by_a_refusal_comes_back_with_a_later_attach(nod
         assert link._attach() is not None  # as the sender re-attaches on its next batch
         assert wait_for(lambda: d.stats()["instances"].get("late", {}).get("engine_connected"), 5), \
             "attached, but its command channel never came back"
+
+
+# -- the memory tier (issue 46) -------------------------------------------------------------------
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh directory on /dev/shm (tmpfs): a memory tier's path."""
+    import shutil
+    import tempfile
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    d = Path(tempfile.mkdtemp(prefix="tutti-test-", dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_memory_tier_is_shared_out_like_the_storage_paths_and_kept_across_restarts(tmp_path: Path, shm_dir: Path):
+    cfg = TuttiConfig(**daemon_config(tmp_path, memory_paths=[str(shm_dir)], memory_capacity_gb=0.01))
+    (total,), (mem,) = cfg.capacity_bytes(), cfg.memory_capacity_bytes()
+
+    def attach(name: str, **req: Any) -> dict:
+        return DaemonLink(cfg).request({"op": "attach", "instance": name, "geometry": GEO, **req})
+
+    d = NodeDaemon(cfg).start()
+    try:
+        r1 = attach("e1", capacity=[total // 4], memory_capacity=[mem // 3])
+        assert r1["memory_paths"] == [str(shm_dir)] and r1["memory_capacity"] == [mem // 3]
+        assert attach("e2", capacity=[total // 4], memory_capacity=[mem])["memory_capacity"] == [mem - mem // 3]
+        # An instance without a memory tier takes storage only.
+        r3 = attach("e3", capacity=[total // 4])
+        assert (r3["capacity"], r3["memory_paths"], r3["memory_capacity"]) == ([total // 4], [], [])
+        # The memory tier is spent: refused, and the storage share it would have taken stays free.
+        with pytest.raises(CapacityExceeded, match="memory-tier"):
+            attach("e4", capacity=[total // 8], memory_capacity=[1 << 20])
+        with pytest.raises(ConfigError, match="memory capacity request has 2 values for 1 memory paths"):
+            attach("e5", capacity=[total // 8], memory_capacity=[1 << 20, 1 << 20])
+        st = d.stats()
+        assert set(st["instances"]) == {"e1", "e2", "e3"}
+        assert (st["memory_paths"], st["memory_capacity"]) == ([str(shm_dir)], [mem])
+        assert [st["instances"][n]["memory_capacity"] for n in ("e1", "e2", "e3")] == [[mem // 3], [mem - mem // 3], []]
+        assert attach("e6", capacity=[total // 8])["capacity"] == [total // 8]
+        # A returning instance keeps its share.
+        assert attach("e1", memory_capacity=[mem])["memory_capacity"] == [mem // 3]
+    finally:
+        d.stop()
+    state = json.loads((Path(cfg.data_dir) / "instances.json").read_text())
+    assert state["e1"]["memory_capacity"] == [mem // 3] and state["e3"]["memory_capacity"] == []
+    d = NodeDaemon(cfg).start()  # the shares come back from instances.json
+    try:
+        assert d.stats()["instances"]["e2"]["memory_capacity"] == [mem - mem // 3]
+        with pytest.raises(CapacityExceeded, match="memory-tier"):
+            attach("e7", capacity=[1 << 20], memory_capacity=[1 << 20])
+    finally:
+        d.stop()
+
+
+@pytest.mark.parametrize("memory", [[-1], [1.5], [1 << 64], [], ["1024"], 1 << 20])
+def test_bad_memory_capacity_requests_are_refused(node, memory):
+    cfg, d = node
+    line = json.dumps({"op": "attach", "instance": "greedy", "geometry": GEO, "memory_capacity": memory})
+    (reply,) = send_lines(cfg, [line.encode()])
+    assert "memory_capacity" in assert_error(reply, "ConfigError")
+    assert "greedy" not in d.stats()["instances"]
+
+
+def test_a_node_without_a_memory_tier_grants_an_engines_memory_tier_nothing(node):
+    cfg, d = node
+    r = DaemonLink(cfg).request({"op": "attach", "instance": "m", "geometry": GEO, "memory_capacity": [1 << 20]})
+    assert r["capacity"] == cfg.capacity_bytes() and (r["memory_paths"], r["memory_capacity"]) == ([], [])
+    assert d.stats()["memory_paths"] == [] and d.stats()["instances"]["m"]["memory_capacity"] == []
+
+
+def test_the_daemons_view_finds_units_held_in_the_memory_tier_only(tmp_path: Path, shm_dir: Path):
+    """memory_only: the units never reach the storage paths; the daemon's read-only view opens the
+    engine's memory tier and indexes them, at attach and again when the daemon restarts."""
+    from conftest import BLOCK_TOKENS, make_kv
+    from tutti_cluster import TuttiStore
+
+    tier = {"memory_paths": [str(shm_dir)], "memory_capacity_gb": 0.004}
+    cfg = TuttiConfig(**daemon_config(tmp_path, **tier))
+    ecfg = TuttiConfig(**{**daemon_config(tmp_path), **tier, "capacity_gb": 0.002, "instance": "e0", "staging_mb": 2,
+                          "write_policy": "memory_only"})
+    store = TuttiStore(ecfg)
+    store.register_kv_caches(make_kv(layers=1), block_tokens=BLOCK_TOKENS)
+    keys = [0x4600 + i for i in range(3)]
+    d = NodeDaemon(cfg).start()
+    link = DaemonLink(ecfg)
+    try:
+        assert store.store(keys, list(range(len(keys) * store.unit_blocks))).units == len(keys)
+        assert store.unit_tiers(keys) == ["memory"] * len(keys)
+        assert link.attach(store)["memory_capacity"] == ecfg.memory_capacity_bytes()
+        assert link.request({"op": "lookup", "keys": keys})["local"] == len(keys)
+        view = d.stats()["instances"]["e0"]["view"]
+        assert view["units"] == view["memory_units"] == len(keys)
+        d.stop()
+        d = NodeDaemon(cfg).start()
+        assert DaemonLink(cfg).request({"op": "lookup", "keys": keys})["local"] == len(keys)
+    finally:
+        link.close()
+        d.stop()
+        store.close()
+
+
+def test_a_daemon_whose_memory_tier_is_gone_serves_the_storage_copies(tmp_path: Path, shm_dir: Path):
+    """A reboot empties tmpfs: the daemon restarts with an instance's memory share but no memory
+    pool files, and serves the units flushed to storage; the engine's return brings the tier back."""
+    from conftest import BLOCK_TOKENS, make_kv
+    from tutti_cluster import TuttiStore
+
+    tier = {"memory_paths": [str(shm_dir)], "memory_capacity_gb": 0.004}
+    cfg = TuttiConfig(**daemon_config(tmp_path, **tier))
+    ecfg = TuttiConfig(**{**daemon_config(tmp_path), **tier, "capacity_gb": 0.002, "instance": "e0", "staging_mb": 2})
+    keys = [0x4800 + i for i in range(3)]
+    d = NodeDaemon(cfg).start()
+    try:
+        store = TuttiStore(ecfg)
+        store.register_kv_caches(make_kv(layers=1), block_tokens=BLOCK_TOKENS)
+        with contextlib.closing(DaemonLink(ecfg)) as link:
+            assert link.attach(store) is not None
+            assert store.store(keys, list(range(len(keys) * store.unit_blocks))).units == len(keys)
+            assert store.flush(timeout_s=30) and store.unit_tiers(keys) == ["both"] * len(keys)
+        store.close()
+    finally:
+        d.stop()
+    for f in shm_dir.iterdir():
+        f.unlink()
+    d = NodeDaemon(cfg).start()
+    try:
+        assert DaemonLink(cfg).request({"op": "lookup", "keys": keys})["local"] == len(keys)
+        assert d.stats()["instances"]["e0"]["view"]["memory_slots"] == 0
+        store = TuttiStore(ecfg)  # the engine again: a fresh memory tier
+        store.register_kv_caches(make_kv(layers=1), block_tokens=BLOCK_TOKENS)
+        with contextlib.closing(DaemonLink(ecfg)) as link:
+            assert link.attach(store) is not None
+            assert d.stats()["instances"]["e0"]["view"]["memory_slots"] > 0
+            assert link.request({"op": "lookup", "keys": keys})["local"] == len(keys)
+        store.close()
+    finally:
+        d.stop()

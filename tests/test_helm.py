@@ -161,7 +161,8 @@ def _kube_validate(text: str, tmp_path: Path, name: str) -> str:
      "--set", "clusterSecret.existingSecret=cluster-key", "--set", "metrics.token.existingSecret=scrape",
      "--set-json", 'networkPolicy.clients=[{"namespace":"inference","podLabels":{"tutti.io/client":"true"}}]',
      "--set-json", 'networkPolicy.adminClients=[{"namespace":"ingress-nginx","podLabels":{"app":"ingress"}}]'],
-], ids=["default", "example", "rdma-mooncake-ingress", "single-node", "credentials"])
+    ["-f", str(EXAMPLE), "--set", "memoryTier.enabled=true", "--set-json", "memoryTier.capacityGb=1.5"],
+], ids=["default", "example", "rdma-mooncake-ingress", "single-node", "credentials", "memory-tier"])
 def test_rendered_manifests_validate_for_kubernetes_1_30(args: list[str], tmp_path: Path) -> None:
     text = render_text(*args)
     docs = [d for d in yaml.safe_load_all(text) if d]
@@ -309,9 +310,10 @@ def _chart_values() -> dict[str, Any]:
 
 
 # Settings the chart makes from its own sections, not from config: the credentials' files (copies
-# of Secrets), the health port (node.admin.healthPort, admin.healthPort) and the etcd user.
+# of Secrets), the health port (node.admin.healthPort, admin.healthPort), the etcd user and the
+# memory tier's path and size (memoryTier).
 CHART_MANAGED = {"cluster_secret_file", "metrics_token_file", "health_port", "etcd_ca_file", "etcd_cert_file",
-                 "etcd_key_file", "etcd_user", "etcd_password_file"}
+                 "etcd_key_file", "etcd_user", "etcd_password_file", "memory_paths", "memory_capacity_gb"}
 
 
 def test_config_keys_are_the_fields_of_tutti_config() -> None:
@@ -342,7 +344,8 @@ def test_config_schema_and_table_are_generated_from_tutti_config() -> None:
 # Every setting away from its default; 1048576 and 1.5 check how numbers are written.
 SETTINGS: dict[str, Any] = {
     "paths": ["/mnt/a", "/mnt/b"], "capacity_gb": [1.5, 2], "data_dir": "/srv/tutti", "instance": "inst-1",
-    "direct_io": "off", "pool_files": 3, "prewrite_pool": False, "map_memory_paths": False, "unit_tokens": 512,
+    "direct_io": "off", "pool_files": 3, "prewrite_pool": False, "map_memory_paths": False,
+    "write_policy": "write_through", "promote_hits": 3, "promote_window_s": 2.5, "unit_tokens": 512,
     "min_io_bytes": 1048576, "backend": "cpu", "device": 1, "queue_depth": 32, "iocb_depth": 2048,
     "staging_mb": 256, "max_requests": 64, "io_sms": 16, "cuda_pair": True, "cuda_trace": True,
     "etcd": ["etcd-a:2379", "etcd-b:2379"], "mooncake_master": "mc.example:50051", "node_id": "n1",
@@ -547,6 +550,64 @@ def test_example_wires_vllm_to_the_node_local_store(example_docs: list[dict[str,
     assert pod_spec(eng)["tolerations"] == pod_spec(ds)["tolerations"]
     anti = pod_spec(eng)["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0]
     assert anti["topologyKey"] == "kubernetes.io/hostname"
+
+
+# -- the memory tier ------------------------------------------------------------------------------
+
+
+def _memory_tier(obj: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None, dict[str, Any]]:
+    """A pod's memory-tier volume, where its container mounts it, and the container's environment."""
+    vols = [v for v in pod_spec(obj)["volumes"] if v["name"] == "memory-tier"]
+    mounts = [m["mountPath"] for m in container(obj)["volumeMounts"] if m["name"] == "memory-tier"]
+    return (vols[0] if vols else None), (mounts[0] if mounts else None), env_of(container(obj))
+
+
+def test_the_memory_tier_is_off_by_default_and_an_engines_memory_backed_empty_dir_when_on(
+        example_docs: list[dict[str, Any]], tmp_path: Path) -> None:
+    for d in example_docs:
+        if d["kind"] in ("DaemonSet", "Deployment"):
+            vol, mount, env = _memory_tier(d)
+            assert vol is None and mount is None and not {"TUTTI_MEMORY_PATHS", "TUTTI_MEMORY_CAPACITY_GB"} & env.keys()
+    f = write_values(tmp_path, {"memoryTier": {"enabled": True, "capacityGb": 1.5, "path": "/run/tutti-memory"},
+                                "config": {"write_policy": "write_through"}})
+    docs = render("-f", str(EXAMPLE), "-f", f)
+    vol, mount, env = _memory_tier(one(docs, "Deployment", "vllm"))
+    assert vol == {"name": "memory-tier", "emptyDir": {"medium": "Memory", "sizeLimit": "1.5Gi"}}
+    assert mount == env["TUTTI_MEMORY_PATHS"] == "/run/tutti-memory" and env["TUTTI_MEMORY_CAPACITY_GB"] == "1.5"
+    assert env["TUTTI_WRITE_POLICY"] == "write_through"
+    # The engine's own: the store nodes have no memory tier (the daemon sees units once on storage).
+    vol, mount, env = _memory_tier(one(docs, "DaemonSet", "node"))
+    assert vol is None and mount is None and "TUTTI_MEMORY_PATHS" not in env
+    assert env["TUTTI_WRITE_POLICY"] == "write_through"
+
+
+def test_a_host_memory_tier_is_shared_by_the_store_nodes_and_the_engines() -> None:
+    docs = render("-f", str(EXAMPLE), "--set", "memoryTier.enabled=true", "--set", "memoryTier.volume=hostPath")
+    ds, eng = one(docs, "DaemonSet", "node"), one(docs, "Deployment", "vllm")
+    for obj in (ds, eng):
+        vol, mount, env = _memory_tier(obj)
+        assert vol == {"name": "memory-tier", "hostPath": {"path": "/dev/shm/tutti", "type": "DirectoryOrCreate"}}
+        assert mount == env["TUTTI_MEMORY_PATHS"] == "/dev/shm/tutti" and env["TUTTI_MEMORY_CAPACITY_GB"] == "8"
+    prepare = [c for c in pod_spec(ds)["initContainers"] if c["name"] == "prepare-paths"][0]
+    assert "/dev/shm/tutti" in prepare["command"]
+    assert {"name": "memory-tier", "mountPath": "/dev/shm/tutti"} in prepare["volumeMounts"]
+
+
+def test_the_memory_tier_needs_its_own_directory_and_an_engine_to_live_in() -> None:
+    on = ["--set", "memoryTier.enabled=true"]
+    assert "set vllm.enabled=true, or memoryTier.volume=hostPath" in render_fails(*on)
+    host = [*on, "--set", "memoryTier.volume=hostPath"]
+    for path in ("/var/lib/tutti/", "/var/lib/tutti/store"):
+        assert "needs a directory of its own" in render_fails(*host, "--set", f"memoryTier.path={path}")
+    err = render_fails("-f", str(EXAMPLE), *on, "--set", "memoryTier.path=/mnt/nvme1/tutti")
+    assert "memoryTier.path /mnt/nvme1/tutti is also a storage path" in err
+    for args, where in ((["--set", "memoryTier.capacityGb=0"], "/memoryTier/capacityGb"),
+                        (["--set", "memoryTier.volume=pvc"], "/memoryTier/volume"),
+                        (["--set", "memoryTier.path=shm"], "/memoryTier/path"),
+                        (["--set", "config.memory_paths={/dev/shm/x}"], "memory_paths"),
+                        (["--set", "config.write_policy=sometimes"], "/config/write_policy")):
+        err = render_fails(*args)
+        assert "schema" in err and where in err, err
 
 
 # -- the schema rejects bad values ----------------------------------------------------------------

@@ -847,3 +847,43 @@ def test_real_engine_with_too_few_iocbs_keeps_its_outputs(tmp_path) -> None:
     assert m.get("vllm:tutti_lookup_hit_units", 0) > 0, m
     assert m.get("vllm:tutti_load_failed_units", 0) > 0 and m.get("vllm:tutti_load_units", 0) == 0, m
     assert starved["outputs"] == whole["outputs"]
+
+
+# ---- the memory tier's counters (issue 46) ------------------------------------------------------
+def test_the_stores_tiers_reach_the_connectors_metrics(tmp_path) -> None:
+    """A worker whose store has a memory tier (write_back): each interval's stats carry how the
+    store's per-tier counters moved and how its gauges changed, so that the Prometheus counters and
+    gauges, summed over intervals, hold the store's own values; the log line leaves the gauges out."""
+    import functools
+    import shutil
+    import tempfile
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from tutti_cluster.vllm.metrics import STORE_COUNTERS, STORE_GAUGES, TuttiPromMetrics
+
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm here")
+    shm = tempfile.mkdtemp(prefix="tutti-test-", dir="/dev/shm")
+    c, kv = _worker(tmp_path, memory_paths=[shm], memory_capacity_gb=0.004, defer_saves=False)
+    registry = CollectorRegistry()
+    kinds = {k: functools.partial(k, registry=registry) for k in (Gauge, Counter, Histogram)}
+    prom = TuttiPromMetrics(_vllm_config(tmp_path), kinds, ["engine"], {0: ["0"]})
+    try:
+        store = c.worker.store
+        for name, blocks in ((b"a", [0, 1]), (b"b", [2, 3])):
+            _step(c, saves=[_unit(c, name, blocks)])
+            assert store.flush(timeout_s=30)
+            _step(c, loads=[_unit(c, name, [8, 9])])
+            stats = c.get_kv_connector_stats()
+            assert stats is not None and not set(STORE_GAUGES) & stats.reduce().keys()
+            prom.observe(stats.to_dict())
+        st = store.stats()
+        assert st["memory_units"] == 2 and st["flushes"] == 2 and st["memory_slots"] > 0
+        for name in STORE_GAUGES:
+            assert registry.get_sample_value(f"vllm:tutti_{name}", {"engine": "0"}) == st[name], name
+        for name in STORE_COUNTERS:
+            assert (registry.get_sample_value(f"vllm:tutti_{name}_total", {"engine": "0"}) or 0) == st[name], name
+    finally:
+        c.shutdown()
+        shutil.rmtree(shm, ignore_errors=True)

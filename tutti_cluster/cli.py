@@ -29,7 +29,8 @@ COMMANDS = (
            "(and, with --etcd, this node's units to other nodes); --demo: try the store once and exit"),
     ("bench", "bandwidth against baselines and the same-run storage limits (needs PyTorch and the bench extra); "
               "`tutti bench cluster`: remote fetch and directory lookups (needs the cluster extra); "
-              "`tutti bench vllm`: a real vLLM engine's restore TTFT against recompute (needs vLLM)"),
+              "`tutti bench tiers`: a skewed workload through the memory and storage tiers against one tier of the "
+              "same capacity; `tutti bench vllm`: a real vLLM engine's restore TTFT against recompute (needs vLLM)"),
     ("profile", "offline profile of a model shape's per-layer compute on an (input, prefix) grid: the slack "
                 "windows `tutti bench --pipeline --profile` schedules I/O into (needs PyTorch and the bench extra)"),
     ("cluster-key", "write a new cluster credential (64 random hex digits, mode 0600) to PATH, for "
@@ -202,6 +203,9 @@ def cmd_up(a: argparse.Namespace) -> int:
     def ready(_: Any) -> None:
         mode = f"cluster (etcd {','.join(cfg.etcd)})" if cfg.cluster_mode else "single node (embedded default)"
         caps = ", ".join(f"{p} ({c / (1 << 30):g} GiB)" for p, c in zip(cfg.storage_paths(), cfg.capacity_bytes()))
+        if cfg.memory_paths:
+            caps += "; memory tier " + ", ".join(f"{p} ({c / (1 << 30):g} GiB)"
+                                                 for p, c in zip(cfg.memory_paths, cfg.memory_capacity_bytes()))
         print(f"tutti node daemon serving: {mode}; data {cfg.data_dir}; paths {caps}. Engines attach through "
               f"{cfg.data_dir / 'tutti.sock'} (TUTTI_DATA_DIR={cfg.data_dir}). Ctrl-C stops it.", flush=True)
         if not cfg.cluster_mode and cfg.cluster_secret_file is None:
@@ -339,6 +343,12 @@ def _dispatch(argv: list[str], verbose: bool) -> int:
         a = cluster_bench.build_parser(Parser, prog="tutti bench cluster").parse_args(rest[1:])
         _logging(verbose)
         return int(cluster_bench.run_args(a, rest[1:]) or 0)
+    if cmd == "bench" and rest[:1] == ["tiers"]:
+        from tutti_cluster.bench import tiers
+
+        a = tiers.build_parser(Parser, prog="tutti bench tiers").parse_args(rest[1:])
+        _logging(verbose or a.verbose)
+        return int(tiers.run_args(a) or 0)
     if cmd == "bench" and rest[:1] == ["vllm"]:
         from tutti_cluster.bench import vllm_restore  # vLLM and PyTorch only in the engine processes
 

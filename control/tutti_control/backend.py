@@ -110,6 +110,11 @@ def instance_counters(ent: InstanceStats) -> Counters:
         io_errors=eng.io_errors + view.io_errors,
         remote_units=remote.remote_units, remote_bytes=remote.remote_bytes, remote_failures=remote.remote_failures,
         notification_queue=ent.notification_queue, command_queue=ent.command_queue,
+        memory_capacity_bytes=sum(ent.memory_capacity), memory_units=occ.memory_units, memory_slots=occ.memory_slots,
+        memory_free_slots=occ.memory_free_slots, flush_backlog=occ.flush_backlog,
+        memory_hits=eng.memory_hits, storage_hits=eng.storage_hits, memory_bytes_read=eng.memory_bytes_read,
+        promotions=eng.promotions, demotions=eng.demotions, flushes=eng.flushes, flush_bytes=eng.flush_bytes,
+        flush_errors=eng.flush_errors,
     )
 
 
@@ -131,6 +136,7 @@ def node_stats_from(raw: StatsReply) -> NodeStats:
     directory = raw.directory if raw.directory is not None else DirectoryCounters()
     tot.units = raw.units  # distinct keys on the node (instances may share keys)
     tot.capacity_bytes = sum(raw.capacity)
+    tot.memory_capacity_bytes = sum(raw.memory_capacity)
     tot.stage_units = stage.units_staged
     tot.stage_bytes = stage.bytes_staged
     tot.stage_failures = stage.misses + raw.unreadable_units
@@ -151,7 +157,8 @@ def node_info_from(raw: StatsReply, admin: str | None = None) -> NodeInfo:
         c = instance_counters(ent)
         eng = ent.engine if ent.engine is not None else StoreCounters()
         instances.append(InstanceInfo(
-            name=name, capacity_bytes=list(ent.capacity), units=c.units,
+            name=name, capacity_bytes=list(ent.capacity), memory_capacity_bytes=list(ent.memory_capacity),
+            units=c.units, memory_units=c.memory_units,
             used_bytes=c.used_bytes, total_slots=occ.total_slots, free_slots=occ.free_slots,
             engine_connected=ent.engine_connected, pinned=eng.pinned if ent.engine_connected else None))
     d = drain_from(raw.drain)
@@ -159,7 +166,8 @@ def node_info_from(raw: StatsReply, admin: str | None = None) -> NodeInfo:
         d.units_left = raw.units
     return NodeInfo(
         node_id=raw.node_id, mode="cluster" if raw.cluster_mode else "single",
-        admin=admin, paths=list(raw.paths), capacity_bytes=list(raw.capacity), units=raw.units,
+        admin=admin, paths=list(raw.paths), capacity_bytes=list(raw.capacity), memory_paths=list(raw.memory_paths),
+        memory_capacity_bytes=list(raw.memory_capacity), units=raw.units,
         used_bytes=sum(i.used_bytes for i in instances), instances=instances, drain=d)
 
 

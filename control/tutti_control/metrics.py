@@ -33,7 +33,23 @@ PER_INSTANCE = [
     ("remote_units", "tutti_remote_fetch_units", "Units the engine fetched from other nodes", True),
     ("remote_bytes", "tutti_remote_fetch_bytes", "Bytes the engine fetched from other nodes", True),
     ("remote_failures", "tutti_remote_fetch_failures", "Remote fetches that ended early", True),
+    # The memory tier (zero without one).
+    ("memory_capacity_bytes", "tutti_instance_memory_capacity_bytes", "Memory-tier capacity share granted to the "
+     "instance", False),
+    ("memory_units", "tutti_memory_units", "Units with a copy in the memory tier", False),
+    ("memory_slots", "tutti_memory_slots", "Slots of the memory tier", False),
+    ("memory_free_slots", "tutti_memory_free_slots", "Free slots of the memory tier", False),
+    ("memory_bytes_read", "tutti_memory_read_bytes", "Bytes retrieved from the memory tier by the engine", True),
+    ("promotions", "tutti_promotions", "Units copied from the storage tier into the memory tier", True),
+    ("demotions", "tutti_demotions", "Memory-tier copies dropped to make room, their storage copy kept", True),
+    ("flushes", "tutti_flushes", "Units copied from the memory tier to the storage tier", True),
+    ("flush_bytes", "tutti_flush_bytes", "Bytes copied from the memory tier to the storage tier", True),
+    ("flush_errors", "tutti_flush_errors", "Copies from the memory tier to the storage tier that failed", True),
+    ("flush_backlog", "tutti_flush_backlog_units", "Units in the memory tier only, waiting for their storage copy "
+     "(not durable until then)", False),
 ]
+# Store lookup hits by the tier of the unit's fastest copy: (field of Counters, tier label).
+TIER_HITS = [("memory_hits", "memory"), ("storage_hits", "storage")]
 PER_NODE = [
     ("units", "tutti_node_units", "Distinct units held on the node", False),
     ("stage_units", "tutti_remote_served_units", "Units this node served to other nodes", True),
@@ -70,6 +86,12 @@ class TuttiCollector(Collector):
         used = GaugeMetricFamily("tutti_path_used_bytes",
                                  "Estimated: used bytes over the paths evenly (units are placed round-robin over them)",
                                  labels=["node", "path"])
+        tier_hits = CounterMetricFamily("tutti_tier_hits", "Store lookup hits by the tier of the unit's fastest copy",
+                                        labels=["node", "instance", "tier"])
+        mem_cap = GaugeMetricFamily("tutti_memory_path_capacity_bytes", "Byte cap of a memory-tier path",
+                                    labels=["node", "path"])
+        mem_alloc = GaugeMetricFamily("tutti_memory_path_allocated_bytes", "Capacity of a memory-tier path granted to "
+                                      "instances", labels=["node", "path"])
         queue = GaugeMetricFamily("tutti_queue_depth", "Items waiting in a queue", labels=["node", "instance", "queue"])
         draining = GaugeMetricFamily("tutti_draining", "1 while the node drains", labels=["node"])
         for n in nodes.nodes:
@@ -82,6 +104,10 @@ class TuttiCollector(Collector):
                 cap.add_metric([n.node_id, p], c)
                 alloc.add_metric([n.node_id, p], sum(x.capacity_bytes[i] for x in n.instances if i < len(x.capacity_bytes)))
                 used.add_metric([n.node_id, p], n.used_bytes / len(n.paths))
+            for i, p in enumerate(n.memory_paths):
+                mem_cap.add_metric([n.node_id, p], n.memory_capacity_bytes[i] if i < len(n.memory_capacity_bytes) else 0)
+                mem_alloc.add_metric([n.node_id, p], sum(x.memory_capacity_bytes[i] for x in n.instances
+                                                         if i < len(x.memory_capacity_bytes)))
             s = by_id.get(n.node_id)
             if s is None:
                 continue
@@ -90,6 +116,8 @@ class TuttiCollector(Collector):
             for name, c in s.instances.items():
                 for f, *_ in PER_INSTANCE:
                     inst_fams[f].add_metric([n.node_id, name], getattr(c, f))
+                for f, tier in TIER_HITS:
+                    tier_hits.add_metric([n.node_id, name, tier], getattr(c, f))
                 queue.add_metric([n.node_id, name, "notifications"], c.notification_queue)
                 queue.add_metric([n.node_id, name, "admin_commands"], c.command_queue)
         yield up
@@ -97,6 +125,9 @@ class TuttiCollector(Collector):
         yield cap
         yield alloc
         yield used
+        yield mem_cap
+        yield mem_alloc
         yield queue
         yield from node_fams.values()
         yield from inst_fams.values()
+        yield tier_hits

@@ -52,7 +52,10 @@ class Readiness(_Model):
 class InstanceInfo(_Model):
     name: str
     capacity_bytes: list[int] = Field(description="Share of each storage path granted to the instance.")
-    units: int = Field(description="Units found in the instance's pool headers.")
+    memory_capacity_bytes: list[int] = Field(default_factory=list, description="Share of each memory path granted "
+                                             "to the instance (empty: no memory tier).")
+    units: int = Field(description="Units found in the instance's pool headers (both tiers).")
+    memory_units: int = Field(default=0, description="Units with a copy in the memory tier.")
     used_bytes: int = Field(description="Slots holding a unit, times the slot size.")
     total_slots: int
     free_slots: int
@@ -77,6 +80,8 @@ class NodeInfo(_Model):
     admin: str | None = Field(default=None, description="The node's admin API address (cluster mode).")
     paths: list[str] = Field(default_factory=list)
     capacity_bytes: list[int] = Field(default_factory=list, description="Byte cap of each storage path.")
+    memory_paths: list[str] = Field(default_factory=list, description="The memory tier's paths (empty: none).")
+    memory_capacity_bytes: list[int] = Field(default_factory=list, description="Byte cap of each memory path.")
     units: int = 0
     used_bytes: int = 0
     instances: list[InstanceInfo] = Field(default_factory=list)
@@ -112,6 +117,21 @@ class Counters(_Model):
     remote_failures: int = 0
     notification_queue: int = Field(default=0, description="Commit/evict notifications waiting in the engines' links.")
     command_queue: int = Field(default=0, description="Admin commands waiting for the engines to take them.")
+    # The memory tier (zero without one); units, slots and bytes above count both tiers.
+    memory_capacity_bytes: int = Field(default=0, description="Bytes of the memory tier.")
+    memory_units: int = Field(default=0, description="Units with a copy in the memory tier.")
+    memory_slots: int = Field(default=0, description="Slots of the memory tier.")
+    memory_free_slots: int = 0
+    memory_hits: int = Field(default=0, description="Store lookup hits whose fastest copy is in the memory tier.")
+    storage_hits: int = Field(default=0, description="Store lookup hits whose only copy is in the storage tier.")
+    memory_bytes_read: int = Field(default=0, description="Bytes retrieved from the memory tier (bytes_read counts both).")
+    promotions: int = Field(default=0, description="Units copied from the storage tier into the memory tier.")
+    demotions: int = Field(default=0, description="Memory copies dropped to make room, their storage copy kept.")
+    flushes: int = Field(default=0, description="Units copied from the memory tier to the storage tier.")
+    flush_bytes: int = 0
+    flush_errors: int = Field(default=0, description="Copies to the storage tier that failed.")
+    flush_backlog: int = Field(default=0, description="Units in the memory tier only, not durable until copied to "
+                                                      "the storage tier.")
 
 
 class NodeStats(Counters):

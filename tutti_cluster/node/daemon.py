@@ -66,6 +66,7 @@ class InstanceState(StrictModel):
 
     geometry: Geometry
     capacity: list[Annotated[int, Field(ge=0, le=I63)]]
+    memory_capacity: list[Annotated[int, Field(ge=0, le=I63)]] = []  # [] without a memory tier
 
 
 class NodeDaemon(AdminOps):
@@ -86,9 +87,13 @@ class NodeDaemon(AdminOps):
         self.node_id = config.node_id or socket.gethostname()
         self.capacity = config.capacity_bytes()
         self.paths = [str(p) for p in config.storage_paths()]
+        # The memory tier's paths and bytes, shared out like the storage paths' ([]: none).
+        self.memory_capacity = config.memory_capacity_bytes()
+        self.memory_paths = [str(p) for p in config.memory_paths]
         self._lock = threading.RLock()
         self._attach_locks: dict[str, threading.Lock] = {}  # one per instance name (see _attach)
-        self._reserved: dict[str, list[int]] = {}  # shares granted to attaches still opening their pools
+        # Shares (storage, memory) granted to attaches still opening their pools.
+        self._reserved: dict[str, tuple[list[int], list[int]]] = {}
         self._slots_lock = threading.Lock()
         self._instances: dict[str, PoolView] = {}
         self._index: dict[int, set[str]] = {}
@@ -150,7 +155,8 @@ class NodeDaemon(AdminOps):
 
     def _save_state(self) -> None:
         """Write the shares atomically: a crash leaves the old or the new file, never a torn one."""
-        state = {n: InstanceState.model_validate({"geometry": v.geometry, "capacity": v.capacity}).model_dump()
+        state = {n: InstanceState.model_validate({"geometry": v.geometry, "capacity": v.capacity,
+                                                  "memory_capacity": v.memory_capacity}).model_dump()
                  for n, v in self._instances.items()}
         path = self._state_file()
         try:
@@ -168,7 +174,8 @@ class NodeDaemon(AdminOps):
         tighten_files(self.data_dir, self._file_gid)  # an older build's 0644 token and state: owner-only now
         self._pins = self._load_pins()
         for name, ent in self._load_state().items():
-            view = PoolView(self.config, name, ent.geometry.model_dump(), list(ent.capacity))
+            view = PoolView(self.config, name, ent.geometry.model_dump(), list(ent.capacity),
+                            list(ent.memory_capacity))
             self._instances[name] = view
             self._rescan(view)
         if self.config.cluster_mode:
@@ -456,6 +463,9 @@ class NodeDaemon(AdminOps):
     def _attach(self, req: AttachRequest) -> Reply:
         """Grant (or confirm) an instance's share: its own request, capped by what is left.
 
+        The memory tier is shared out the same way, where both the node and the instance have one
+        (the node's read-only view then opens the instance's memory tier too); an instance that
+        keeps its storage share but comes with a memory tier it had no share of gets one now.
         The geometry is checked against the instance's pools before anything is stored: one that
         does not describe them (LayoutError, ConfigError) is refused and the old state kept. Pools
         the daemon cannot see (another path, not created yet) are logged, and the share is granted.
@@ -470,9 +480,7 @@ class NodeDaemon(AdminOps):
             with self._lock:
                 old = self._instances.get(name)
                 if old is None:
-                    shares = [*(v.capacity for v in self._instances.values()), *self._reserved.values()]
-                    used = [sum(c[i] for c in shares if i < len(c)) for i in range(len(self.paths))]
-                    left = [max(0, c - u) for c, u in zip(self.capacity, used)]
+                    left = self._left(self.capacity, 0)
                     want = list(req.capacity) if req.capacity is not None else left
                     if len(want) != len(self.paths):
                         raise ConfigError(f"capacity request has {len(want)} values for {len(self.paths)} paths")
@@ -481,15 +489,18 @@ class NodeDaemon(AdminOps):
                         raise CapacityExceeded(f"no capacity left on this node for instance {name!r}")
                     if self._drain is not None:
                         raise CapacityExceeded(f"node {self.node_id} is draining: it takes no new instance ({name!r})")
-                    self._reserved[name] = grant
                 else:
                     grant = old.capacity
+                memory = self._memory_grant(name, req.memory_capacity, old)
+                # What this attach takes beyond the shares the instance already holds.
+                self._reserved[name] = ([] if old is not None else grant,
+                                        [] if old is not None and memory == old.memory_capacity else memory)
             try:
-                if old is not None and old.geometry == geometry:
+                if old is not None and old.geometry == geometry and old.memory_capacity == memory:
                     view = old
                     keys = self._open_view(view)
                 else:
-                    view = PoolView(self.config, name, geometry, grant)
+                    view = PoolView(self.config, name, geometry, grant, memory)
                     keys = self._open_view(view, refuse=(LayoutError, ConfigError))  # raises: nothing stored
                 with self._lock:
                     self._instances[name] = view
@@ -506,7 +517,37 @@ class NodeDaemon(AdminOps):
         with self._cmd_cv:
             if name in self._engines:
                 self._engines[name]["synced"] = False  # a new store: its pins and drain state are sent again
-        return AttachReply(paths=self.paths, capacity=view.capacity, node_id=self.node_id)
+        return AttachReply(paths=self.paths, capacity=view.capacity, node_id=self.node_id,
+                           memory_paths=self.memory_paths if view.memory_capacity else [],
+                           memory_capacity=view.memory_capacity)
+
+    def _left(self, total: list[int], tier: int) -> list[int]:
+        """Bytes of each path of a tier (0: storage, 1: memory) that no instance holds or is being
+        granted. Under ``self._lock``."""
+        shares = [*((v.capacity, v.memory_capacity)[tier] for v in self._instances.values()),
+                  *(r[tier] for r in self._reserved.values())]
+        used = [sum(c[i] for c in shares if i < len(c)) for i in range(len(total))]
+        return [max(0, c - u) for c, u in zip(total, used)]
+
+    def _memory_grant(self, name: str, want: list[int] | None, old: PoolView | None) -> list[int]:
+        """An instance's share of the memory tier: [] where it asks for none or the node has none,
+        the share it holds where it has one, else its request capped by what is left. Under
+        ``self._lock``."""
+        if not want or not any(want):
+            return []
+        if not self.memory_paths:
+            log.info("instance %s has a memory tier, this node's daemon none (memory_paths unset here): its units "
+                     "are served to other nodes once their storage copy is written", name)
+            return []
+        if len(want) != len(self.memory_paths):
+            raise ConfigError(f"memory capacity request has {len(want)} values for {len(self.memory_paths)} memory "
+                              "paths")
+        if old is not None and len(old.memory_capacity) == len(want):
+            return old.memory_capacity
+        grant = [min(r, lft) for r, lft in zip(want, self._left(self.memory_capacity, 1))]
+        if sum(grant) == 0:
+            raise CapacityExceeded(f"no memory-tier capacity left on this node for instance {name!r}")
+        return grant
 
     def _commit(self, name: str, keys: list[int]) -> None:
         with self._lock:
@@ -555,7 +596,8 @@ class NodeDaemon(AdminOps):
         with self._lock:
             head: dict[str, Any] = {
                 "node_id": self.node_id, "units": len(self._index), "paths": self.paths,
-                "capacity": self.capacity, "cluster_mode": self.config.cluster_mode, "pins": len(self._pins),
+                "capacity": self.capacity, "memory_paths": self.memory_paths, "memory_capacity": self.memory_capacity,
+                "cluster_mode": self.config.cluster_mode, "pins": len(self._pins),
                 **self.counters,
             }
             views = dict(self._instances)
@@ -569,9 +611,12 @@ class NodeDaemon(AdminOps):
             view = v.stats()
             if view:
                 # Units and slots as the index has them: it follows every commit and eviction the
-                # engines report, while the view counts what its last rescan of the headers found.
+                # engines report, while the view counts what its last rescan of the headers found
+                # (each unit committed or evicted since takes or frees a slot; with a memory tier, a
+                # unit in both tiers holds two).
+                scanned = int(view.get("units", 0))
                 view["units"] = held[name]
-                view["free_slots"] = max(0, int(view.get("total_slots", 0)) - held[name])
+                view["free_slots"] = max(0, int(view.get("free_slots", 0)) - (held[name] - scanned))
             seen[name] = view
         instances: dict[str, InstanceStats] = {}
         with self._cmd_cv:
@@ -579,7 +624,7 @@ class NodeDaemon(AdminOps):
                 e = self._engines.get(name) or {}
                 eng, remote = e.get("stats"), e.get("cluster")
                 instances[name] = InstanceStats(
-                    capacity=v.capacity, view=StoreCounters.model_validate(seen[name]),
+                    capacity=v.capacity, memory_capacity=v.memory_capacity, view=StoreCounters.model_validate(seen[name]),
                     engine=None if eng is None else StoreCounters.model_validate(eng),
                     engine_connected=self._engine_live(name), rates=Rates.model_validate(e.get("rates", {})),
                     cluster=None if remote is None else RemoteCounters.model_validate(remote),

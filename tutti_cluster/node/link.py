@@ -163,7 +163,8 @@ class DaemonLink:
             return None
         try:
             req = make_request(AttachRequest, instance=self.config.instance, geometry=self._geometry,
-                               capacity=self.config.capacity_bytes())
+                               capacity=self.config.capacity_bytes(),
+                               memory_capacity=self.config.memory_capacity_bytes() or None)
             reply = self.request(req, timeout_s=self.attach_timeout_s)
         except TimeoutError as exc:
             # A daemon busy with many attaches finishes ours on its own; the command channel then

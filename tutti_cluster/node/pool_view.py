@@ -9,7 +9,7 @@ import time
 from typing import Any, Iterator
 
 from tutti_cluster.config import TuttiConfig
-from tutti_cluster.errors import TuttiError
+from tutti_cluster.errors import NotFound, TuttiError
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +23,19 @@ class PoolView:
     refresh, reopen or close holds it alone, since a refresh rebuilds the store's index in place.
     """
 
-    def __init__(self, config: TuttiConfig, name: str, geometry: dict[str, Any], capacity: list[int]) -> None:
+    def __init__(self, config: TuttiConfig, name: str, geometry: dict[str, Any], capacity: list[int],
+                 memory_capacity: list[int] | None = None) -> None:
         self.name = name
         self.geometry = geometry
         self.capacity = capacity
-        self.config = config.model_copy(update={"instance": name, "unit_tokens": geometry["unit_tokens"]})
+        # The instance's share of the memory tier: with one, the view opens the instance's pools on
+        # the node's memory paths too, and its index holds the units found in either tier.
+        self.memory_capacity = list(memory_capacity or [])
+        self.config = config.model_copy(update={"instance": name, "unit_tokens": geometry["unit_tokens"],
+                                                "memory_paths": config.memory_paths if self.memory_capacity else []})
         self.store: Any = None
         self._opened_geometry: dict[str, Any] | None = None
+        self._opened_memory: list[int] = []  # the memory share the open store was opened with
         self.refreshed_at = 0.0
         self._cv = threading.Condition()
         self._readers = 0
@@ -63,24 +69,38 @@ class PoolView:
 
     def open(self) -> list[int]:
         """Open the pools read-only (or rescan their headers when open) and return the keys they hold."""
-        from tutti_cluster.store import TuttiStore
-
         with self._alone():
             g = self.geometry
-            if self.store is not None and g == self._opened_geometry:
+            if self.store is not None and g == self._opened_geometry and self._opened_memory == self.memory_capacity:
                 self.store.refresh()
             else:
-                # First open, or the engine came back with another geometry.
+                # First open, the engine came back with another geometry, or the memory tier the
+                # last open did not find.
                 if self.store is not None:
                     self.store.close()
                     self.store = None
-                st = TuttiStore(self.config)
-                st.open_pools(num_layers=g["num_layers"], objs_per_layer=g["nptr"], block_bytes=g["block_bytes"],
-                              block_tokens=g["block_tokens"], dtype=g.get("dtype", ""),
-                              block_shape=tuple(g.get("block_shape", ())))
-                self.store, self._opened_geometry = st, dict(g)
+                try:
+                    st, memory = self._open_store(self.config), self.memory_capacity
+                except NotFound as exc:
+                    if not self.memory_capacity:
+                        raise
+                    # The memory tier's files are gone (tmpfs after a reboot) while the storage
+                    # copies are not: serve those until the engine comes back and makes the tier again.
+                    st, memory = self._open_store(self.config.model_copy(update={"memory_paths": []})), []
+                    log.info("instance %s: its memory tier is not there (%s); the storage tier alone is served "
+                             "until the engine attaches again", self.name, exc)
+                self.store, self._opened_geometry, self._opened_memory = st, dict(g), memory
             self.refreshed_at = time.monotonic()
             return list(self.store.keys())
+
+    def _open_store(self, config: TuttiConfig) -> Any:
+        from tutti_cluster.store import TuttiStore
+
+        g = self.geometry
+        st = TuttiStore(config)
+        st.open_pools(num_layers=g["num_layers"], objs_per_layer=g["nptr"], block_bytes=g["block_bytes"],
+                      block_tokens=g["block_tokens"], dtype=g.get("dtype", ""), block_shape=tuple(g.get("block_shape", ())))
+        return st
 
     def _refresh(self, seen: float) -> bool:
         """Rescan the headers unless another thread did since ``seen``; False when it failed."""

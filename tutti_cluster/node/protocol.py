@@ -96,14 +96,19 @@ class Request(StrictModel):
         return str(cls.model_fields["op"].default)
 
 
+_Shares = Annotated[list[Annotated[int, Field(ge=0, le=I63)]], Field(min_length=1, max_length=256)]
+
+
 class AttachRequest(Request):
     """An instance announces its geometry; ``capacity`` (bytes per path) is what it asks for,
-    absent for whatever is left."""
+    absent for whatever is left. ``memory_capacity`` (bytes per memory path) is its memory tier's,
+    absent when it has none."""
 
     op: Literal["attach"] = "attach"
     instance: InstanceName
     geometry: Geometry
-    capacity: Annotated[list[Annotated[int, Field(ge=0, le=I63)]], Field(min_length=1, max_length=256)] | None = None
+    capacity: _Shares | None = None
+    memory_capacity: _Shares | None = None
 
     @model_validator(mode="after")
     def _some_capacity(self) -> "AttachRequest":
@@ -258,9 +263,14 @@ class Reply(BaseModel):
 
 
 class AttachReply(Reply):
+    """The instance's share: bytes of each storage path, and of each memory path ([] where the
+    instance or the node has no memory tier)."""
+
     paths: list[str]
     capacity: list[int]
     node_id: str
+    memory_paths: list[str] = []
+    memory_capacity: list[int] = []
 
 
 class LookupReply(Reply):
@@ -381,7 +391,7 @@ class StoreCounters(_Counters):
     """An engine store's counters (``TuttiStore.stats()``; the engine adds its own, e.g. the vLLM
     connector's lookups and hits), as the daemon reports them and the admin plane reads them."""
 
-    units: int = 0
+    units: int = 0  # both tiers, as are the slots
     pinned: int = 0
     total_slots: int = 0
     free_slots: int = 0
@@ -389,10 +399,26 @@ class StoreCounters(_Counters):
     lookups: int = 0
     hits: int = 0
     evictions: int = 0
-    bytes_read: int = 0
+    bytes_read: int = 0  # both tiers
     bytes_written: int = 0
     checksum_failures: int = 0
     io_errors: int = 0
+    # The memory tier (all zero without one): units with a copy there and its slots; lookup hits
+    # whose fastest copy is in memory or only in storage; bytes read from memory; storage copies
+    # taken into memory and memory copies dropped for room; units copied to storage, their bytes,
+    # the copies that failed, and the units in memory only, waiting for their storage copy.
+    memory_units: int = 0
+    memory_slots: int = 0
+    memory_free_slots: int = 0
+    memory_hits: int = 0
+    storage_hits: int = 0
+    memory_bytes_read: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    flushes: int = 0
+    flush_bytes: int = 0
+    flush_errors: int = 0
+    flush_backlog: int = 0
 
 
 class RemoteCounters(_Counters):
@@ -431,6 +457,7 @@ class InstanceStats(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     capacity: list[int]
+    memory_capacity: list[int] = []  # its share of each memory path ([]: no memory tier)
     view: StoreCounters  # the daemon's read-only view of its pools; units and slots as the index has them
     engine: StoreCounters | None  # the engine's last report; None before its first
     engine_connected: bool
@@ -458,6 +485,8 @@ class StatsReply(Reply):
     units: int
     paths: list[str]
     capacity: list[int]
+    memory_paths: list[str] = []
+    memory_capacity: list[int] = []
     cluster_mode: bool
     pins: int
     instances: dict[str, InstanceStats]

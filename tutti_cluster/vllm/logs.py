@@ -7,7 +7,7 @@
   (or at shutdown), so that a damaged disk cannot flood the log.
 - :func:`describe_failures`: a request's failed units as the store reports them (each one's key,
   pool file and slot, and cause).
-- :func:`describe_pools`: a store instance's paths, capacity and pool files.
+- :func:`describe_pools`: a store instance's paths, capacity and pool files, per tier.
 - :class:`Reminder`: a warning repeated every minute from a daemon thread, until stopped (an engine
   serving without its cache says so until it restarts).
 """
@@ -97,10 +97,19 @@ class Reminder:
 
 
 def describe_pools(config: TuttiConfig) -> str:
-    """``/mnt/a (4 GiB in 1 pool file), ...``: each path, its capacity and how many pool files hold it."""
-    files = pool_files(config)
+    """``/mnt/a (4 GiB in 1 pool file), ...``: each path, its capacity and how many pool files hold it;
+    then the memory tier's paths the same way, and the write policy, where there is one."""
+    text = _describe_paths(config, config.storage_paths(), config.capacity_bytes())
+    if config.memory_paths:
+        memory = _describe_paths(config, config.memory_paths, config.memory_capacity_bytes())
+        text += f"; memory tier {memory}, {config.write_policy}"
+    return text
+
+
+def _describe_paths(config: TuttiConfig, paths: Sequence[Path], caps: Sequence[int]) -> str:
+    files = pool_files(config.model_copy(update={"paths": list(paths)}))  # the same names on any path
     parts = []
-    for p, cap in zip(config.storage_paths(), config.capacity_bytes()):
+    for p, cap in zip(paths, caps):
         n = sum(1 for f in files if f.parent == Path(p))
         parts.append(f"{p} ({cap / (1 << 30):.3g} GiB in {n} pool file{'s' if n != 1 else ''})")
     return ", ".join(parts)

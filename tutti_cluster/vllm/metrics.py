@@ -6,6 +6,12 @@ forward waited for a layer's load).
 vLLM collects them with ``get_kv_connector_stats``, sums the workers' and the scheduler's with
 ``aggregate``, logs them in its "KV Transfer metrics" line and hands them to
 :class:`TuttiPromMetrics`, one Prometheus counter ``vllm:tutti_<stat>`` per stat (units, blocks, I/Os or microseconds, as named).
+
+The workers also pass on their stores' per-tier counters (:data:`STORE_COUNTERS`: hits per tier,
+promotions, demotions, flushes; zero without a memory tier) as they moved since the last report, and
+the memory tier's size and flush backlog (:data:`STORE_GAUGES`) as how much they changed: summed over
+workers and reports that is the current value, which ``vllm:tutti_<stat>`` gauges hold (the log line
+leaves them out).
 """
 
 from __future__ import annotations
@@ -15,7 +21,13 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-__all__ = ["STAT_KEYS", "TuttiConnectorStats", "TuttiPromMetrics"]
+__all__ = ["STAT_KEYS", "STORE_COUNTERS", "STORE_GAUGES", "TuttiConnectorStats", "TuttiPromMetrics"]
+
+#: The store's counters (``TuttiStore.stats()``) each worker reports as they moved since its last report.
+STORE_COUNTERS = ("direct_ios", "memory_hits", "storage_hits", "promotions", "demotions", "flushes", "flush_bytes",
+                  "flush_errors")
+#: The store's gauges, each reported as how much it changed since the worker's last report.
+STORE_GAUGES = ("memory_units", "memory_slots", "flush_backlog")
 
 STAT_KEYS = (
     "lookup_hit_units",
@@ -28,8 +40,9 @@ STAT_KEYS = (
     "store_deferred_units",
     "remote_units",
     "poisoned_block_reads",
-    "direct_ios",
     "load_wait_us",
+    *STORE_COUNTERS,
+    *STORE_GAUGES,
 )
 
 
@@ -53,7 +66,8 @@ class TuttiConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: int(v) for k, v in self.data.items()}
+        # The gauges' changes say nothing alone: the Prometheus gauges hold their values.
+        return {k: int(v) for k, v in self.data.items() if k not in STORE_GAUGES}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -68,8 +82,9 @@ class TuttiConnectorStats(KVConnectorStats):
 
 
 class TuttiPromMetrics(KVConnectorPromMetrics):
-    """One Prometheus counter per stat: ``vllm:tutti_<stat>_total`` (units, blocks, I/Os or
-    microseconds, as named; summed over worker ranks)."""
+    """One Prometheus counter per stat: ``vllm:tutti_<stat>_total`` (units, blocks, I/Os, bytes or
+    microseconds, as named; summed over worker ranks), and a gauge ``vllm:tutti_<stat>`` for each of
+    :data:`STORE_GAUGES`."""
 
     _DOC = {
         "lookup_hit_units": "Cache units the scheduler found in the Tutti store and scheduled to load.",
@@ -90,6 +105,16 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
         "load_wait_us": "Microseconds (not units) the forward waited in wait_for_layer_load for loads still "
                         "in flight: the part of a restore that compute did not hide (zero when every layer "
                         "lands before its attention needs it).",
+        "memory_hits": "Store lookup hits (units) whose fastest copy was in the memory tier.",
+        "storage_hits": "Store lookup hits (units) whose only copy was in the storage tier.",
+        "promotions": "Units copied from the storage tier into the memory tier (read often enough).",
+        "demotions": "Memory-tier copies dropped to make room, their storage copy kept (units).",
+        "flushes": "Units copied from the memory tier to the storage tier (durable from then on).",
+        "flush_bytes": "Bytes (not units) copied from the memory tier to the storage tier.",
+        "flush_errors": "Copies from the memory tier to the storage tier that failed (units).",
+        "memory_units": "Units with a copy in the memory tier, over the worker ranks.",
+        "memory_slots": "Slots of the memory tier, over the worker ranks.",
+        "flush_backlog": "Units in the memory tier only, waiting for their storage copy (not durable yet).",
     }
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
@@ -97,13 +122,13 @@ class TuttiPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[tuple[int, str], Any] = {}
         for name in STAT_KEYS:
-            counter = self._counter_cls(name=f"vllm:tutti_{name}", documentation=self._DOC[name],
-                                        labelnames=labelnames)
+            cls = self._gauge_cls if name in STORE_GAUGES else self._counter_cls
+            metric = cls(name=f"vllm:tutti_{name}", documentation=self._DOC[name], labelnames=labelnames)
             for idx, values in per_engine_labelvalues.items():
-                self._counters[(idx, name)] = counter.labels(*values)
+                self._counters[(idx, name)] = metric.labels(*values)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, v in transfer_stats_data.items():
             c = self._counters.get((engine_idx, name))
             if c is not None and v:
-                c.inc(v)
+                c.inc(v)  # a gauge's change may be negative

@@ -45,7 +45,7 @@ from tutti_cluster.pipeline.scheduler import SlackScheduler
 from tutti_cluster.vllm.config import ConnectorSetup, rank_prefix, unit_key
 from tutti_cluster.vllm.logs import BoundedLog, Reminder, banner, describe_failures, describe_pools
 from tutti_cluster.vllm.metadata import Transfer, TuttiConnectorMetadata, TuttiHandshake, TuttiWorkerMetadata
-from tutti_cluster.vllm.metrics import TuttiConnectorStats
+from tutti_cluster.vllm.metrics import STORE_COUNTERS, STORE_GAUGES, TuttiConnectorStats
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +101,7 @@ class TuttiWorker:
         self._failed: dict[str, int] = {}
         self._link: Any = None  # the node daemon's socket, when a daemon runs
         self._cluster: Any = None  # remote fetches, in cluster mode
-        self._direct_ios = 0  # the store's direct_ios already counted in the stats
+        self._store_seen: dict[str, int] = {}  # the store's counters and gauges as last reported
         # Operator-facing: failures logged at most 10 a minute per kind, with their cause.
         self._load_warnings = BoundedLog(log)
         self._store_warnings = BoundedLog(log)
@@ -114,12 +114,15 @@ class TuttiWorker:
         self.hit_units = 0
 
     def take_stats(self) -> TuttiConnectorStats | None:
-        # Direct I/Os belong to loads and saves, which count here as they finish: a quiet interval
-        # skips the store's stats (an idle step pays nothing), a later one takes the difference.
+        # The store's counters (direct I/Os, per-tier hits, flushes) follow loads and saves, which
+        # count here as they finish: a quiet interval skips the store's stats (an idle step pays
+        # nothing), a later one takes the difference. Gauges go as their change, too (metrics.py).
         if self.store is not None and not self._stats.is_empty():
-            n = int(self.store.stats()["direct_ios"])
-            self._stats.add("direct_ios", n - self._direct_ios)
-            self._direct_ios = n
+            st = self.store.stats()
+            for name in (*STORE_COUNTERS, *STORE_GAUGES):
+                n = int(st.get(name, 0))
+                self._stats.add(name, n - self._store_seen.get(name, 0))
+                self._store_seen[name] = n
         return self._stats.take()
 
     # ---- start ----------------------------------------------------------------------------------
@@ -197,6 +200,9 @@ class TuttiWorker:
             self._link = None
         caps = cfg.capacity_bytes()
         where = ", ".join(f"{p} ({c / (1 << 30):g} GiB = {c} bytes)" for p, c in zip(cfg.storage_paths(), caps))
+        if cfg.memory_paths:
+            where += "; memory tier: " + ", ".join(f"{p} ({c / (1 << 30):g} GiB = {c} bytes)"
+                                                   for p, c in zip(cfg.memory_paths, cfg.memory_capacity_bytes()))
         cause = str(e) if isinstance(e, TuttiError) else f"{type(e).__name__}: {e}"
         msg = (f"{cause} (instance {cfg.instance}; capacity_gb per path: {where}; on a memory file system "
                f"(tmpfs) each path's capacity is split into up to 16 pool files unless pool_files says otherwise)")

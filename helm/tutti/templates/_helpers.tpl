@@ -117,6 +117,28 @@ Kubernetes node name.
 {{- end }}
 {{- end }}
 
+{{/* The memory tier's settings (memoryTier): for the engines, and for the store nodes with a hostPath. */}}
+{{- define "tutti.memoryTierEnv" -}}
+- name: TUTTI_MEMORY_PATHS
+  value: {{ .Values.memoryTier.path | quote }}
+- name: TUTTI_MEMORY_CAPACITY_GB
+  value: {{ include "tutti.scalar" .Values.memoryTier.capacityGb | quote }}
+{{- end }}
+
+{{/* The memory tier's volume (memoryTier.volume): a memory-backed emptyDir of the tier's size, or the host's directory. */}}
+{{- define "tutti.memoryTierVolume" -}}
+- name: memory-tier
+{{- if eq .Values.memoryTier.volume "hostPath" }}
+  hostPath:
+    path: {{ .Values.memoryTier.path }}
+    type: DirectoryOrCreate
+{{- else }}
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ printf "%sGi" (include "tutti.scalar" .Values.memoryTier.capacityGb) }}
+{{- end }}
+{{- end }}
+
 {{- define "tutti.adminTokenEnv" -}}
 - name: TUTTI_ADMIN_TOKEN
   valueFrom:
@@ -140,6 +162,18 @@ Kubernetes node name.
 {{- $c := len .Values.config.capacity_gb }}
 {{- if and (ne $c 1) (ne $c (max $n 1)) }}
 {{- fail (printf "config.capacity_gb has %d values for %d paths: give one value for all paths or one per path" $c (max $n 1)) }}
+{{- end }}
+{{- $m := .Values.memoryTier }}
+{{- if $m.enabled }}
+{{- if and (eq $m.volume "emptyDir") (not .Values.vllm.enabled) }}
+{{- fail "memoryTier.volume emptyDir puts the memory tier in the chart's engine pods: set vllm.enabled=true, or memoryTier.volume=hostPath (a tmpfs directory of the host) for engines of your own" }}
+{{- end }}
+{{- $storage := default (list (printf "%s/store" .Values.config.data_dir)) .Values.config.paths }}
+{{- range (append $storage .Values.config.data_dir) }}
+{{- if eq (clean .) (clean $m.path) }}
+{{- fail (printf "memoryTier.path %s is also a storage path or config.data_dir: the memory tier needs a directory of its own" $m.path) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- if and .Values.node.rdma.enabled (ne (toString (default "rdma" .Values.config.protocol)) "rdma") }}
 {{- fail "node.rdma.enabled needs config.protocol=rdma (or null)" }}
