@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import operator
 import os
 import re
@@ -763,7 +764,9 @@ class TuttiStore:
         """Waits until the memory tier's background copies are done: every unit stored into it has
         its storage copy (``write_back``) and every promotion due is made; at most ``timeout_s``
         seconds. True when none is left waiting; at once without a memory tier."""
-        return bool(self._n.flush(-1.0 if timeout_s is None else timeout_s))
+        if timeout_s is not None and not timeout_s >= 0:
+            raise ConfigError(f"flush timeout_s must be None or a number of seconds >= 0, not {timeout_s!r}")
+        return bool(self._n.flush(-1.0 if timeout_s is None or math.isinf(timeout_s) else timeout_s))
 
     def inner_keys(self) -> dict[int, int]:
         """Inner key -> the key of the stored unit it lies in (see :meth:`begin_store`)."""

@@ -379,7 +379,10 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
       p.dir = dirs[d];
       p.dir_index = d;
       p.file = pool_file_name(dirs[d], instance, k);
-      p.capacity = capacity[d] / files[d];
+      // Whole GPU files, spread over the path's files (the first ones take one more where they do
+      // not divide evenly): a path's capacity holds as many slots whatever its number of files.
+      const uint64_t slots = capacity[d] / g.slot_bytes;
+      p.capacity = (slots / files[d] + (k < slots % files[d] ? 1 : 0)) * g.slot_bytes;
       p.memory = memory_fs(dirs[d]);
       p.tier = tier_of_dir(d);
       paths_.push_back(p);

@@ -358,6 +358,8 @@ Status Store::finish(uint32_t id, RequestResult* out) {
             if (gone) {
               evicted_.push_back(r.keys[u]);
               inner_of_.erase(r.keys[u]);
+            } else {
+              queue_flush_if_memory_only(r.keys[u]);
             }
           }
         } else if (not_moved[u]) {
@@ -388,7 +390,7 @@ Status Store::finish(uint32_t id, RequestResult* out) {
     }
     release_request(id, r);
   }
-  for (uint64_t key : through) copy_unit(key, Tier::kStorage);
+  for (uint64_t key : through) flush_now(key);
   return Status::Ok();
 }
 

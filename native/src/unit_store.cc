@@ -378,7 +378,7 @@ Status UnitStore::import_unit(const uint8_t* data, uint64_t n, uint64_t* key) {
   }
   lk.unlock();
   if (opt_.write_policy == WritePolicy::kWriteThrough && pool_->tier_of(slot) == Tier::kMemory)
-    copy_unit(*key, Tier::kStorage);
+    flush_now(*key);
   return st;
 }
 
@@ -471,7 +471,7 @@ StoreStats UnitStore::units_stats() const {
   s.flushes = flushes_;
   s.flush_bytes = flush_bytes_;
   s.flush_errors = flush_errors_;
-  s.flush_backlog = flush_q_.size() + moving_.size();
+  s.flush_backlog = flush_q_.size() + retry_.size() + moving_.size();
   s.units = index_->size();
   s.pinned = index_->pinned();
   s.free_slots = pool_->free_slots();
@@ -516,36 +516,71 @@ void UnitStore::stop_flusher() {
 
 void UnitStore::flusher_loop() {
   std::unique_lock<std::mutex> lk(mu_);
+  auto ready = [this] { return stop_ || !flush_q_.empty() || !promote_q_.empty(); };
+  double retry_at = 0;
   while (true) {
-    work_cv_.wait(lk, [this] { return stop_ || !flush_q_.empty() || !promote_q_.empty(); });
+    // Copies that failed (storage full of pinned units, a write error) are tried again each second.
+    if (retry_.empty()) work_cv_.wait(lk, ready);
+    else work_cv_.wait_for(lk, std::chrono::duration<double>(std::max(0.0, retry_at - now_s())), ready);
     if (stop_) break;
+    if (!retry_.empty() && now_s() >= retry_at) {
+      flush_q_.insert(flush_q_.end(), retry_.begin(), retry_.end());
+      retry_.clear();
+    }
+    if (flush_q_.empty() && promote_q_.empty()) continue;
     // Flushes first: a unit in memory only is one crash of the host away from being lost.
     const bool flush = !flush_q_.empty();
     std::deque<uint64_t>& q = flush ? flush_q_ : promote_q_;
     const uint64_t key = q.front();
     q.pop_front();
+    busy_++;
     lk.unlock();
-    copy_unit(key, flush ? Tier::kStorage : Tier::kMemory);
+    const bool failed = !copy_unit(key, flush ? Tier::kStorage : Tier::kMemory);
     lk.lock();
-    if (flush_q_.empty() && promote_q_.empty() && moving_.empty()) idle_cv_.notify_all();
+    busy_--;
+    if (failed) {
+      if (retry_.empty()) retry_at = now_s() + 1.0;
+      retry_.push_back(key);
+    }
+    if (settled()) idle_cv_.notify_all();
   }
+}
+
+bool UnitStore::settled() const {
+  return flush_q_.empty() && promote_q_.empty() && retry_.empty() && moving_.empty() && busy_ == 0;
 }
 
 bool UnitStore::flush(double timeout_s) {
   std::unique_lock<std::mutex> lk(mu_);
-  auto settled = [this] { return flush_q_.empty() && promote_q_.empty() && moving_.empty(); };
   auto idle = [&] { return stop_ || !flusher_.joinable() || settled(); };
-  if (timeout_s < 0) idle_cv_.wait(lk, idle);
+  if (!(timeout_s >= 0) || timeout_s > 1e7) idle_cv_.wait(lk, idle);  // < 0, NaN, or beyond any wait: no limit
   else idle_cv_.wait_for(lk, std::chrono::duration<double>(timeout_s), idle);
   return settled();
+}
+
+void UnitStore::flush_now(uint64_t key) {
+  if (copy_unit(key, Tier::kStorage)) return;
+  std::lock_guard<std::mutex> lk(mu_);  // failed: the flusher tries again
+  flush_q_.push_back(key);
+  work_cv_.notify_one();
+}
+
+void UnitStore::queue_flush_if_memory_only(uint64_t key) {
+  Index::Copies c;
+  if (opt_.write_policy == WritePolicy::kMemoryOnly || !index_->find(key, &c) || !c.mem || c.copy != Index::kNoCopy)
+    return;
+  flush_q_.push_back(key);
+  work_cv_.notify_one();
 }
 
 void UnitStore::note_storage_hit(uint64_t key) {
   if (opt_.promote_hits == 0 || !pool_->has_memory_tier() || opt_.read_only) return;
   const double now = now_s();
-  if (storage_reads_.size() >= (1u << 16))  // bounded: forget the hits older than the window
+  if (storage_reads_.size() >= (1u << 16)) {  // bounded: forget the hits older than the window, or all
     for (auto it = storage_reads_.begin(); it != storage_reads_.end();)
       it = now - it->second.second > opt_.promote_window_s ? storage_reads_.erase(it) : std::next(it);
+    if (storage_reads_.size() >= (1u << 15)) storage_reads_.clear();  // a scan this long: start counting again
+  }
   auto& [hits, first] = storage_reads_[key];
   if (hits == 0 || now - first > opt_.promote_window_s) {
     hits = 0;
@@ -573,16 +608,17 @@ static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32
 // A flush (to the storage tier: the unit must lie in memory only) or a promotion (to memory: the
 // unit must lie on storage only). The source is pinned while it is read; the copy is recorded only
 // if the unit still lies where it did, else its slot is freed again.
-void UnitStore::copy_unit(uint64_t key, Tier to_tier) {
+bool UnitStore::copy_unit(uint64_t key, Tier to_tier) {
   const bool flush = to_tier == Tier::kStorage;
   uint32_t from, to;
   {
     std::lock_guard<std::mutex> lk(mu_);
     Index::Copies c;
-    if (moving_.count(key) || !index_->find(key, &c) || c.mem != flush || c.copy != Index::kNoCopy) return;
+    if (moving_.count(key) || !index_->find(key, &c) || c.mem != flush || c.copy != Index::kNoCopy) return true;
     if (!alloc_slot(&to, to_tier).ok()) {
-      if (flush) flush_errors_++;  // storage full of pinned units: the unit stays in memory only
-      return;
+      if (!flush) return true;  // no room in memory without dropping a unit in memory only: not promoted
+      flush_errors_++;  // storage full of pinned units: the unit stays in memory only, for now
+      return false;
     }
     from = c.slot;
     index_->pin(key);
@@ -615,10 +651,10 @@ void UnitStore::copy_unit(uint64_t key, Tier to_tier) {
     } else {
       promotions_++;
     }
-    return;
+    return true;
   }
   free_slot(to);
-  if (st.ok()) return;  // removed or replaced meanwhile
+  if (st.ok()) return true;  // removed or replaced meanwhile
   if (flush) flush_errors_++;
   bool gone;
   if (damaged && index_->drop_copy(key, from, &gone)) {  // a damaged copy is a miss; the other serves
@@ -629,6 +665,7 @@ void UnitStore::copy_unit(uint64_t key, Tier to_tier) {
       inner_of_.erase(key);
     }
   }
+  return !flush || damaged;  // a flush that failed otherwise (a write error) is tried again
 }
 
 }  // namespace tutti

@@ -77,7 +77,13 @@ class UnitStore {
   // Copies a memory unit to the storage tier (flush) or a storage unit into memory (promotion),
   // objects first and the header (the same bytes: the same key and commit) last, then records the
   // second copy. Not under mu_.
-  void copy_unit(uint64_t key, Tier to_tier);
+  // False when a flush failed for want of a free storage slot or by a write error: to be tried again.
+  bool copy_unit(uint64_t key, Tier to_tier);
+  // write_through: copies a unit to storage now, or (that failing) leaves it to the flusher. Not under mu_.
+  void flush_now(uint64_t key);
+  // A unit left with its memory copy alone (its storage copy dropped as damaged) is flushed again.
+  // Under mu_.
+  void queue_flush_if_memory_only(uint64_t key);
   void free_slot(uint32_t slot);
   // Overwrites a slot's header with the layout's free-slot header (layout.h), so that a crash while
   // the slot is rewritten never brings the old key back.
@@ -121,7 +127,9 @@ class UnitStore {
   void flusher_loop();
   void start_flusher();
   void stop_flusher();
-  std::deque<uint64_t> flush_q_, promote_q_;
+  bool settled() const;  // nothing queued, waiting to be tried again, or being copied. Under mu_.
+  std::deque<uint64_t> flush_q_, promote_q_, retry_;
+  uint32_t busy_ = 0;  // copies the flusher has taken off a queue and not finished
   std::unordered_set<uint64_t> moving_;  // keys being copied between tiers
   std::unordered_map<uint64_t, std::pair<uint32_t, double>> storage_reads_;  // key -> (hits, first hit time)
   std::condition_variable work_cv_, idle_cv_;
