@@ -1,5 +1,5 @@
 """File-system helpers for the benchmark: file-system types, O_DIRECT probing, page-cache control,
-aligned (and, on CUDA, pinned) host buffers."""
+aligned (and, on CUDA, pinned) host buffers. PyTorch is imported only by :class:`PinnedRegion`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import mmap
 import os
 from pathlib import Path
 from typing import Iterable
-
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +86,8 @@ class PinnedRegion:
     """
 
     def __init__(self, buf: mmap.mmap) -> None:
+        import torch
+
         self._ptr = buffer_address(buf)
         rc = torch.cuda.cudart().cudaHostRegister(self._ptr, len(buf), 0)
         if int(rc) != 0:
@@ -97,6 +97,8 @@ class PinnedRegion:
 
     def close(self) -> None:
         if self._ptr:
+            import torch
+
             torch.cuda.cudart().cudaHostUnregister(self._ptr)
             self._ptr = 0
 

@@ -1,5 +1,6 @@
-"""Same-run hardware limits: storage read and write bandwidth on the configured paths, and
-host-to-GPU copy bandwidth when a GPU is used.
+"""Same-run hardware limits: storage read and write bandwidth on the configured paths,
+host-to-GPU copy bandwidth when a GPU is used, and host memory copy bandwidth
+(:func:`host_copy_gbps`, for ``tutti bench tiers``'s memory tier).
 
 Storage is measured the way a perfect data path would use it: large sequential requests (1 MiB)
 from several threads at once (the best of several thread counts wins), with O_DIRECT where the file
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tutti_cluster.bench import fsutil
@@ -223,3 +225,16 @@ def _measure_h2d(buf: mmap.mmap, device: torch.device, repeats: int = 5) -> floa
     elapsed = time.perf_counter() - t0
     del src, dst
     return repeats * nbytes / elapsed / 1e9
+
+
+def host_copy_gbps(threads: int, buf_bytes: int = 64 << 20, rounds: int = 4) -> float:
+    """Host memory copy bandwidth: each of ``threads`` threads copies its own ``buf_bytes`` buffer
+    into another, ``rounds`` times (numpy copies release the GIL); GB/s copied (each byte read once
+    and written once). The pages are touched before the timed copies."""
+    pairs = [(np.ones(buf_bytes, np.uint8), np.full(buf_bytes, 2, np.uint8)) for _ in range(threads)]
+
+    def work(t: int) -> None:
+        for _ in range(rounds):
+            np.copyto(pairs[t][1], pairs[t][0])
+
+    return threads * rounds * buf_bytes / timed_threads(threads, work) / 1e9

@@ -5,6 +5,9 @@ Systems:
 
 * ``recompute``: no connector; every token of the prompt is prefilled.
 * ``tutti``: the TuttiConnector (``tutti_cluster.vllm``), once per ``--unit-tokens-list`` value.
+* ``tutti-memory``: the same with a memory tier (``memory_paths``: a new directory on ``--memory-path``,
+  a tmpfs, large enough for the whole prompt) in front of the disk; its storing run writes through,
+  so every unit has its memory and its disk copy before the restores, which read the memory copies.
 * ``example``: vLLM's ExampleConnector (one safetensors file per layer in a directory).
 
 Each connector first has a *storing* run (an engine prefills the prompt and its connector stores
@@ -48,7 +51,8 @@ from typing import Any
 
 from tutti_cluster.errors import ConfigError
 
-SYSTEMS = ("recompute", "tutti", "example", "cached")
+SYSTEMS = ("recompute", "tutti", "tutti-memory", "example", "cached")
+TUTTI_SYSTEMS = ("tutti", "tutti-memory")  # the TuttiConnector's, one row per unit size
 DEFAULT_SYSTEMS = ("recompute", "tutti", "example")
 RUN_ONLY = ("recompute", "cached")  # systems with no storing run and nothing to restore
 MODEL_SHAPES: dict[str, dict[str, int]] = {
@@ -60,6 +64,7 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
 }
 DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}
 DEFAULT_MODEL_CACHE = Path("/var/tmp/tutti-bench-vllm-models")
+DEFAULT_MEMORY_PATH = Path("/dev/shm")
 RUN_TIMEOUT_S = 1800
 
 
@@ -109,6 +114,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--paths", type=Path, metavar="DIR",
                    help="store directory: the tutti pools and the ExampleConnector's files go under it "
                    "[default: a new temporary directory in /var/tmp, on the disk, removed afterwards]")
+    p.add_argument("--memory-path", type=Path, default=DEFAULT_MEMORY_PATH, metavar="DIR",
+                   help="tutti-memory: a tmpfs (or ramfs) directory its memory tier goes under, in a new "
+                   f"directory removed afterwards [default: {DEFAULT_MEMORY_PATH}]")
     p.add_argument("--keep", action="store_true", help="keep the store directory afterwards")
     p.add_argument("--drop-caches", action="store_true",
                    help="sync and drop the kernel's page cache before every restore run (needs root; skipped "
@@ -327,12 +335,16 @@ def drop_caches() -> str | None:
     return None
 
 
-def tutti_kv_config(store: Path, node: Path, unit_tokens: int, capacity_gb: float) -> dict[str, Any]:
+def tutti_kv_config(store: Path, node: Path, unit_tokens: int, capacity_gb: float,
+                    memory: Path | None = None) -> dict[str, Any]:
+    """The TuttiConnector's config; with ``memory``, a memory tier there of ``capacity_gb`` too."""
+    extra: dict[str, Any] = {"paths": [str(store)], "data_dir": str(node), "unit_tokens": unit_tokens,
+                             "capacity_gb": capacity_gb}
+    if memory is not None:
+        extra.update(memory_paths=[str(memory)], memory_capacity_gb=capacity_gb)
     return {
         "kv_connector": "TuttiConnector", "kv_connector_module_path": "tutti_cluster.vllm", "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"paths": [str(store)], "data_dir": str(node), "unit_tokens": unit_tokens,
-                                      "capacity_gb": capacity_gb},
+        "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra,
     }
 
 
@@ -370,6 +382,13 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
         raise ConfigError("--repeat must be at least 1")
     if not 0 <= args.warm_up <= args.prompt_tokens:
         raise ConfigError("--warm-up must be in 0..--prompt-tokens")
+    if "tutti-memory" in systems:
+        from tutti_cluster.bench import fsutil
+
+        fs = fsutil.fs_type(args.memory_path) if args.memory_path.is_dir() else None
+        if fs not in fsutil.MEMORY_FS:
+            raise ConfigError(f"tutti-memory: --memory-path {args.memory_path} is "
+                              f"{'on ' + fs if fs else 'not a directory'}; the memory tier needs tmpfs or ramfs")
     return systems, units
 
 
@@ -403,6 +422,13 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     work = root / "runs"
     work.mkdir(exist_ok=True)
+    memory_dirs: list[Path] = []
+
+    def memory_root() -> Path:
+        """tutti-memory's directory on the tmpfs, made at its first use and removed at the end."""
+        if not memory_dirs:
+            memory_dirs.append(Path(tempfile.mkdtemp(prefix="tutti-bench-vllm-", dir=args.memory_path)))
+        return memory_dirs[0]
 
     drop_note = None
     if args.drop_caches:
@@ -411,8 +437,8 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
             emit(f"warning: {drop_note}: restores may read the page cache")
     plan: list[tuple[str, int | None]] = []
     for s in systems:
-        if s == "tutti":
-            plan += [("tutti", u) for u in units]
+        if s in TUTTI_SYSTEMS:
+            plan += [(s, u) for u in units]
         else:
             plan.append((s, None))
     total = sum(args.repeat if s in RUN_ONLY else 1 + args.repeat for s, _ in plan)
@@ -452,11 +478,16 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         for row in rows:  # the storing runs
             system, unit = row["system"], row["unit_tokens"]
             kv_config: dict[str, Any] | None = None
-            if system == "tutti":
-                store = root / f"tutti-u{unit}"
+            if system in TUTTI_SYSTEMS:
+                store = root / f"{system}-u{unit}"
                 shutil.rmtree(store, ignore_errors=True)
                 store.mkdir()
-                kv_config = tutti_kv_config(store, root / f"node-u{unit}", int(unit or 0), capacity_gb)
+                memory = None
+                if system == "tutti-memory":
+                    memory = memory_root() / f"u{unit}"
+                    memory.mkdir()
+                kv_config = tutti_kv_config(store, root / f"node-{system}-u{unit}", int(unit or 0), capacity_gb,
+                                            memory)
             elif system == "example":
                 store = root / "example"
                 shutil.rmtree(store, ignore_errors=True)
@@ -467,10 +498,14 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                 n += 1
                 # The warm-up too: every restore then finds the warm-up prompt stored, the first as the rest.
                 spec = dict(base_spec, kv_transfer_config=kv_config, warm_up=warm_up)
-                if system == "tutti":
+                if system in TUTTI_SYSTEMS:
                     # An engine run ends without teardown (child_run), so the storing run finishes
-                    # its writes in their step: nothing it stored may still be uncommitted.
+                    # its writes in their step: nothing it stored may still be uncommitted. With a
+                    # memory tier it writes through: every unit has its disk copy too when the run
+                    # ends, and no restore run flushes a backlog beside its request.
                     extra = dict(kv_config["kv_connector_extra_config"], defer_saves=False)
+                    if system == "tutti-memory":
+                        extra["write_policy"] = "write_through"
                     spec["kv_transfer_config"] = dict(kv_config, kv_connector_extra_config=extra)
                     if args.store_prefix_only:
                         spec["prompt"] = prompt[:args.prefix_tokens]
@@ -527,6 +562,9 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
     finally:
         if own_root and not args.keep and not failed:
             shutil.rmtree(root, ignore_errors=True)
+        if not args.keep:  # host memory: removed even after a failure (the logs are under the run's directory)
+            for d in memory_dirs:
+                shutil.rmtree(d, ignore_errors=True)
 
     rec = next(r for r in rows if r["system"] == "recompute")["ttft_s"]["median"]
     ex = next((r for r in rows if r["system"] == "example"), None)
@@ -538,12 +576,18 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         row["x_example"] = (ex["ttft_s"]["median"] / row["ttft_s"]["median"]) if ex is not None else None
         # What restoring costs over the engine's own floor for the same tail (medians, same run).
         row["over_cached_s"] = (row["ttft_s"]["median"] - cached["ttft_s"]["median"]
-                                if cached is not None and row["system"] in ("tutti", "example") else None)
+                                if cached is not None and row["system"] in (*TUTTI_SYSTEMS, "example") else None)
+        row["x_cached"] = (row["ttft_s"]["median"] / cached["ttft_s"]["median"]
+                           if cached is not None and row["system"] != "cached" else None)
         # Of that, what the forward spent waiting for layers still in flight (the rest: the restore's
         # share of the host beside compute, and the engine's own steps).
         waits = [x["metrics"].get("vllm:tutti_load_wait_us") for x in row["runs"]]
         row["load_wait_s"] = (_summary([w / 1e6 for w in waits])
-                              if row["system"] == "tutti" and None not in waits else None)
+                              if row["system"] in TUTTI_SYSTEMS and None not in waits else None)
+        # Units the workers' memory tiers held at each restore's end (the gauge vllm:tutti_memory_units).
+        mem_units = [x["metrics"].get("vllm:tutti_memory_units") for x in row["runs"]]
+        row["memory_units"] = (mem_units if row["system"] == "tutti-memory" and None not in mem_units
+                               else None)
     return {
         "bench": "vllm_restore",
         "config": {
@@ -631,8 +675,11 @@ def format_table(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         name = f"{r['system']}{' ' + str(r['unit_tokens']) if r['unit_tokens'] else ''}"
         if r.get("over_cached_s") is not None:
-            lines.append(f"{name}: "
-                         f"{r['over_cached_s'] * 1e3:+.0f} ms over vLLM's own prefix cache in a warm engine (cached)")
+            lines.append(f"{name}: {r['over_cached_s'] * 1e3:+.0f} ms ({r['x_cached']:.2f}x) over vLLM's own prefix "
+                         "cache in a warm engine (cached)")
+        if r.get("memory_units") is not None:
+            lines.append(f"{name}: units in the memory tier after each restore: "
+                         f"{', '.join(str(int(u)) for u in r['memory_units'])} (vllm:tutti_memory_units)")
         if r.get("load_wait_s") is not None:
             w = r["load_wait_s"]
             lines.append(f"{name}: the forward waited {w['median'] * 1e3:.1f} ms ({w['min'] * 1e3:.1f}-"
