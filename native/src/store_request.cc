@@ -170,6 +170,7 @@ Status Store::begin(ReqOp op, const uint64_t* keys, uint32_t n_units, const int6
     return st;
   }
   r.active = true;
+  if (op == ReqOp::kRetrieve) reading_++;
   *request = id;
   return Status::Ok();
 }
@@ -223,6 +224,7 @@ void Store::release_request(uint32_t id, Request& r) {
   if (r.op == ReqOp::kRetrieve) {
     for (uint32_t u = 0; u < r.keys.size(); ++u)
       if (r.unit_present[u]) index_->unpin(r.keys[u]);
+    if (r.active && reading_ > 0 && --reading_ == 0) work_cv_.notify_all();  // the flusher's turn
   } else {
     for (uint32_t u = 0; u < r.keys.size(); ++u)
       if (r.unit_present[u] && r.unit_slot[u] != kNoSlot) pool_->release(r.unit_slot[u]);

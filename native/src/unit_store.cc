@@ -528,6 +528,12 @@ void UnitStore::flusher_loop() {
       retry_.clear();
     }
     if (flush_q_.empty() && promote_q_.empty()) continue;
+    // The storage tier's slack: copies wait while the engine's retrieves are in flight (at most
+    // 50 ms at a time), unless the memory tier is under pressure (under an eighth of it free).
+    if (reading_ > 0 && pool_->free_slots(Tier::kMemory) * 8 >= pool_->num_slots(Tier::kMemory)) {
+      work_cv_.wait_for(lk, std::chrono::milliseconds(50), [this] { return stop_ || reading_ == 0; });
+      if (stop_) break;
+    }
     // Flushes first: a unit in memory only is one crash of the host away from being lost.
     const bool flush = !flush_q_.empty();
     std::deque<uint64_t>& q = flush ? flush_q_ : promote_q_;

@@ -130,6 +130,7 @@ class UnitStore {
   bool settled() const;  // nothing queued, waiting to be tried again, or being copied. Under mu_.
   std::deque<uint64_t> flush_q_, promote_q_, retry_;
   uint32_t busy_ = 0;  // copies the flusher has taken off a queue and not finished
+  uint32_t reading_ = 0;  // the engine session's retrieves in flight: the flusher waits for them
   std::unordered_set<uint64_t> moving_;  // keys being copied between tiers
   std::unordered_map<uint64_t, std::pair<uint32_t, double>> storage_reads_;  // key -> (hits, first hit time)
   std::condition_variable work_cv_, idle_cv_;
