@@ -600,7 +600,7 @@ def test_memory_tier_mixes_mapped_and_io_uring_units_in_one_request(shm_dirs: li
     rng = np.random.default_rng(23)
     keys = [int(k) for k in rng.integers(1, 1 << 62, 24)]
     with open_gpu_store(dirs, kv, "kv_first", map_memory_paths=True, memory_paths=[str(shm_dirs[0])],
-                        memory_capacity_gb=0.012) as s:
+                        memory_capacity_gb=0.0008) as s:  # 8 GPU files of 100 KiB
         mem_slots = s.stats()["memory_slots"]
         assert 4 <= mem_slots < 24
         src = rng.permutation(256)[: 24 * s.unit_blocks]
