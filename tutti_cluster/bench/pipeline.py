@@ -31,6 +31,7 @@ from tutti_cluster.bench.prefill import harness as hz
 from tutti_cluster.bench.prefill.model import Decoder, ModelShape, PagedKV, TensorParallel, model_shape
 from tutti_cluster.bench.tutti_system import pool_bytes_per_path
 from tutti_cluster.errors import CapacityExceeded, ConfigError
+from tutti_cluster.bench.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -262,21 +263,6 @@ def check_room(plan: PipelinePlan) -> None:
                                    f"{need / GIB:.1f} GiB (weights, KV of {n} tokens, activations)")
 
 
-class _Progress:
-    def __init__(self, total: int, show: bool = True) -> None:
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, desc="tutti bench --pipeline", unit="step", file=sys.stderr, dynamic_ncols=True,
-                         disable=not show)
-
-    def step(self, text: str) -> None:
-        self._bar.set_postfix_str(text, refresh=False)
-        self._bar.update(1)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
 def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path]) -> Any:
     from tutti_cluster import TuttiStore
     from tutti_cluster.config import load_config
@@ -315,7 +301,7 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
     work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
     store: Any = None
     reader: Any = None
-    progress: _Progress | None = None
+    progress: Progress | None = None
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     try:
@@ -348,7 +334,8 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
         model.prefill(kv, warm.tokens, 0, warm.block_ids)
         restoring = [x for x in plan.systems if x not in ("ideal", "recompute")]
         per_p = plan.repeat * (1 + len(restoring) + (plan.writeback and "tutti" in plan.systems))
-        progress = _Progress(sum(1 + len(plan.prefixes[n]) * per_p for n in plan.inputs), show=group.rank == 0)
+        progress = Progress(sum(1 + len(plan.prefixes[n]) * per_p for n in plan.inputs), "tutti bench --pipeline",
+                            show=group.rank == 0)
         info["store"] = {"unit_tokens": store.unit_tokens, "staging_mb": plan.cfg.staging_mb,
                          "map_memory_paths": plan.cfg.map_memory_paths, "total_slots": store.stats().get("total_slots"),
                          "io_sms": plan.cfg.io_sms, "compute_stream": h._stream is not None}
@@ -408,7 +395,7 @@ def _against_plain(wb: list[hz.Outcome], plain: list[hz.Outcome]) -> dict[str, A
     return out
 
 
-def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: _Progress,
+def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress,
                partial: Callable[[list[dict[str, Any]]], None],
                group: RankGroup) -> tuple[list[dict[str, Any]], dict]:
     """One input: recompute, then every prefix, longest first (the cheap suffixes: a run cut short

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from tutti_cluster.bench.extra import check_extra
 from tutti_cluster.bench.kvdata import LLAMA3_8B, KVData, KVShape
 from tutti_cluster.bench.options import parse_tokens, remove_stale_runs, resolve_device, split_list
 from tutti_cluster.errors import CapacityExceeded, ConfigError
+from tutti_cluster.bench.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -187,25 +187,6 @@ def check_room(plan: Plan) -> None:
         )
 
 
-class _Progress:
-    """tqdm progress bar over the run's steps (stderr)."""
-
-    def __init__(self, total: int) -> None:
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, desc="tutti bench", unit="step", file=sys.stderr, dynamic_ncols=True)
-
-    def step(self, text: str) -> None:
-        self._bar.set_postfix_str(text, refresh=False)
-        self._bar.update(1)
-
-    def note(self, text: str) -> None:
-        self._bar.write(text, file=sys.stdout)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
 def _measure(fn: Callable[[Round], OpTiming], rnd: Round, nbytes: int, layers: int) -> Sample:
     p0, t0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
     timing = fn(rnd)
@@ -241,7 +222,7 @@ def run(plan: Plan) -> dict[str, Any]:
     systems: dict[str, BenchSystem] = {}
     page_cache: set[str] = set()
     samples: dict[tuple[str, str, int], list[Sample]] = {}
-    progress: _Progress | None = None
+    progress: Progress | None = None
     probe: limits_mod.StorageProbe | None = None
     try:
         for w in work:
@@ -260,7 +241,7 @@ def run(plan: Plan) -> dict[str, Any]:
                 plan.skipped[name] = str(e)
         steps = 2 * len(plan.limit_threads) + (plan.device.type == "cuda")
         steps += len(plan.prefixes) * plan.repeat * 2 * len(systems)
-        progress = _Progress(steps)
+        progress = Progress(steps, "tutti bench")
         max_bytes = plan.shape.prefix_bytes(max(plan.prefixes))
         probe = limits_mod.StorageProbe(
             work, direct, max(plan.limit_bytes, max_bytes), plan.staging_bytes, plan.device

@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tutti_cluster.config import add_config_arguments
+from tutti_cluster.bench.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -244,23 +244,6 @@ def unit_key(unit: int) -> int:
     return ((unit + 1) * _KEY_MUL) & ((1 << 63) - 1)
 
 
-class _Progress:
-    def __init__(self, total: int) -> None:
-        from tqdm import tqdm
-
-        self._bar = tqdm(total=total, desc="tutti bench tiers", unit="req", file=sys.stderr, dynamic_ncols=True)
-
-    def step(self, text: str) -> None:
-        self._bar.set_postfix_str(text, refresh=False)
-        self._bar.update(1)
-
-    def note(self, text: str) -> None:
-        self._bar.write(text, file=sys.stdout)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
 def _open_store(name: str, plan: Plan, kv: Any, dirs: list[Path], mem: list[Path]) -> Any:
     """The system's store on ``dirs`` (and, tiered, the memory tier on ``mem``), KV registered."""
     from tutti_cluster import TuttiStore
@@ -438,7 +421,7 @@ def run(plan: Plan) -> dict[str, Any]:
                   "host_copy_gbps_by_threads": copy}
         if lim.h2d_gbps is not None:
             limits["h2d_gbps"] = lim.h2d_gbps
-        progress = _Progress(len(plan.systems) * len(seq))
+        progress = Progress(len(plan.systems) * len(seq), "tutti bench tiers", unit="req")
         for name in plan.systems:
             dirs = [w / name for w in work]
             mem = [w / f"{name}-memory" for w in mem_work] if name == "tiered" else []
