@@ -277,121 +277,120 @@ Status Store::finish(uint32_t id, RequestResult* out) {
   }
   for (uint32_t b : wait_ids) wait_done(b);
   std::vector<uint64_t> through;  // write_through: committed into memory, copied to storage before we return
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    Request& r = requests_[id];
-    for (uint32_t b : r.raw_iocbs) settle_raw(b);
-    const Geometry& g = geom_;
-    const uint32_t n = static_cast<uint32_t>(r.keys.size());
-    out->units = n;
-    out->skipped_units = r.skipped;
-    out->failed_units.clear();
-    out->failures.clear();
-    out->committed_units.clear();
-    out->incomplete_layers.clear();
-    for (uint32_t l = 0; l < g.num_layers; ++l)
-      if (!layer_complete(r, l)) out->incomplete_layers.push_back(l);
-    // A unit the kernel could not vouch for (device failure, layers missing) failed, but is not damaged.
-    std::vector<uint8_t> not_moved(n, 0);
-    Status est = backend_->end_request(id, &views_[id]);
-    if (!est.ok() || !out->incomplete_layers.empty())
-      for (uint32_t u = 0; u < n; ++u) not_moved[u] = r.unit_present[u];
-    // Causes the kernel left (1 an I/O error, 2 a checksum mismatch), or a unit it could not vouch for.
-    const UnitFailCause unmoved = est.ok() ? UnitFailCause::kIncompleteLayers : UnitFailCause::kDeviceError;
-    for (uint32_t u = 0; u < n; ++u) {
-      if (r.unit_failed[u] == 2) checksum_failures_++;
-      else if (r.unit_failed[u] == 1 && r.unit_slot[u] != kNoSlot) io_errors_++;
-      if (r.unit_cause[u]) continue;  // found at begin: no slot
-      if (r.unit_failed[u] == 2) r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kChecksum);
-      else if (r.unit_failed[u]) r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kIoError);
-      else if (not_moved[u]) r.unit_cause[u] = static_cast<uint8_t>(unmoved);
-    }
-    if (r.op == ReqOp::kStore && n > 0) {
-      // Commit after write: a unit's header goes out only now that every object of it is on storage,
-      // and only for units whose every layer was written and checksummed (UnitStore::commit_units,
-      // the one way any unit becomes visible).
-      std::vector<uint32_t> units, slots, blocks;
-      std::vector<uint64_t> keys, sums;
-      std::vector<std::vector<uint64_t>> inner;
-      for (uint32_t u = 0; u < n; ++u) {
-        if (!r.unit_present[u]) continue;
-        if (not_moved[u]) r.unit_failed[u] |= 1;
-        if (r.unit_failed[u] || index_->contains(r.keys[u])) {
-          invalidate(r.unit_slot[u]);
-          continue;  // released below
-        }
-        units.push_back(u);
-        slots.push_back(r.unit_slot[u]);
-        keys.push_back(r.keys[u]);
-        blocks.push_back(r.unit_blocks[u]);
-        if (!r.inner.empty()) inner.push_back(r.inner[u]);
-        sums.insert(sums.end(), r.checksums.begin() + static_cast<int64_t>(u) * g.num_objs(),
-                    r.checksums.begin() + static_cast<int64_t>(u + 1) * g.num_objs());
-      }
-      std::vector<uint8_t> committed;
-      commit_units(slots.data(), keys.data(), blocks.data(), sums.data(), static_cast<uint32_t>(units.size()), &committed,
-                   inner.empty() ? nullptr : inner.data());
-      for (uint32_t i = 0; i < units.size(); ++i) {
-        const uint32_t u = units[i];
-        if (!committed[i]) {
-          r.unit_failed[u] |= 1;
-          r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kCommitFailed);
-          io_errors_++;
-          invalidate(r.unit_slot[u]);
-          continue;  // released below
-        }
-        r.unit_present[u] = 0;  // now owned by the index
-        out->committed_units.push_back(u);
-        if (opt_.write_policy == WritePolicy::kWriteThrough && pool_->tier_of(r.unit_slot[u]) == Tier::kMemory)
-          through.push_back(r.keys[u]);
-      }
-    } else if (r.op == ReqOp::kRetrieve) {
-      for (uint32_t u = 0; u < n; ++u) {
-        if (!r.unit_present[u]) continue;
-        if (r.unit_failed[u]) {
-          // Drop the damaged copy: unpin, invalidate, free; unless the key has moved to another
-          // slot since (removed and stored again: that entry is not this damage). The unit stays
-          // while its other tier's copy does (read from there next time).
-          index_->unpin(r.keys[u]);
-          r.unit_present[u] = 0;
-          bool gone;
-          if (index_->drop_copy(r.keys[u], r.unit_slot[u], &gone)) {
-            free_slot(r.unit_slot[u]);
-            if (gone) {
-              evicted_.push_back(r.keys[u]);
-              inner_of_.erase(r.keys[u]);
-            } else {
-              queue_flush_if_memory_only(r.keys[u]);
-            }
-          }
-        } else if (not_moved[u]) {
-          r.unit_failed[u] = 3;  // a miss; the unit stays (unpinned below)
-        } else {
-          const uint64_t bytes = static_cast<uint64_t>(r.unit_blocks[u]) * g.block_bytes * g.num_objs();
-          bytes_read_ += bytes;
-          if (pool_->tier_of(r.unit_slot[u]) == Tier::kMemory) memory_bytes_read_ += bytes;
-        }
-      }
-    }
-    // The failed units only (the per-layer path records nothing): why, and the slot each lay in.
-    for (uint32_t u = 0; u < n; ++u) {
-      if (!r.unit_failed[u]) continue;
-      out->failed_units.push_back(u);
-      UnitFailure f;
-      f.unit = u;
-      f.key = r.keys[u];
-      f.cause = r.unit_cause[u] ? static_cast<UnitFailCause>(r.unit_cause[u]) : UnitFailCause::kIoError;
-      if (f.cause == UnitFailCause::kIoError) f.error = r.unit_errno[u];
-      if (const uint32_t slot = r.unit_slot[u]; slot != kNoSlot) {
-        const PoolPath& p = pool_->path(pool_->path_of(slot));
-        f.pool_file = p.file;
-        f.slot = slot - p.first_slot;
-        f.offset = pool_->offset_of(slot);
-      }
-      out->failures.push_back(std::move(f));
-    }
-    release_request(id, r);
+  std::unique_lock<std::mutex> lk(mu_);
+  Request& r = requests_[id];
+  for (uint32_t b : r.raw_iocbs) settle_raw(b);
+  const Geometry& g = geom_;
+  const uint32_t n = static_cast<uint32_t>(r.keys.size());
+  out->units = n;
+  out->skipped_units = r.skipped;
+  out->failed_units.clear();
+  out->failures.clear();
+  out->committed_units.clear();
+  out->incomplete_layers.clear();
+  for (uint32_t l = 0; l < g.num_layers; ++l)
+    if (!layer_complete(r, l)) out->incomplete_layers.push_back(l);
+  // A unit the kernel could not vouch for (device failure, layers missing) failed, but is not damaged.
+  std::vector<uint8_t> not_moved(n, 0);
+  Status est = backend_->end_request(id, &views_[id]);
+  if (!est.ok() || !out->incomplete_layers.empty())
+    for (uint32_t u = 0; u < n; ++u) not_moved[u] = r.unit_present[u];
+  // Causes the kernel left (1 an I/O error, 2 a checksum mismatch), or a unit it could not vouch for.
+  const UnitFailCause unmoved = est.ok() ? UnitFailCause::kIncompleteLayers : UnitFailCause::kDeviceError;
+  for (uint32_t u = 0; u < n; ++u) {
+    if (r.unit_failed[u] == 2) checksum_failures_++;
+    else if (r.unit_failed[u] == 1 && r.unit_slot[u] != kNoSlot) io_errors_++;
+    if (r.unit_cause[u]) continue;  // found at begin: no slot
+    if (r.unit_failed[u] == 2) r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kChecksum);
+    else if (r.unit_failed[u]) r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kIoError);
+    else if (not_moved[u]) r.unit_cause[u] = static_cast<uint8_t>(unmoved);
   }
+  if (r.op == ReqOp::kStore && n > 0) {
+    // Commit after write: a unit's header goes out only now that every object of it is on storage,
+    // and only for units whose every layer was written and checksummed (UnitStore::commit_units,
+    // the one way any unit becomes visible).
+    std::vector<uint32_t> units, slots, blocks;
+    std::vector<uint64_t> keys, sums;
+    std::vector<std::vector<uint64_t>> inner;
+    for (uint32_t u = 0; u < n; ++u) {
+      if (!r.unit_present[u]) continue;
+      if (not_moved[u]) r.unit_failed[u] |= 1;
+      if (r.unit_failed[u] || index_->contains(r.keys[u])) {
+        invalidate(r.unit_slot[u]);
+        continue;  // released below
+      }
+      units.push_back(u);
+      slots.push_back(r.unit_slot[u]);
+      keys.push_back(r.keys[u]);
+      blocks.push_back(r.unit_blocks[u]);
+      if (!r.inner.empty()) inner.push_back(r.inner[u]);
+      sums.insert(sums.end(), r.checksums.begin() + static_cast<int64_t>(u) * g.num_objs(),
+                  r.checksums.begin() + static_cast<int64_t>(u + 1) * g.num_objs());
+    }
+    std::vector<uint8_t> committed;
+    commit_units(slots.data(), keys.data(), blocks.data(), sums.data(), static_cast<uint32_t>(units.size()), &committed,
+                 inner.empty() ? nullptr : inner.data());
+    for (uint32_t i = 0; i < units.size(); ++i) {
+      const uint32_t u = units[i];
+      if (!committed[i]) {
+        r.unit_failed[u] |= 1;
+        r.unit_cause[u] = static_cast<uint8_t>(UnitFailCause::kCommitFailed);
+        io_errors_++;
+        invalidate(r.unit_slot[u]);
+        continue;  // released below
+      }
+      r.unit_present[u] = 0;  // now owned by the index
+      out->committed_units.push_back(u);
+      if (opt_.write_policy == WritePolicy::kWriteThrough && pool_->tier_of(r.unit_slot[u]) == Tier::kMemory)
+        through.push_back(r.keys[u]);
+    }
+  } else if (r.op == ReqOp::kRetrieve) {
+    for (uint32_t u = 0; u < n; ++u) {
+      if (!r.unit_present[u]) continue;
+      if (r.unit_failed[u]) {
+        // Drop the damaged copy: unpin, invalidate, free; unless the key has moved to another
+        // slot since (removed and stored again: that entry is not this damage). The unit stays
+        // while its other tier's copy does (read from there next time).
+        index_->unpin(r.keys[u]);
+        r.unit_present[u] = 0;
+        bool gone;
+        if (index_->drop_copy(r.keys[u], r.unit_slot[u], &gone)) {
+          free_slot(r.unit_slot[u]);
+          if (gone) {
+            evicted_.push_back(r.keys[u]);
+            inner_of_.erase(r.keys[u]);
+          } else {
+            queue_flush_if_memory_only(r.keys[u]);
+          }
+        }
+      } else if (not_moved[u]) {
+        r.unit_failed[u] = 3;  // a miss; the unit stays (unpinned below)
+      } else {
+        const uint64_t bytes = static_cast<uint64_t>(r.unit_blocks[u]) * g.block_bytes * g.num_objs();
+        bytes_read_ += bytes;
+        if (pool_->tier_of(r.unit_slot[u]) == Tier::kMemory) memory_bytes_read_ += bytes;
+      }
+    }
+  }
+  // The failed units only (the per-layer path records nothing): why, and the slot each lay in.
+  for (uint32_t u = 0; u < n; ++u) {
+    if (!r.unit_failed[u]) continue;
+    out->failed_units.push_back(u);
+    UnitFailure f;
+    f.unit = u;
+    f.key = r.keys[u];
+    f.cause = r.unit_cause[u] ? static_cast<UnitFailCause>(r.unit_cause[u]) : UnitFailCause::kIoError;
+    if (f.cause == UnitFailCause::kIoError) f.error = r.unit_errno[u];
+    if (const uint32_t slot = r.unit_slot[u]; slot != kNoSlot) {
+      const PoolPath& p = pool_->path(pool_->path_of(slot));
+      f.pool_file = p.file;
+      f.slot = slot - p.first_slot;
+      f.offset = pool_->offset_of(slot);
+    }
+    out->failures.push_back(std::move(f));
+  }
+  release_request(id, r);
+  lk.unlock();
   for (uint64_t key : through) flush_now(key);
   return Status::Ok();
 }
