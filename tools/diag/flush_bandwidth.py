@@ -1,0 +1,88 @@
+"""The memory tier's flush against the storage tier's write limit, in one run.
+
+Stores ``--units`` GPU files of Llama-3-8B's KV shape (32 layers, K and V of 16 blocks of 16
+tokens: 32 MiB each) into a memory tier on ``--memory-path`` in front of ``--path`` with
+``write_policy=memory_only`` (nothing flushed yet), reopens the store with ``write_back`` (the open
+finds every unit in memory only and queues its flush) and times ``flush()``; then the storage write
+limit on the same path (O_DIRECT, 1 MiB requests, the best of 1, 2, 4 and 8 threads) over as many
+bytes. Run as root to drop the page cache before each phase:
+
+    python tools/diag/flush_bandwidth.py --path /var/tmp/fb --memory-path /dev/shm/fb --units 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tutti_cluster import TuttiConfig, TuttiStore
+from tutti_cluster.bench import fsutil, limits
+
+LAYERS, BLOCK_TOKENS, KV_HEADS, HEAD = 32, 16, 8, 128
+UNIT_BLOCKS = 16
+
+
+def open_store(args: argparse.Namespace, kv: list, policy: str) -> TuttiStore:
+    unit = (2 * LAYERS * UNIT_BLOCKS * BLOCK_TOKENS * KV_HEADS * HEAD * 2 + 4096) / 2**30
+    cfg = TuttiConfig(paths=[args.path], capacity_gb=unit * (args.units + 2), memory_paths=[args.memory_path],
+                      memory_capacity_gb=unit * (args.units + 2), write_policy=policy, promote_hits=0,
+                      unit_tokens=UNIT_BLOCKS * BLOCK_TOKENS, instance="flush-diag")
+    s = TuttiStore(cfg)
+    s.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first")
+    return s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--path", type=Path, required=True)
+    p.add_argument("--memory-path", type=Path, required=True)
+    p.add_argument("--units", type=int, default=48)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    for d in (args.path, args.memory_path):
+        d.mkdir(parents=True, exist_ok=True)
+    blocks = args.units * UNIT_BLOCKS
+    rng = np.random.default_rng(1)
+    kv = [torch.from_numpy(rng.integers(0, 1 << 15, (2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD), dtype=np.int16))
+          .view(torch.bfloat16) for _ in range(LAYERS)]
+    keys = list(range(1, args.units + 1))
+    with open_store(args, kv, "memory_only") as s:
+        assert s.store(keys, np.arange(blocks)).ok
+        slot = s.stats()["slot_bytes"]
+    fsutil.drop_caches()
+    t0 = time.perf_counter()
+    with open_store(args, kv, "write_back") as s:
+        opened = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        assert s.flush(timeout_s=600)
+        flush_s = time.perf_counter() - t1
+        st = s.stats()
+        assert st["flushes"] == args.units and s.unit_tiers(keys) == ["both"] * args.units, st
+    nbytes = args.units * slot
+    fsutil.drop_caches()
+    direct = {args.path: fsutil.probe_direct_io(args.path)}
+    probe = limits.StorageProbe([args.path], direct, nbytes, 64 << 20, torch.device("cpu"))
+    try:
+        lim = probe.sweep([1, 2, 4, 8], nbytes)
+    finally:
+        probe.close()
+    out = {"units": args.units, "bytes": nbytes, "open_s": round(opened, 3), "flush_s": round(flush_s, 3),
+           "flush_gbps": round(nbytes / flush_s / 1e9, 3), "write_limit_gbps": round(lim.storage_write_gbps, 3),
+           "write_by_threads": {k: round(v, 3) for k, v in lim.write_by_threads.items()},
+           "x_write_limit": round(nbytes / flush_s / 1e9 / lim.storage_write_gbps, 3), "direct_io": direct[args.path]}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    for f in (*args.path.glob("tutti-flush-diag*.pool"), *args.memory_path.glob("tutti-flush-diag*.pool")):
+        f.unlink()
+    shutil.rmtree(args.memory_path, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
