@@ -428,7 +428,9 @@ void UnitStore::pin(const uint64_t* keys, uint32_t n, bool on) {
 Status UnitStore::remove(uint64_t key, bool* removed) {
   *removed = false;
   if (opt_.read_only) return {Code::kInvalid, "store opened read-only: remove units through the engine that owns them"};
-  std::lock_guard<std::mutex> lk(mu_);
+  std::unique_lock<std::mutex> lk(mu_);
+  // A copy between tiers pins the unit only while it runs: wait for it rather than refuse.
+  moved_cv_.wait(lk, [&] { return moving_.count(key) == 0; });
   Index::Copies c;
   const uint32_t blocks = index_->blocks(key);
   // A pinned unit stays: pinned by its owner, or read by a retrieve whose slot must not be reused.
@@ -678,6 +680,7 @@ bool UnitStore::copy_unit(uint64_t key, Tier to_tier) {
   std::lock_guard<std::mutex> lk(mu_);
   index_->unpin(key);
   moving_.erase(key);
+  moved_cv_.notify_all();
   if (st.ok() && (flush ? index_->set_copy(key, from, to) : index_->promote(key, from, to))) {
     std::memcpy(&slot_checksums_[static_cast<uint64_t>(to) * geom_.num_objs()],
                 &slot_checksums_[static_cast<uint64_t>(from) * geom_.num_objs()], geom_.num_objs() * sizeof(uint64_t));

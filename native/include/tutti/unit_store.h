@@ -133,7 +133,7 @@ class UnitStore {
   uint32_t reading_ = 0;  // the engine session's retrieves in flight: the flusher waits for them
   std::unordered_set<uint64_t> moving_;  // keys being copied between tiers
   std::unordered_map<uint64_t, std::pair<uint32_t, double>> storage_reads_;  // key -> (hits, first hit time)
-  std::condition_variable work_cv_, idle_cv_;
+  std::condition_variable work_cv_, idle_cv_, moved_cv_;
   std::thread flusher_;
   bool stop_ = false;
 };
