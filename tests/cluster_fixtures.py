@@ -476,6 +476,8 @@ def _node_main(cfg_json: str) -> None:
             elif op == "stats":
                 reply({"ok": True, "daemon": daemon.stats() if daemon else None,
                        "client": client.stats if client else None, "store": store.stats(), "dropped": link.dropped})
+            elif op == "tiers":
+                reply({"ok": True, "tiers": store.unit_tiers([int(k) for k in msg["keys"]])})
             elif op == "evict":
                 gone = [store.remove(int(k)) for k in msg["keys"]]
                 link.flush()
@@ -499,7 +501,8 @@ class NodeProcess:
     def __init__(self, name: str, etcd: str, workdir: Path, lease_ttl_s: int = 3, capacity_gb: float = 0.05,
                  paths: list[str] | None = None, timeout_s: float = 3.0, with_daemon: bool = True,
                  instance: str = "engine0", data_dir: Path | None = None, mooncake_master: str | None = None,
-                 prefix: list[str] | None = None, backend: str = "auto", secret_file: Path | None = None) -> None:
+                 prefix: list[str] | None = None, backend: str = "auto", secret_file: Path | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         self.name = name
         self.workdir = workdir / name
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -513,6 +516,7 @@ class NodeProcess:
                        "cluster_secret_file": str(secret_file or cluster_secret_file())}
         if mooncake_master:
             self.config["mooncake_master"] = mooncake_master
+        self.config.update(extra or {})  # more TuttiConfig fields, for the daemon and the engine alike
         self.timeout_s = timeout_s
         self.log = open(self.workdir / "node.log", "ab")
         # `prefix` runs the node elsewhere, e.g. ["ip", "netns", "exec", ns] (which execs: same PID).

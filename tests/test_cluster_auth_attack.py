@@ -10,16 +10,21 @@ nothing believed (lookups do not return a forged owner, fetches never go to a fo
 Before the cluster credential existed, every one of these attacks succeeded: the stage endpoint
 answered any connection's stage request with the units' slot addresses, and lookups returned any
 owner written into etcd.
+
+The shared cluster also serves the remote read of a unit held in its owner's memory tier only (node
+B keeps what it stores in memory), damaged there too.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,17 +46,20 @@ SECRET = cluster_secret()
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """etcd, node A holding KEYS, node B (a requester); A's stage address."""
+    """etcd, node A holding KEYS, node B (a requester, whose node keeps what it stores in its memory
+    tier only, on /dev/shm where the host has it); A's stage address."""
     require_etcd()
     require_mooncake()
     tmp = tmp_path_factory.mktemp("auth")
     etcd = EtcdServer(tmp)
     etcd.start()
     nodes: list[NodeProcess] = []
+    mem = Path(tempfile.mkdtemp(prefix="tutti-mem-", dir="/dev/shm")) if os.path.isdir("/dev/shm") else None
+    tier = {"memory_paths": [str(mem)], "memory_capacity_gb": 0.01, "write_policy": "memory_only"} if mem else {}
     try:
         a = NodeProcess("A", etcd.endpoint, tmp, lease_ttl_s=5)
         nodes.append(a)
-        b = NodeProcess("B", etcd.endpoint, tmp, lease_ttl_s=5)
+        b = NodeProcess("B", etcd.endpoint, tmp, lease_ttl_s=5, extra=tier)
         nodes.append(b)
         r = a.call(op="store", keys=KEYS)
         assert r["ok"] and r["units"] == len(KEYS), r
@@ -61,6 +69,8 @@ def cluster(tmp_path_factory):
     finally:
         close_all(nodes)
         etcd.stop()
+        if mem is not None:
+            shutil.rmtree(mem, ignore_errors=True)
 
 
 def stage_stats(node: NodeProcess) -> dict:
@@ -228,6 +238,61 @@ def test_a_requester_never_talks_to_an_owner_without_the_credential(engines):
         assert len(heard) == 1 and b'"auth"' in heard[0], heard  # no stage request followed
     finally:
         srv.close()
+
+
+MEM_KEYS = [0x3E30_0000 + i for i in range(3)]  # stored on node B, in its memory tier only
+HEADER_MAGIC = (0x31495454554E4B56).to_bytes(8, "little")  # b"VKNUTTI1", a slot header's first field
+HEADER_KEY_OFFSET = 16  # magic u64, version u32, num_objs u32, then the key (native/src/header.h)
+
+
+def test_a_unit_in_the_owners_memory_tier_only_is_served_and_a_damaged_copy_is_a_miss(cluster):
+    """The cluster sees the memory tier: B's units live in its memory tier alone (memory_only), and
+    A fetches them byte-exact from B's stage endpoint, which reads them through B's daemon's view of
+    that tier; units committed right after that view's last rescan are served too (they once were
+    a miss for 0.2 s after every rescan). Then an object of one of B's memory copies is damaged in
+    the tmpfs pool file: A's fetch places the units before it and stops there (A's own checksum
+    check rejects it, never wrong bytes), B is told, verifies its copy and stops advertising it."""
+    _, a, b, _ = cluster
+    if not b.config.get("memory_paths"):
+        pytest.skip("no /dev/shm (tmpfs) for node B's memory tier")
+    before = b.call(op="stats")["daemon"]
+    placed: list[int] = []
+    for batch in (MEM_KEYS[:1], MEM_KEYS[1:]):  # the first fetch makes B's view rescan; the second follows it
+        r = b.call(op="store", keys=batch)
+        assert r["ok"] and r["units"] == len(batch), r
+        placed += batch
+        assert wait_for(lambda: a.call(op="lookup", keys=placed)["hits"] == len(placed), 10, step=0.01)
+        f = a.call(op="fetch", keys=placed)
+        assert f["ok"] and f["local"] == 0 and f["placed"] == len(placed), f
+        assert f["exact"] == [True] * len(placed), f
+    assert b.call(op="tiers", keys=MEM_KEYS)["tiers"] == ["memory"] * len(MEM_KEYS)
+    after = b.call(op="stats")["daemon"]
+    assert after["stage"]["units_staged"] == before["stage"]["units_staged"] + 1 + len(MEM_KEYS), after["stage"]
+    view = after["instances"]["engine0"]["view"]  # B's daemon found them in its view of the memory tier
+    assert view["memory_units"] == view["units"] == len(MEM_KEYS), view
+
+    # Damage an object of MEM_KEYS[1]'s memory copy: its slot's middle, well past the header.
+    slot = int(b.call(op="stats")["store"]["slot_bytes"])
+    damaged = 0
+    for pool in sorted(Path(b.config["memory_paths"][0]).glob("tutti-engine0*.pool")):
+        data = pool.read_bytes()
+        at = data.find(HEADER_MAGIC)
+        while at >= 0:
+            if int.from_bytes(data[at + HEADER_KEY_OFFSET:at + HEADER_KEY_OFFSET + 8], "little") == MEM_KEYS[1]:
+                mid = at + slot // 2
+                with open(pool, "r+b") as fh:
+                    fh.seek(mid)
+                    fh.write(bytes(x ^ 0xFF for x in data[mid:mid + 8]))
+                damaged += 1
+            at = data.find(HEADER_MAGIC, at + 1)
+    assert damaged == 1
+    f = a.call(op="fetch", keys=MEM_KEYS)
+    assert f["ok"] and f["placed"] == 1 and f["exact"] == [True], f
+    # A's checksum check rejected the unit and A reported it (B's read checks only the header);
+    # B verified its copy and stopped advertising it.
+    got = wait_for(lambda: (d := b.call(op="stats")["daemon"])["unreadable_units"] > after["unreadable_units"] and d, 5)
+    assert got and got["stage"]["corrupt_reports"] == after["stage"]["corrupt_reports"] + 1, got
+    assert wait_for(lambda: a.call(op="lookup", keys=MEM_KEYS)["hits"] == 1, 5)
 
 
 def test_the_stage_endpoint_listens_on_its_advertised_address_only(cluster):

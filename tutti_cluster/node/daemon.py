@@ -551,6 +551,9 @@ class NodeDaemon(AdminOps):
 
     def _commit(self, name: str, keys: list[int]) -> None:
         with self._lock:
+            # Before the keys are listed: a read that finds one listed waits for the view's next
+            # rescan instead of missing it (PoolView.read_into).
+            self._instances[name].committed_at = time.monotonic()
             for k in keys:
                 self._index.setdefault(k, set()).add(name)
             self.counters["commits"] += len(keys)

@@ -18,7 +18,8 @@ class PoolView:
     """The daemon's read-only view of one engine instance's pools.
 
     One read-only store per instance, opened once. Units the engine commits later are picked up
-    with ``store.refresh()`` (a rescan of the pool headers). Reads share the view and run in
+    with ``store.refresh()`` (a rescan of the pool headers); ``refreshed_at`` is when the last
+    rescan began (it finds every unit committed before then). Reads share the view and run in
     parallel (the stage endpoint reads from several threads; the store's reads release the GIL); a
     refresh, reopen or close holds it alone, since a refresh rebuilds the store's index in place.
     """
@@ -37,6 +38,7 @@ class PoolView:
         self._opened_geometry: dict[str, Any] | None = None
         self._opened_memory: list[int] = []  # the memory share the open store was opened with
         self.refreshed_at = 0.0
+        self.committed_at = 0.0  # when the daemon last heard of a commit of this instance (monotonic)
         self._cv = threading.Condition()
         self._readers = 0
         self._exclusive = False
@@ -70,6 +72,7 @@ class PoolView:
     def open(self) -> list[int]:
         """Open the pools read-only (or rescan their headers when open) and return the keys they hold."""
         with self._alone():
+            began = time.monotonic()
             g = self.geometry
             if self.store is not None and g == self._opened_geometry and self._opened_memory == self.memory_capacity:
                 self.store.refresh()
@@ -90,7 +93,7 @@ class PoolView:
                     log.info("instance %s: its memory tier is not there (%s); the storage tier alone is served "
                              "until the engine attaches again", self.name, exc)
                 self.store, self._opened_geometry, self._opened_memory = st, dict(g), memory
-            self.refreshed_at = time.monotonic()
+            self.refreshed_at = began
             return list(self.store.keys())
 
     def _open_store(self, config: TuttiConfig) -> Any:
@@ -103,19 +106,20 @@ class PoolView:
         return st
 
     def _refresh(self, seen: float) -> bool:
-        """Rescan the headers unless another thread did since ``seen``; False when it failed."""
+        """Rescan the headers unless a rescan began after ``seen``; False when it failed."""
         with self._alone():
             if self.store is None:
                 return False
             if self.refreshed_at > seen:
                 return True
+            began = time.monotonic()
             try:
                 self.store.refresh()
             except TuttiError as exc:
                 log.warning("cannot rescan instance %s: %s", self.name, exc)
                 return False
             finally:
-                self.refreshed_at = time.monotonic()
+                self.refreshed_at = began
             return True
 
     def read_into(self, key: int, view: memoryview, refresh_after_s: float = 0.2, verify: bool = False) -> int | None:
@@ -126,18 +130,26 @@ class PoolView:
         ``verify``, only its header is checked here (key and layout): the requester verifies every
         object's checksum as it scatters, so a corrupt object is its miss (it reports it, and
         ``NodeDaemon`` then verifies its copy), and each byte is summed once. A key committed
-        after our last rescan triggers one ``refresh()`` (at most every ``refresh_after_s``). Raises
-        NotFound when the slot holds another unit (evicted and overwritten under us),
-        CapacityExceeded when ``view`` is too small.
+        after our last rescan triggers one ``refresh()`` (at most every ``refresh_after_s``): within
+        that limit the read waits for the next rescan when a commit was heard since the last one
+        began (``committed_at``: the daemon lists the key because it heard its commit, so that
+        rescan finds it), and is a miss otherwise. Raises NotFound when the slot holds another
+        unit (evicted and overwritten under us), CapacityExceeded when ``view`` is too small.
         """
         for attempt in range(2):
             with self._shared() as st:
                 seen = self.refreshed_at
                 if st is not None and st.contains(key):
                     return int(st.read_unit_into(key, view, verify=verify))
-            if attempt or st is None or time.monotonic() - seen < refresh_after_s:
+            if attempt or st is None:
                 return None
-            if not self._refresh(seen):
+            heard = self.committed_at
+            wait = seen + refresh_after_s - time.monotonic()
+            if wait > 0:
+                if heard < seen:
+                    return None  # nothing committed since the last rescan began: a rescan would not find it
+                time.sleep(wait)
+            if not self._refresh(max(seen, heard)):
                 return None
         return None
 
