@@ -539,19 +539,28 @@ void UnitStore::flusher_loop() {
       work_cv_.wait_for(lk, std::chrono::milliseconds(50), [this] { return stop_ || reading_ == 0; });
       if (stop_) break;
     }
-    // Flushes first: a unit in memory only is one crash of the host away from being lost.
+    // Flushes first: a unit in memory only is one crash of the host away from being lost. Up to
+    // kCopies copies at a time: one unit's own steps (mapping, verifying, the header's write) then
+    // overlap the others' object writes, and the disk sees more writes in flight.
+    constexpr size_t kCopies = 4;
     const bool flush = !flush_q_.empty();
     std::deque<uint64_t>& q = flush ? flush_q_ : promote_q_;
-    const uint64_t key = q.front();
-    q.pop_front();
-    busy_++;
+    const Tier to = flush ? Tier::kStorage : Tier::kMemory;
+    std::vector<uint64_t> keys;
+    for (; keys.size() < kCopies && !q.empty(); q.pop_front()) keys.push_back(q.front());
+    busy_ += static_cast<uint32_t>(keys.size());
     lk.unlock();
-    const bool failed = !copy_unit(key, flush ? Tier::kStorage : Tier::kMemory);
+    std::vector<std::future<bool>> others;
+    for (size_t i = 1; i < keys.size(); ++i)
+      others.push_back(std::async(std::launch::async, [this, k = keys[i], to] { return copy_unit(k, to); }));
+    std::vector<bool> done{copy_unit(keys[0], to)};
+    for (auto& f : others) done.push_back(f.get());
     lk.lock();
-    busy_--;
-    if (failed) {
+    busy_ -= static_cast<uint32_t>(keys.size());
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (done[i]) continue;
       if (retry_.empty()) retry_at = now_s() + 1.0;
-      retry_.push_back(key);
+      retry_.push_back(keys[i]);
     }
     if (settled()) idle_cv_.notify_all();
   }
@@ -606,21 +615,26 @@ void UnitStore::note_storage_hit(uint64_t key) {
 // Copies the GPU file in slot `from` to slot `to` (another tier): objects, then the header, the
 // same bytes, so the copy is the same commit. A memory-tier source is read through a mapping of its
 // slot of its own (never the I/O kernel's, which the engine session makes and removes on its own
-// schedule), a storage source with pread into `buf`. The objects' write runs on a second thread
+// schedule), a storage source with pread into a buffer of one GPU file. The objects' write runs on a second thread
 // while this one verifies them (a damaged source is never committed: its header is not written).
 // Not under mu_.
-static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32_t to, uint8_t* buf,
+static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32_t to,
                         const std::function<Status(const uint8_t*)>& verify) {
   const PoolPath& src = pool.path(pool.path_of(from));
-  const uint8_t* data = buf;
+  const uint8_t* data = nullptr;
   void* map = MAP_FAILED;
   if (src.memory) {
     map = ::mmap(nullptr, g.slot_bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, src.fd,
                  static_cast<off_t>(pool.offset_of(from)));
     if (map != MAP_FAILED) data = static_cast<const uint8_t*>(map);
   }
+  std::unique_ptr<AlignedBuf> buf;
   Status st;
-  if (data == buf) st = pool.pread_all(from, 0, buf, g.slot_bytes);
+  if (!data) {
+    buf = std::make_unique<AlignedBuf>(g.slot_bytes);
+    data = buf->data();
+    st = data ? pool.pread_all(from, 0, buf->data(), g.slot_bytes) : Status{Code::kCapacityExceeded, "out of memory"};
+  }
   if (st.ok()) {
     // Four writes in flight: one synchronous stream of 32 MiB writes moved 0.65-0.8x of what four
     // streams of 8 MiB did on the 2-core VM's disk (tools/diag/flush_bandwidth.py measures the flush).
@@ -664,7 +678,6 @@ bool UnitStore::copy_unit(uint64_t key, Tier to_tier) {
     index_->pin(key);
     moving_.insert(key);
   }
-  AlignedBuf buf(geom_.slot_bytes);
   bool damaged = false;
   auto verify = [&](const uint8_t* d) {
     uint64_t k;
@@ -675,8 +688,7 @@ bool UnitStore::copy_unit(uint64_t key, Tier to_tier) {
     damaged = !v.ok();
     return v;
   };
-  Status st = buf.p ? copy_slot(*pool_, geom_, from, to, buf.data(), verify)
-                    : Status{Code::kCapacityExceeded, "out of memory"};
+  Status st = copy_slot(*pool_, geom_, from, to, verify);
   std::lock_guard<std::mutex> lk(mu_);
   index_->unpin(key);
   moving_.erase(key);
