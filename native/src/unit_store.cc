@@ -540,9 +540,10 @@ void UnitStore::flusher_loop() {
       if (stop_) break;
     }
     // Flushes first: a unit in memory only is one crash of the host away from being lost. Up to
-    // kCopies copies at a time: one unit's own steps (mapping, verifying, the header's write) then
-    // overlap the others' object writes, and the disk sees more writes in flight.
-    constexpr size_t kCopies = 4;
+    // four copies at a time: one unit's own steps (mapping, verifying, the header's write) then
+    // overlap the others' object writes, and the disk sees more writes in flight; one at a time
+    // beside the engine's retrieves (under memory pressure), so that their reads keep the disk.
+    const size_t kCopies = reading_ > 0 ? 1 : 4;
     const bool flush = !flush_q_.empty();
     std::deque<uint64_t>& q = flush ? flush_q_ : promote_q_;
     const Tier to = flush ? Tier::kStorage : Tier::kMemory;
