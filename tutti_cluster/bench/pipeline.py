@@ -29,9 +29,9 @@ from tutti_cluster.bench.options import (CPU_INPUTS, DEFAULT_INPUTS, parse_token
                                          resolve_device, split_list)
 from tutti_cluster.bench.prefill import harness as hz
 from tutti_cluster.bench.prefill.model import Decoder, ModelShape, PagedKV, TensorParallel, model_shape
+from tutti_cluster.bench.progress import Progress
 from tutti_cluster.bench.tutti_system import pool_bytes_per_path
 from tutti_cluster.errors import CapacityExceeded, ConfigError
-from tutti_cluster.bench.progress import Progress
 
 logger = logging.getLogger(__name__)
 

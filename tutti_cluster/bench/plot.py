@@ -1,4 +1,4 @@
-"""PNG plot of a benchmark report: bandwidth against prefix length, one panel per operation."""
+"""PNG plots of the benchmarks' reports: `tutti bench` (bandwidth against prefix length), the pipeline, the tiers."""
 
 from __future__ import annotations
 
@@ -13,17 +13,32 @@ _LIMIT_LINES = {
 }
 
 
-def plot(report: Mapping[str, Any], path: Path, title: str = "") -> None:
-    """Write ``report`` (the benchmark's JSON object) as a PNG at ``path``."""
+def _subplots(rows: int, cols: int, figsize: tuple[float, float]) -> Any:
+    """A figure of rows x cols panels (always a 2-D array of axes), drawn off screen."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(rows, cols, figsize=figsize, squeeze=False)
+
+
+def _save(fig: Any, path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot(report: Mapping[str, Any], path: Path, title: str = "") -> None:
+    """Write ``report`` (the benchmark's JSON object) as a PNG at ``path``."""
     results: Sequence[Mapping[str, Any]] = report["results"]
     limits: Mapping[str, float] = report["limits"]
     ops = [op for op in ("retrieve", "store") if any(r["op"] == op for r in results)]
-    fig, axes = plt.subplots(1, max(1, len(ops)), figsize=(6.5 * max(1, len(ops)), 4.5), squeeze=False)
+    fig, axes = _subplots(1, max(1, len(ops)), figsize=(6.5 * max(1, len(ops)), 4.5))
     for ax, op in zip(axes[0], ops):
         systems = sorted({r["system"] for r in results if r["op"] == op}, key=lambda s: (s != "tutti", s))
         top = 0.0
@@ -51,11 +66,7 @@ def plot(report: Mapping[str, Any], path: Path, title: str = "") -> None:
         ax.set_title(op)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
 
 
 _PIPELINE_COLORS = {"ideal": "k", "tutti": "C2", "tutti-writeback": "C4", "naive": "C0", "load-all": "C1",
@@ -65,14 +76,9 @@ _PIPELINE_COLORS = {"ideal": "k", "tutti": "C2", "tutti-writeback": "C4", "naive
 def plot_pipeline(report: Mapping[str, Any], path: Path, title: str = "") -> None:
     """``tutti bench --pipeline``'s report as a PNG: per input, TTFT against prefix length per system
     (recompute dashed), and the latency breakdown against hit rate (compute, bubble, load phase)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     results: Sequence[Mapping[str, Any]] = report["results"]
     inputs = sorted({r["input_tokens"] for r in results})
-    fig, axes = plt.subplots(len(inputs), 2, figsize=(13, 4.5 * len(inputs)), squeeze=False)
+    fig, axes = _subplots(len(inputs), 2, figsize=(13, 4.5 * len(inputs)))
     for (ax, bx), n in zip(axes, inputs):
         rows = [r for r in results if r["input_tokens"] == n]
         systems = [s for s in _PIPELINE_COLORS if any(r["system"] == s and r["prefix_tokens"] for r in rows)]
@@ -116,8 +122,35 @@ def plot_pipeline(report: Mapping[str, Any], path: Path, title: str = "") -> Non
         bx.set_title("latency breakdown")
         bx.grid(True, axis="y", alpha=0.3)
         bx.legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, title)
+
+
+def plot_tiers(report: Mapping[str, Any], path: Path, title: str = "") -> None:
+    """``tutti bench tiers``' report as a PNG: restore time per system (mean, p50, p99) and hit rate
+    per tier (stacked)."""
+    rows = report["results"]
+    names = [r["system"] for r in rows]
+    fig, axes = _subplots(1, 2, figsize=(12, 4.5))
+    ax, bx = axes[0]
+    width = 0.25
+    for k, (stat, color) in enumerate((("mean", "C2"), ("p50", "C0"), ("p99", "C3"))):
+        ax.bar([i + (k - 1) * width for i in range(len(rows))], [r["restore_s"][stat] * 1e3 for r in rows], width,
+               label=stat, color=color)
+    ax.set_xticks(range(len(rows)), names)
+    ax.set_ylabel("restore time per request (ms)")
+    ax.set_title("restore time")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize="small")
+    bottom = [0.0] * len(rows)
+    for tier, color in (("memory", "C4"), ("storage", "C1"), ("miss", "C7")):
+        vals = [r["hit_rate"][tier] * 100 for r in rows]
+        bx.bar(range(len(rows)), vals, 0.5, bottom=bottom, label=tier if tier == "miss" else f"{tier} hits",
+               color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    bx.set_xticks(range(len(rows)), names)
+    bx.set_ylabel("% of units looked up")
+    bx.set_ylim(0, 100)
+    bx.set_title("hits per tier")
+    bx.grid(True, axis="y", alpha=0.3)
+    bx.legend(fontsize="small")
+    _save(fig, path, title)

@@ -31,8 +31,8 @@ from tutti_cluster.bench.common import BenchSystem, OpTiming, Round
 from tutti_cluster.bench.extra import check_extra
 from tutti_cluster.bench.kvdata import LLAMA3_8B, KVData, KVShape
 from tutti_cluster.bench.options import parse_tokens, remove_stale_runs, resolve_device, split_list
-from tutti_cluster.errors import CapacityExceeded, ConfigError
 from tutti_cluster.bench.progress import Progress
+from tutti_cluster.errors import CapacityExceeded, ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tutti_cluster.config import add_config_arguments
 from tutti_cluster.bench.progress import Progress
+from tutti_cluster.config import add_config_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -504,44 +504,6 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: Path, title: str = "") -> None:
-    """Restore time per system (mean, p50, p99) and hit rate per tier (stacked)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["results"]
-    names = [r["system"] for r in rows]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.25
-    for k, (stat, color) in enumerate((("mean", "C2"), ("p50", "C0"), ("p99", "C3"))):
-        ax.bar([i + (k - 1) * width for i in range(len(rows))], [r["restore_s"][stat] * 1e3 for r in rows], width,
-               label=stat, color=color)
-    ax.set_xticks(range(len(rows)), names)
-    ax.set_ylabel("restore time per request (ms)")
-    ax.set_title("restore time")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize="small")
-    bottom = [0.0] * len(rows)
-    for tier, color in (("memory", "C4"), ("storage", "C1"), ("miss", "C7")):
-        vals = [r["hit_rate"][tier] * 100 for r in rows]
-        bx.bar(range(len(rows)), vals, 0.5, bottom=bottom, label=tier if tier == "miss" else f"{tier} hits",
-               color=color)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    bx.set_xticks(range(len(rows)), names)
-    bx.set_ylabel("% of units looked up")
-    bx.set_ylim(0, 100)
-    bx.set_title("hits per tier")
-    bx.grid(True, axis="y", alpha=0.3)
-    bx.legend(fontsize="small")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def run_args(args: argparse.Namespace, emit: Callable[[str], None] = print) -> int:
     """``tutti bench tiers`` with its flags parsed."""
     from tutti_cluster.bench.extra import check_extra
@@ -558,7 +520,9 @@ def run_args(args: argparse.Namespace, emit: Callable[[str], None] = print) -> i
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         emit(f"wrote {args.json}")
     if args.plot:
-        plot(report, args.plot, title=f"tutti bench tiers ({plan.device.type}): memory tier on "
+        from tutti_cluster.bench.plot import plot_tiers
+
+        plot_tiers(report, args.plot, title=f"tutti bench tiers ({plan.device.type}): memory tier on "
              f"{', '.join(map(str, plan.memory_dirs))}, storage on {', '.join(map(str, plan.dirs))}")
         emit(f"wrote {args.plot}")
     return 0
