@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -99,6 +101,22 @@ def open_store(dirs: list[Path], kv: list, layout: str = "kv_first", **kw) -> Tu
     s = TuttiStore(TuttiConfig(**cfg))
     s.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout=layout)
     return s
+
+
+def shm_dir(prefix: str = "tutti-test-") -> Path:
+    """A fresh directory on /dev/shm (tmpfs: a memory tier's kind of file system); the test is
+    skipped where the host has none. The caller removes it."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm (tmpfs) on this host")
+    return Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
+
+
+@pytest.fixture
+def mem_dir() -> Iterator[Path]:
+    """A memory tier's directory on /dev/shm, removed afterwards."""
+    d = shm_dir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -581,21 +581,15 @@ def test_the_data_plane_never_imports_fastapi():
     assert r.returncode == 0, r.stderr
 
 
-def test_metrics_show_each_tier(tmp_path: Path):
+def test_metrics_show_each_tier(tmp_path: Path, mem_dir: Path):
     """An engine with a memory tier (write_back): stores land in memory and are flushed to storage,
     lookups hit in memory; /metrics shows the store's per-tier counters and the memory tier's share."""
-    import shutil
-    import tempfile
-
     from conftest import BLOCK_TOKENS, make_kv
     from tutti_cluster import TuttiStore
     from tutti_cluster.node.daemon import NodeDaemon
 
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm here")
-    shm = Path(tempfile.mkdtemp(prefix="tutti-test-", dir="/dev/shm"))
     base = {"paths": [str(tmp_path / "ssd")], "unit_tokens": 64, "data_dir": str(tmp_path / "node"),
-            "node_id": "node-m", "memory_paths": [str(shm)]}
+            "node_id": "node-m", "memory_paths": [str(mem_dir)]}
     (tmp_path / "ssd").mkdir()
     cfg = TuttiConfig(**base, capacity_gb=0.05, memory_capacity_gb=0.01)
     ecfg = TuttiConfig(**base, capacity_gb=0.002, memory_capacity_gb=0.002, instance="e0", staging_mb=2)
@@ -630,14 +624,13 @@ def test_metrics_show_each_tier(tmp_path: Path):
                 assert m[(name, inst)] == st[key], name
             assert m[("tutti_memory_slots", inst)] > 0 and m[("tutti_flush_bytes_total", inst)] > 0
             assert m[("tutti_instance_memory_capacity_bytes", inst)] == ecfg.memory_capacity_bytes()[0]
-            path = (("node", "node-m"), ("path", str(shm)))
+            path = (("node", "node-m"), ("path", str(mem_dir)))
             assert m[("tutti_memory_path_capacity_bytes", path)] == cfg.memory_capacity_bytes()[0]
             assert m[("tutti_memory_path_allocated_bytes", path)] == ecfg.memory_capacity_bytes()[0]
             node = c.get("/v1/nodes/node-m", headers=AUTH).json()
-            assert node["memory_paths"] == [str(shm)] and node["instances"][0]["memory_units"] == len(keys)
+            assert node["memory_paths"] == [str(mem_dir)] and node["instances"][0]["memory_units"] == len(keys)
     finally:
         backend.close()
         link.close()
         store.close()
         d.stop()
-        shutil.rmtree(shm, ignore_errors=True)

@@ -6,10 +6,6 @@ asserted on."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,15 +20,6 @@ from tutti_cluster.errors import ConfigError  # noqa: E402
 TINY = ["--device", "cpu", "--layers", "2", "--unit-tokens", "16", "--prefixes", "32", "--prefix-units", "4",
         "--capacity-gb", "0.004", "--memory-capacity-gb", "0.004", "--requests", "40", "--warmup", "20",
         "--limit-gb", "0.0625", "--no-drop-caches"]
-
-
-@pytest.fixture
-def mem_dir() -> Iterator[Path]:
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm (tmpfs) on this host")
-    d = Path(tempfile.mkdtemp(prefix="tutti-bench-tiers-test-", dir="/dev/shm"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_both_systems_report_hits_per_tier_that_add_up(tmp_path: Path, mem_dir: Path) -> None:

@@ -883,23 +883,8 @@ def test_a_command_channel_ended_by_a_refusal_comes_back_with_a_later_attach(nod
 
 
 # -- the memory tier (issue 46) -------------------------------------------------------------------
-@pytest.fixture
-def shm_dir() -> Iterator[Path]:
-    """A fresh directory on /dev/shm (tmpfs): a memory tier's path."""
-    import shutil
-    import tempfile
-
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm here")
-    d = Path(tempfile.mkdtemp(prefix="tutti-test-", dir="/dev/shm"))
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def test_the_memory_tier_is_shared_out_like_the_storage_paths_and_kept_across_restarts(tmp_path: Path, shm_dir: Path):
-    cfg = TuttiConfig(**daemon_config(tmp_path, memory_paths=[str(shm_dir)], memory_capacity_gb=0.01))
+def test_the_memory_tier_is_shared_out_like_the_storage_paths_and_kept_across_restarts(tmp_path: Path, mem_dir: Path):
+    cfg = TuttiConfig(**daemon_config(tmp_path, memory_paths=[str(mem_dir)], memory_capacity_gb=0.01))
     (total,), (mem,) = cfg.capacity_bytes(), cfg.memory_capacity_bytes()
 
     def attach(name: str, **req: Any) -> dict:
@@ -908,7 +893,7 @@ def test_the_memory_tier_is_shared_out_like_the_storage_paths_and_kept_across_re
     d = NodeDaemon(cfg).start()
     try:
         r1 = attach("e1", capacity=[total // 4], memory_capacity=[mem // 3])
-        assert r1["memory_paths"] == [str(shm_dir)] and r1["memory_capacity"] == [mem // 3]
+        assert r1["memory_paths"] == [str(mem_dir)] and r1["memory_capacity"] == [mem // 3]
         assert attach("e2", capacity=[total // 4], memory_capacity=[mem])["memory_capacity"] == [mem - mem // 3]
         # An instance without a memory tier takes storage only.
         r3 = attach("e3", capacity=[total // 4])
@@ -920,7 +905,7 @@ def test_the_memory_tier_is_shared_out_like_the_storage_paths_and_kept_across_re
             attach("e5", capacity=[total // 8], memory_capacity=[1 << 20, 1 << 20])
         st = d.stats()
         assert set(st["instances"]) == {"e1", "e2", "e3"}
-        assert (st["memory_paths"], st["memory_capacity"]) == ([str(shm_dir)], [mem])
+        assert (st["memory_paths"], st["memory_capacity"]) == ([str(mem_dir)], [mem])
         assert [st["instances"][n]["memory_capacity"] for n in ("e1", "e2", "e3")] == [[mem // 3], [mem - mem // 3], []]
         assert attach("e6", capacity=[total // 8])["capacity"] == [total // 8]
         # A returning instance keeps its share.
@@ -954,13 +939,13 @@ def test_a_node_without_a_memory_tier_grants_an_engines_memory_tier_nothing(node
     assert d.stats()["memory_paths"] == [] and d.stats()["instances"]["m"]["memory_capacity"] == []
 
 
-def test_the_daemons_view_finds_units_held_in_the_memory_tier_only(tmp_path: Path, shm_dir: Path):
+def test_the_daemons_view_finds_units_held_in_the_memory_tier_only(tmp_path: Path, mem_dir: Path):
     """memory_only: the units never reach the storage paths; the daemon's read-only view opens the
     engine's memory tier and indexes them, at attach and again when the daemon restarts."""
     from conftest import BLOCK_TOKENS, make_kv
     from tutti_cluster import TuttiStore
 
-    tier = {"memory_paths": [str(shm_dir)], "memory_capacity_gb": 0.004}
+    tier = {"memory_paths": [str(mem_dir)], "memory_capacity_gb": 0.004}
     cfg = TuttiConfig(**daemon_config(tmp_path, **tier))
     ecfg = TuttiConfig(**{**daemon_config(tmp_path), **tier, "capacity_gb": 0.002, "instance": "e0", "staging_mb": 2,
                           "write_policy": "memory_only"})
@@ -985,13 +970,13 @@ def test_the_daemons_view_finds_units_held_in_the_memory_tier_only(tmp_path: Pat
         store.close()
 
 
-def test_a_daemon_whose_memory_tier_is_gone_serves_the_storage_copies(tmp_path: Path, shm_dir: Path):
+def test_a_daemon_whose_memory_tier_is_gone_serves_the_storage_copies(tmp_path: Path, mem_dir: Path):
     """A reboot empties tmpfs: the daemon restarts with an instance's memory share but no memory
     pool files, and serves the units flushed to storage; the engine's return brings the tier back."""
     from conftest import BLOCK_TOKENS, make_kv
     from tutti_cluster import TuttiStore
 
-    tier = {"memory_paths": [str(shm_dir)], "memory_capacity_gb": 0.004}
+    tier = {"memory_paths": [str(mem_dir)], "memory_capacity_gb": 0.004}
     cfg = TuttiConfig(**daemon_config(tmp_path, **tier))
     ecfg = TuttiConfig(**{**daemon_config(tmp_path), **tier, "capacity_gb": 0.002, "instance": "e0", "staging_mb": 2})
     keys = [0x4800 + i for i in range(3)]
@@ -1006,7 +991,7 @@ def test_a_daemon_whose_memory_tier_is_gone_serves_the_storage_copies(tmp_path: 
         store.close()
     finally:
         d.stop()
-    for f in shm_dir.iterdir():
+    for f in mem_dir.iterdir():
         f.unlink()
     d = NodeDaemon(cfg).start()
     try:

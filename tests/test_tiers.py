@@ -4,28 +4,15 @@ write policies, flushes, promotion on the second hit, demotion, recovery of both
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import BLOCKS, assert_units_equal, make_kv, open_store, snapshot, zero
+from conftest import assert_units_equal, make_kv, open_store, snapshot, zero
 from tutti_cluster.errors import ConfigError
 
 MEM_GB = 0.0005  # 7 GPU files of the test model
-
-
-@pytest.fixture
-def mem_dir() -> Iterator[Path]:
-    """A directory on /dev/shm (tmpfs): the memory tier must be on a memory file system."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm (tmpfs) on this host")
-    d = Path(tempfile.mkdtemp(prefix="tutti-mem-", dir="/dev/shm"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def tiered(store_dirs: list[Path], mem_dir: Path, kv: list, **kw):

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from conftest import make_kv, open_store, run_threads, zero
+from conftest import make_kv, open_store, run_threads, shm_dir, zero
 from crash_writer import unit_data
 
 HERE = Path(__file__).parent
@@ -34,20 +33,6 @@ POLICIES = ["write_back", "write_through", "memory_only"]
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def _shm_dir(prefix: str) -> Path:
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm (tmpfs) on this host")
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/dev/shm"))
-
-
-@pytest.fixture
-def mem_dir() -> Iterator[Path]:
-    """A memory tier directory on /dev/shm (tmpfs), removed afterwards."""
-    d = _shm_dir("tutti-attack-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 @lru_cache(maxsize=1)
 def slot_bytes() -> int:
     d = Path(tempfile.mkdtemp(prefix="tutti-probe-"))
@@ -527,7 +512,7 @@ class TierMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.storage = Path(tempfile.mkdtemp(prefix="tutti-sm-"))
-        self.mem = _shm_dir("tutti-sm-")
+        self.mem = shm_dir("tutti-sm-")
         self.kv = make_kv(seed=0)
         self.seed: dict[int, int] = {}
         self.present: set[int] = set()
@@ -701,7 +686,7 @@ def test_single_tier_tests_with_a_memory_tier(module, name, policy, store_dirs, 
     from tutti_cluster import TuttiConfig, TuttiStore
 
     mod = importlib.import_module(module)
-    root = _shm_dir("tutti-rerun-")
+    root = shm_dir("tutti-rerun-")
     mems: dict[tuple, Path] = {}
 
     def mem_for(dirs) -> Path:
