@@ -610,7 +610,11 @@ def test_metrics_show_each_tier(tmp_path: Path, mem_dir: Path):
             def scrape() -> dict | None:
                 out = {(s.name, tuple(sorted(s.labels.items()))): s.value
                        for fam in text_string_to_metric_families(c.get("/metrics").text) for s in fam.samples}
-                return out if out.get(("tutti_flushes_total", inst)) == st["flushes"] else None
+                # The engine reports its counters on its own schedule: wait for a report made after
+                # both the flush and the lookup.
+                caught_up = (out.get(("tutti_flushes_total", inst)) == st["flushes"]
+                             and out.get(("tutti_tier_hits_total", inst + (("tier", "memory"),))) == st["memory_hits"])
+                return out if caught_up else None
 
             m = wait_for(scrape, 15)
             assert m, "metrics did not catch up with the engine"
