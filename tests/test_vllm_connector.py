@@ -850,22 +850,17 @@ def test_real_engine_with_too_few_iocbs_keeps_its_outputs(tmp_path) -> None:
 
 
 # ---- the memory tier's counters (issue 46) ------------------------------------------------------
-def test_the_stores_tiers_reach_the_connectors_metrics(tmp_path) -> None:
+def test_the_stores_tiers_reach_the_connectors_metrics(tmp_path, mem_dir) -> None:
     """A worker whose store has a memory tier (write_back): each interval's stats carry how the
     store's per-tier counters moved and how its gauges changed, so that the Prometheus counters and
     gauges, summed over intervals, hold the store's own values; the log line leaves the gauges out."""
     import functools
-    import shutil
-    import tempfile
 
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     from tutti_cluster.vllm.metrics import STORE_COUNTERS, STORE_GAUGES, TuttiPromMetrics
 
-    if not Path("/dev/shm").is_dir():
-        pytest.skip("no /dev/shm here")
-    shm = tempfile.mkdtemp(prefix="tutti-test-", dir="/dev/shm")
-    c, kv = _worker(tmp_path, memory_paths=[shm], memory_capacity_gb=0.004, defer_saves=False)
+    c, kv = _worker(tmp_path, memory_paths=[mem_dir], memory_capacity_gb=0.004, defer_saves=False)
     registry = CollectorRegistry()
     kinds = {k: functools.partial(k, registry=registry) for k in (Gauge, Counter, Histogram)}
     prom = TuttiPromMetrics(_vllm_config(tmp_path), kinds, ["engine"], {0: ["0"]})
@@ -886,4 +881,3 @@ def test_the_stores_tiers_reach_the_connectors_metrics(tmp_path) -> None:
             assert (registry.get_sample_value(f"vllm:tutti_{name}_total", {"engine": "0"}) or 0) == st[name], name
     finally:
         c.shutdown()
-        shutil.rmtree(shm, ignore_errors=True)
