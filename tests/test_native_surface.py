@@ -8,8 +8,7 @@ import inspect
 from pathlib import Path
 
 from tutti_cluster import TuttiConfig, _native
-from tutti_cluster.config import NATIVE_FIELDS
-from tutti_cluster.store import native_options
+from tutti_cluster.config import NATIVE_FIELDS, native_options
 
 STUB = Path(_native.__file__).parent / "_native.pyi"
 if not STUB.exists():  # an editable install keeps the stub in the source tree

@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 
 from conftest import BLOCK_TOKENS, HEAD, HEADS, UNIT_TOKENS
 from tutti_cluster import TuttiConfig, TuttiStore
+from tutti_cluster.config import native_options
 from tutti_cluster.errors import ConfigError, LayoutError
 from tutti_cluster.kv_layout import layer_kv_from_tensor, layer_kv_from_vllm, layers_from_cross_layer_tensor
-from tutti_cluster.store import native_options
 
 LAYERS, BLOCKS = 3, 16
 SHAPE = (2, BLOCKS, BLOCK_TOKENS, HEADS, HEAD)  # kv_first

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from conftest import BLOCK_TOKENS, UNIT_TOKENS, make_kv, open_store, run_threads, snapshot, zero
 from tutti_cluster import TuttiConfig, TuttiStore, _native
+from tutti_cluster.config import native_options
 from tutti_cluster.errors import LayoutError, NotFound, TuttiError
-from tutti_cluster.store import native_options
 
 HERE = Path(__file__).parent
 ENV = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

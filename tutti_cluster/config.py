@@ -28,7 +28,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from tutti_cluster import _native
 from tutti_cluster.errors import ConfigError
-from tutti_cluster.files import MAX_CONFIG_BYTES, read_bounded
+from tutti_cluster.files import MAX_CONFIG_BYTES, group_id, read_bounded
 
 _LIST_FIELDS = ("paths", "capacity_gb", "memory_paths", "memory_capacity_gb", "etcd")
 
@@ -36,7 +36,7 @@ _LIST_FIELDS = ("paths", "capacity_gb", "memory_paths", "memory_capacity_gb", "e
 # the fields below that share their names: each such field's default is read from here.
 _NATIVE = _native.StoreOptions()
 #: TuttiConfig fields that are native store options of the same name and meaning: their defaults are
-#: StoreOptions', and the store passes them on as they are (tutti_cluster.store.native_options).
+#: StoreOptions', and the store passes them on as they are (native_options, below).
 NATIVE_FIELDS = ("instance", "pool_files", "prewrite_pool", "queue_depth", "staging_mb", "max_requests", "io_sms",
                  "min_io_bytes", "direct_io", "device", "cuda_pair", "cuda_trace", "map_memory_paths", "write_policy",
                  "promote_hits", "promote_window_s")
@@ -506,3 +506,44 @@ def _list_items(values: list[Any]) -> list[str]:
             continue
         out.append(v.strip().strip(",") if v.strip() else v)
     return out
+
+
+_U32_MAX, _U64_MAX, _INT_MAX = (1 << 32) - 1, (1 << 64) - 1, (1 << 31) - 1
+
+
+def _fits(setting: str, value: int, most: int) -> int:
+    """``value`` when the native field it goes to (at most ``most``) holds it, else ConfigError."""
+    if not 0 <= value <= most:
+        raise ConfigError(f"invalid Tutti configuration: {setting} ({value}) does not fit the native store's "
+                          f"field (at most {most})")
+    return value
+
+
+# The most a native field holds where it is not a uint32 (staging_mb is shifted by 20 bits natively).
+_NATIVE_MOST = {"staging_mb": _U64_MAX >> 20, "min_io_bytes": _U64_MAX, "device": _INT_MAX}
+
+
+def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_only: bool = False) -> Any:
+    """The native store's options, every field from ``config``: the one place they are translated.
+
+    Every number goes to a fixed-width native field: TuttiConfig bounds each setting (tighter), and
+    this checks the widths again for configs that skipped validation (``model_copy(update=...)``),
+    so that a misfit is a ConfigError naming the setting, never pybind11's TypeError."""
+    _fits("unit_tokens / block_tokens (blocks per unit)", unit_blocks, _U32_MAX)
+    _fits("iocb_depth", config.iocb_depth, _U32_MAX)  # init_queue's uint32 (register_kv_caches)
+    o = _native.StoreOptions()
+    for name in NATIVE_FIELDS:  # the same name and meaning on both sides
+        value = getattr(config, name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            _fits(name, value, _NATIVE_MOST.get(name, _U32_MAX))
+        setattr(o, name, value)
+    o.paths = [str(p) for p in config.storage_paths()]
+    o.capacity = [_fits("capacity_gb", c, _U64_MAX) for c in config.capacity_bytes()]
+    o.memory_paths = [str(p) for p in config.memory_paths]
+    o.memory_capacity = [_fits("memory_capacity_gb", c, _U64_MAX) for c in config.memory_capacity_bytes()]
+    o.unit_blocks = unit_blocks
+    o.backend = backend
+    o.read_only = read_only
+    gid = group_id(config.file_group)
+    o.file_gid = -1 if gid is None else _fits("file_group (gid)", gid, _U32_MAX - 1)
+    return o

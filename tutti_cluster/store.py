@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tutti_cluster import _native
-from tutti_cluster.config import NATIVE_FIELDS, TuttiConfig, load_config
+from tutti_cluster.config import TuttiConfig, load_config, native_options
 from tutti_cluster.errors import ConfigError, DeviceError, LayoutError, NotFound, TuttiError
 from tutti_cluster.files import group_id, make_dir
 from tutti_cluster.keys import Key, key_array, to_key
@@ -45,47 +45,6 @@ _RETRIEVE, _STORE = _native.ReqOp.RETRIEVE, _native.ReqOp.STORE
 # A retrieve's (or scatter's) block id for a block of a unit that is checked with the rest of its
 # object but written nowhere: the engine holds it already (a prefix cache hit ending inside the unit).
 SKIP_BLOCK = -1
-
-
-_U32_MAX, _U64_MAX, _INT_MAX = (1 << 32) - 1, (1 << 64) - 1, (1 << 31) - 1
-
-
-def _fits(setting: str, value: int, most: int) -> int:
-    """``value`` when the native field it goes to (at most ``most``) holds it, else ConfigError."""
-    if not 0 <= value <= most:
-        raise ConfigError(f"invalid Tutti configuration: {setting} ({value}) does not fit the native store's "
-                          f"field (at most {most})")
-    return value
-
-
-# The most a native field holds where it is not a uint32 (staging_mb is shifted by 20 bits natively).
-_NATIVE_MOST = {"staging_mb": _U64_MAX >> 20, "min_io_bytes": _U64_MAX, "device": _INT_MAX}
-
-
-def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_only: bool = False) -> Any:
-    """The native store's options, every field from ``config``: the one place they are translated.
-
-    Every number goes to a fixed-width native field: TuttiConfig bounds each setting (tighter), and
-    this checks the widths again for configs that skipped validation (``model_copy(update=...)``),
-    so that a misfit is a ConfigError naming the setting, never pybind11's TypeError."""
-    _fits("unit_tokens / block_tokens (blocks per unit)", unit_blocks, _U32_MAX)
-    _fits("iocb_depth", config.iocb_depth, _U32_MAX)  # init_queue's uint32 (register_kv_caches)
-    o = _native.StoreOptions()
-    for name in NATIVE_FIELDS:  # the same name and meaning on both sides
-        value = getattr(config, name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            _fits(name, value, _NATIVE_MOST.get(name, _U32_MAX))
-        setattr(o, name, value)
-    o.paths = [str(p) for p in config.storage_paths()]
-    o.capacity = [_fits("capacity_gb", c, _U64_MAX) for c in config.capacity_bytes()]
-    o.memory_paths = [str(p) for p in config.memory_paths]
-    o.memory_capacity = [_fits("memory_capacity_gb", c, _U64_MAX) for c in config.memory_capacity_bytes()]
-    o.unit_blocks = unit_blocks
-    o.backend = backend
-    o.read_only = read_only
-    gid = group_id(config.file_group)
-    o.file_gid = -1 if gid is None else _fits("file_group (gid)", gid, _U32_MAX - 1)
-    return o
 
 
 #: unit_tiers' words for the native bits (1: a copy in memory, 2: one on storage).
