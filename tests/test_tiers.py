@@ -135,6 +135,40 @@ def test_promotion_on_the_second_hit_and_demotion_of_flushed_units(store_dirs, m
         assert_units_equal(want, blocks, kv, blocks, "kv_first", [0], ub)
 
 
+def test_pin_into_memory_copies_and_keeps_the_unit_there(store_dirs, mem_dir):
+    """pin(memory=True) copies a unit on storage only into memory at once (no hits needed), and its
+    memory copy outlives later stores that demote every unpinned unit; unpinned, it is demoted."""
+    kv = make_kv(seed=10)
+    with tiered(store_dirs, mem_dir, kv, promote_hits=0) as s:
+        ub = s.unit_blocks
+        first = list(range(1, 8))
+        assert s.store(first, np.arange(7 * ub)).ok
+        s.flush(timeout_s=30)
+        assert s.store(list(range(20, 27)), np.arange(7 * ub)).ok  # demotes every one of `first`
+        s.flush(timeout_s=30)
+        assert s.unit_tiers(first) == ["storage"] * 7
+        assert s.pin(first[:2], memory=True) == 2
+        assert s.pin(first[:2], memory=True) == 0  # queued or done already: not twice
+        assert s.flush(timeout_s=30)
+        assert s.unit_tiers(first[:2]) == ["both"] * 2 and s.stats()["promotions"] == 2
+        assert s.store(list(range(40, 47)), np.arange(7 * ub)).ok  # memory pressure again
+        s.flush(timeout_s=30)
+        assert s.unit_tiers(first[:2]) == ["both"] * 2
+        s.unpin(first[:2])
+        s.unpin(first[:2])
+        assert s.store(list(range(60, 67)), np.arange(7 * ub)).ok
+        s.flush(timeout_s=30)
+        assert s.unit_tiers(first[:2]) == ["storage"] * 2
+        assert s.pin([999], memory=True) == 0  # absent: nothing to copy
+
+
+def test_pin_into_memory_without_a_memory_tier_copies_nothing(store_dirs):
+    with open_store(store_dirs, make_kv(seed=11)) as s:
+        assert s.store([3], np.arange(s.unit_blocks)).ok
+        assert s.pin([3], memory=True) == 0
+        assert s.stats()["pinned"] == 1
+
+
 def test_remove_drops_both_copies(store_dirs, mem_dir):
     kv = make_kv(seed=9)
     with tiered(store_dirs, mem_dir, kv, write_policy="write_through") as s:

@@ -694,9 +694,14 @@ class TuttiStore:
             view.release()
 
     # ---- capacity ----------------------------------------------------------------------------
-    def pin(self, keys: Sequence[Key]) -> None:
-        """Protects units from eviction (counted: pin twice, unpin twice)."""
-        self._n.pin(key_array(keys), True)
+    def pin(self, keys: Sequence[Key], memory: bool = False) -> int:
+        """Protects units from eviction (counted: pin twice, unpin twice); a pinned unit's memory
+        copy is never demoted. ``memory=True`` also copies each unit that lies on storage only into
+        the memory tier, in the background; returns how many such copies were queued (0 without a
+        memory tier)."""
+        a = key_array(keys)
+        self._n.pin(a, True)
+        return int(self._n.promote(a)) if memory else 0
 
     def unpin(self, keys: Sequence[Key]) -> None:
         self._n.pin(key_array(keys), False)

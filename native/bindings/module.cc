@@ -346,6 +346,9 @@ PYBIND11_MODULE(_native, m) {
         return key;
       })
       .def("pin", [](PyUnits& p, U64Array keys, bool on) { p.hold()->pin(keys.data(), static_cast<uint32_t>(keys.size()), on); })
+      .def("promote", [](PyUnits& p, U64Array keys) {
+        return p.hold()->promote(keys.data(), static_cast<uint32_t>(keys.size()));
+      })
       .def("remove", [](PyUnits& p, uint64_t key) {
         bool removed = false;
         ok(p.hold()->remove(key, &removed));

@@ -425,6 +425,22 @@ void UnitStore::pin(const uint64_t* keys, uint32_t n, bool on) {
   }
 }
 
+uint32_t UnitStore::promote(const uint64_t* keys, uint32_t n) {
+  if (!pool_->has_memory_tier() || opt_.read_only) return 0;
+  std::lock_guard<std::mutex> lk(mu_);
+  uint32_t queued = 0;
+  for (uint32_t i = 0; i < n; ++i) {
+    Index::Copies c;
+    if (!index_->find(keys[i], &c) || c.mem) continue;
+    auto has = [&](const auto& v) { return std::find(v.begin(), v.end(), keys[i]) != v.end(); };
+    if (has(promote_q_) || has(batch_)) continue;
+    promote_q_.push_back(keys[i]);
+    queued++;
+  }
+  if (queued) work_cv_.notify_one();
+  return queued;
+}
+
 Status UnitStore::remove(uint64_t key, bool* removed) {
   *removed = false;
   if (opt_.read_only) return {Code::kInvalid, "store opened read-only: remove units through the engine that owns them"};
@@ -549,7 +565,7 @@ void UnitStore::flusher_loop() {
     const Tier to = flush ? Tier::kStorage : Tier::kMemory;
     std::vector<uint64_t> keys;
     for (; keys.size() < kCopies && !q.empty(); q.pop_front()) keys.push_back(q.front());
-    busy_ += static_cast<uint32_t>(keys.size());
+    batch_ = keys;
     lk.unlock();
     std::vector<std::future<bool>> others;
     for (size_t i = 1; i < keys.size(); ++i)
@@ -557,7 +573,7 @@ void UnitStore::flusher_loop() {
     std::vector<bool> done{copy_unit(keys[0], to)};
     for (auto& f : others) done.push_back(f.get());
     lk.lock();
-    busy_ -= static_cast<uint32_t>(keys.size());
+    batch_.clear();
     for (size_t i = 0; i < keys.size(); ++i) {
       if (done[i]) continue;
       if (retry_.empty()) retry_at = now_s() + 1.0;
@@ -568,7 +584,7 @@ void UnitStore::flusher_loop() {
 }
 
 bool UnitStore::settled() const {
-  return flush_q_.empty() && promote_q_.empty() && retry_.empty() && moving_.empty() && busy_ == 0;
+  return flush_q_.empty() && promote_q_.empty() && retry_.empty() && moving_.empty() && batch_.empty();
 }
 
 bool UnitStore::flush(double timeout_s) {

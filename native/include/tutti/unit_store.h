@@ -47,6 +47,10 @@ class UnitStore {
   Status import_unit(const uint8_t* data, uint64_t n, uint64_t* key);
 
   void pin(const uint64_t* keys, uint32_t n, bool on);
+  // Queues each unit lying on storage only for a copy into the memory tier (the flusher's
+  // promotion, verified on the way); a pinned unit's memory copy is never demoted. Returns how many
+  // were queued (0 without a memory tier or on a read-only store).
+  uint32_t promote(const uint64_t* keys, uint32_t n);
   // Drops a unit (*removed: it was present). Refused on a read-only store.
   Status remove(uint64_t key, bool* removed);
   std::vector<uint64_t> keys() const;
@@ -129,9 +133,9 @@ class UnitStore {
   void stop_flusher();
   bool settled() const;  // nothing queued, waiting to be tried again, or being copied. Under mu_.
   std::deque<uint64_t> flush_q_, promote_q_, retry_;
-  uint32_t busy_ = 0;  // copies the flusher has taken off a queue and not finished
   uint32_t reading_ = 0;  // the engine session's retrieves in flight: the flusher waits for them
   std::unordered_set<uint64_t> moving_;  // keys being copied between tiers
+  std::vector<uint64_t> batch_;  // copies the flusher has taken off a queue and not finished
   std::unordered_map<uint64_t, std::pair<uint32_t, double>> storage_reads_;  // key -> (hits, first hit time)
   std::condition_variable work_cv_, idle_cv_, moved_cv_;
   std::thread flusher_;
