@@ -142,6 +142,29 @@ def tmpfs(tmp_path: Path) -> Iterator[callable]:
         subprocess.run(["umount", "-l", str(d)], check=False)
 
 
+@pytest.fixture
+def hugetlbfs(tmp_path: Path) -> Iterator[Path]:
+    """A hugetlbfs mount (root only) with 64 huge pages reserved for it: the host's reservation is
+    raised for the test where it is lower, and put back afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting hugetlbfs and reserving huge pages needs root")
+    knob = Path("/proc/sys/vm/nr_hugepages")
+    try:
+        before = int(knob.read_text())
+        knob.write_text(str(before + 64))
+    except OSError as e:
+        pytest.skip(f"cannot reserve huge pages here ({e})")
+    d = tmp_path / "huge"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "hugetlbfs", "-o", "mode=700", "hugetlbfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0 or int(knob.read_text()) < before + 64:
+        knob.write_text(str(before))
+        pytest.skip(f"no hugetlbfs with 64 free huge pages here ({r.stderr.strip() or 'too few pages'})")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=False)
+    knob.write_text(str(before))
+
+
 def run_threads(*targets: Callable[[], object]) -> None:
     """Runs each target on a thread of its own, waits for all, and raises the first exception any
     of them raised (an assertion failing in a thread fails the test)."""

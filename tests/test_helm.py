@@ -581,6 +581,18 @@ def test_the_memory_tier_is_off_by_default_and_an_engines_memory_backed_empty_di
     assert env["TUTTI_WRITE_POLICY"] == "write_through"
 
 
+def test_a_memory_tier_on_huge_pages_requests_them() -> None:
+    docs = render("-f", str(EXAMPLE), "--set", "memoryTier.enabled=true", "--set", "memoryTier.volume=hugePages",
+                  "--set-json", "memoryTier.capacityGb=2")
+    eng = one(docs, "Deployment", "vllm")
+    vol, mount, env = _memory_tier(eng)
+    assert vol == {"name": "memory-tier", "emptyDir": {"medium": "HugePages", "sizeLimit": "2Gi"}}
+    res = container(eng)["resources"]
+    assert res["requests"]["hugepages-2Mi"] == res["limits"]["hugepages-2Mi"] == "2Gi"
+    assert res["limits"]["nvidia.com/gpu"] == 1  # the values' own resources are kept
+    assert _memory_tier(one(docs, "DaemonSet", "node"))[0] is None
+
+
 def test_a_host_memory_tier_is_shared_by_the_store_nodes_and_the_engines() -> None:
     docs = render("-f", str(EXAMPLE), "--set", "memoryTier.enabled=true", "--set", "memoryTier.volume=hostPath")
     ds, eng = one(docs, "DaemonSet", "node"), one(docs, "Deployment", "vllm")

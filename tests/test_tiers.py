@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_units_equal, make_kv, open_store, snapshot, zero
+from conftest import BLOCK_TOKENS, UNIT_TOKENS, assert_units_equal, make_kv, open_store, snapshot, zero
+from tutti_cluster import TuttiConfig, TuttiStore
 from tutti_cluster.errors import ConfigError
 
 MEM_GB = 0.0005  # 7 GPU files of the test model
@@ -177,6 +178,46 @@ def test_remove_drops_both_copies(store_dirs, mem_dir):
         assert s.remove(5)
     with tiered(store_dirs, mem_dir, kv) as s:
         assert s.lookup([5]) == 0 and s.stats()["units"] == 0
+
+
+def test_memory_tier_on_hugetlbfs(store_dirs, hugetlbfs):
+    """hugetlbfs takes no write(2): every copy in and out of its files goes through their mapping.
+    Stores land there, flush, serve retrieves, come back after a restart (and in a read-only
+    open), and a unit is promoted into it."""
+    kv = make_kv(seed=12)
+    with tiered(store_dirs, hugetlbfs, kv, promote_hits=0) as s:
+        ub = s.unit_blocks
+        keys = list(range(1, 10))
+        blocks = np.arange(9 * ub)
+        assert s.store(keys, blocks).committed_units == list(range(9))
+        assert s.flush(timeout_s=30)
+        tiers = s.unit_tiers(keys)
+        assert tiers.count("both") == 7 and tiers.count("storage") == 2
+        want = snapshot(kv)
+        zero(kv)
+        res = s.retrieve(keys, blocks)
+        assert res.ok, res
+        assert_units_equal(want, blocks, kv, blocks, "kv_first", list(range(9)), ub)
+        st = s.stats()
+        assert st["memory_bytes_read"] * 9 == st["bytes_read"] * 7 > 0
+        in_memory = bytes(s.read_unit(keys[0]))
+    zero(kv)
+    with tiered(store_dirs, hugetlbfs, kv, promote_hits=0) as s:
+        assert s.unit_tiers(keys) == tiers
+        assert s.remove(keys[0])  # room in memory for a promotion
+        moved = keys[tiers.index("storage")]
+        assert s.pin([moved], memory=True) == 1 and s.flush(timeout_s=30)
+        assert s.unit_tiers([moved]) == ["both"]
+        res = s.retrieve(keys[1:], blocks[ub:])
+        assert res.ok, res
+        assert_units_equal(want, blocks[ub:], kv, blocks[ub:], "kv_first", list(range(8)), ub)
+    reader = TuttiStore(TuttiConfig(paths=store_dirs, capacity_gb=0.02, unit_tokens=UNIT_TOKENS,
+                                    memory_paths=[hugetlbfs], memory_capacity_gb=MEM_GB))
+    reader.register_kv_caches(kv, block_tokens=BLOCK_TOKENS, layout="kv_first", read_only=True)
+    with reader:
+        assert reader.lookup([moved]) == 1
+        assert len(in_memory) == reader.stats()["slot_bytes"]
+        assert bytes(reader.read_unit(keys[1])) != in_memory  # another unit, read through the mapping
 
 
 def test_memory_tier_must_be_a_memory_file_system(store_dirs, tmp_path):

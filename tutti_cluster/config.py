@@ -8,7 +8,7 @@ The ``tutti`` commands take their flags from the fields below (:func:`add_config
 field ``foo_bar`` is ``--foo-bar``, with the field's description as its help; lists take one or more
 values, separated by spaces or commas (``--paths /mnt/a /mnt/b`` or ``--paths /mnt/a,/mnt/b``).
 
-Tiers: ``paths`` are the storage tier. ``memory_paths`` (tmpfs or ramfs directories, their own
+Tiers: ``paths`` are the storage tier. ``memory_paths`` (tmpfs, ramfs or hugetlbfs directories, their own
 ``memory_capacity_gb``) add a host-memory tier in front of it: stores land in memory and reach storage
 as ``write_policy`` says, and a unit read from storage is promoted into memory on its ``promote_hits``-th
 hit within ``promote_window_s``. Without ``memory_paths`` there is one tier, the storage paths.
@@ -147,7 +147,8 @@ class TuttiConfig(BaseSettings):
         _NATIVE.map_memory_paths,
         description="Map the pool files on memory file systems (tmpfs, ramfs) and let the I/O kernel move "
         "objects with loads and stores instead of io_uring (byte-addressable storage: one pass over "
-        "each byte, no staging; on CUDA the pool is pinned). Other paths always go through io_uring.",
+        "each byte, no staging; on CUDA the pool is pinned). Other paths always go through io_uring; "
+        "hugetlbfs files, which take no write(2), are always mapped.",
     )
     file_group: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",
@@ -159,7 +160,7 @@ class TuttiConfig(BaseSettings):
     # Tiers (the host-memory tier in front of the storage paths; none by default)
     memory_paths: list[Path] = Field(
         default_factory=list,
-        description="Memory-tier directories (tmpfs or ramfs), in front of the storage paths: stores land "
+        description="Memory-tier directories (tmpfs, ramfs or hugetlbfs), in front of the storage paths: stores land "
         "there first and reads take a unit from its fastest copy. Not one of the storage paths; empty: no "
         "memory tier.")
     memory_capacity_gb: list[Annotated[float, Field(gt=0, le=MAX_CAPACITY_GB, allow_inf_nan=False)]] = Field(

@@ -263,6 +263,43 @@ static Status open_file_checked(PoolPath* p, DirectMode mode, bool read_only, in
   return {Code::kStorage, "pool file " + p->file + " keeps being made and removed by another process"};
 }
 
+static Status write_head(const PoolPath* p, const void* hdr, uint64_t n) {
+  ssize_t w;
+  do w = ::pwrite(p->fd, hdr, n, 0);
+  while (w < 0 && errno == EINTR);
+  if (w < 0) return {errno == ENOSPC ? Code::kCapacityExceeded : Code::kStorage, errno_message("write " + p->file, errno)};
+  if (static_cast<uint64_t>(w) != n) return {Code::kStorage, "short write to " + p->file};
+  return Status::Ok();
+}
+
+// The same on hugetlbfs (no write(2)): its first page, allocated and mapped for the copy.
+static Status write_huge_head(const PoolPath* p, const void* hdr, uint64_t n) {
+  const int rc = ::posix_fallocate(p->fd, 0, static_cast<off_t>(p->huge_page));
+  if (rc != 0)
+    return {rc == ENOSPC ? Code::kCapacityExceeded : Code::kStorage,
+            errno_message("fallocate " + p->file + " (hugetlbfs: free huge pages, /proc/sys/vm/nr_hugepages)", rc)};
+  void* m = ::mmap(nullptr, p->huge_page, PROT_READ | PROT_WRITE, MAP_SHARED, p->fd, 0);
+  if (m == MAP_FAILED) return {Code::kStorage, errno_message("mmap " + p->file, errno)};
+  std::memcpy(m, hdr, n);
+  ::munmap(m, p->huge_page);
+  return Status::Ok();
+}
+
+// Maps a hugetlbfs pool file whole (`bytes`, or its size when 0), shared and populated.
+static Status map_huge(PoolPath* p, uint64_t bytes, bool read_only) {
+  struct stat st;
+  if (bytes == 0) {
+    if (::fstat(p->fd, &st) != 0) return {Code::kStorage, errno_message("stat " + p->file, errno)};
+    bytes = static_cast<uint64_t>(st.st_size) / p->huge_page * p->huge_page;
+  }
+  if (bytes == 0) return Status::Ok();
+  void* m = ::mmap(nullptr, bytes, read_only ? PROT_READ : PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, p->fd, 0);
+  if (m == MAP_FAILED) return {Code::kStorage, errno_message("mmap " + p->file, errno)};
+  p->map = static_cast<uint8_t*>(m);
+  p->map_bytes = bytes;
+  return Status::Ok();
+}
+
 static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_only, bool prewrite,
                        const PoolFileOptions& files, const Geometry& g) {
   struct stat st;
@@ -274,20 +311,18 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
   if (!s.ok()) return s;
   const int fd = p->fd;
   p->buffer_align = p->cached() ? 1 : direct_buffer_align(fd);
-  if (read_only) return Status::Ok();
+  if (read_only) return p->huge_page ? map_huge(p, 0, true) : Status::Ok();
   if (p->fresh && files.stamp) {
     // The layout's free-slot header first: a start killed while preallocating leaves a pool of ours.
     void* hdr = nullptr;
     if (::posix_memalign(&hdr, kAlign, g.header_bytes) != 0) return {Code::kCapacityExceeded, "out of memory"};
     encode_free_header(g, files.desc, static_cast<uint8_t*>(hdr));
-    ssize_t w;
-    do w = ::pwrite(fd, hdr, g.header_bytes, 0);
-    while (w < 0 && errno == EINTR);
-    const int err = errno;
+    s = p->huge_page ? write_huge_head(p, hdr, g.header_bytes) : write_head(p, hdr, g.header_bytes);
     std::free(hdr);
-    if (w < 0) return {err == ENOSPC ? Code::kCapacityExceeded : Code::kStorage, errno_message("write " + p->file, err)};
-    if (static_cast<uint64_t>(w) != g.header_bytes) return {Code::kStorage, "short write to " + p->file};
+    if (!s.ok()) return s;
   }
+  // hugetlbfs: whole pages (fallocate rounds up anyway; the mapping must cover the file exactly).
+  if (p->huge_page) bytes = (bytes + p->huge_page - 1) / p->huge_page * p->huge_page;
   // A larger existing file is left as it is (never truncated): its tail is simply not used.
   if (bytes > 0) {
     // Before fallocate: dirty pages of an existing file get their blocks as written data (see
@@ -296,11 +331,12 @@ static Status open_one(PoolPath* p, uint64_t bytes, DirectMode mode, bool read_o
       return {Code::kStorage, errno_message("fdatasync " + p->file, errno)};
     int rc = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
     if (rc == ENOSPC)
-      return {Code::kCapacityExceeded, "no space left on " + p->dir + " to preallocate " + std::to_string(bytes) + " bytes"};
+      return {Code::kCapacityExceeded, "no space left on " + p->dir + " to preallocate " + std::to_string(bytes) + " bytes" +
+                                           (p->huge_page ? " (hugetlbfs: free huge pages, /proc/sys/vm/nr_hugepages)" : "")};
     if (rc != 0) return {Code::kStorage, errno_message("fallocate " + p->file, rc)};
     if (prewrite && p->direct && !p->memory) return write_unwritten(*p, bytes);
   }
-  return Status::Ok();
+  return p->huge_page ? map_huge(p, bytes, false) : Status::Ok();
 }
 
 // Touches every page of new pool files on memory file systems once, writing, so that the first
@@ -326,9 +362,16 @@ static void touch_memory_files(const std::vector<PoolPath*>& files, uint64_t slo
   for (std::thread& t : threads) t.join();
 }
 
+// The page size of a hugetlbfs directory, else 0.
+static uint64_t huge_page_of(const std::string& dir) {
+  struct statfs sfs;
+  return statfs(dir.c_str(), &sfs) == 0 && sfs.f_type == HUGETLBFS_MAGIC ? static_cast<uint64_t>(sfs.f_bsize) : 0;
+}
+
 static bool memory_fs(const std::string& dir) {
   struct statfs sfs;
-  return statfs(dir.c_str(), &sfs) == 0 && (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC);
+  return statfs(dir.c_str(), &sfs) == 0 &&
+         (sfs.f_type == TMPFS_MAGIC || sfs.f_type == RAMFS_MAGIC || sfs.f_type == HUGETLBFS_MAGIC);
 }
 
 static std::string pool_file_name(const std::string& dir, const std::string& instance, uint32_t k) {
@@ -345,7 +388,7 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
   auto tier_of_dir = [&](size_t d) { return tiers.empty() ? Tier::kStorage : tiers[d]; };
   for (size_t d = 0; d < dirs.size(); ++d) {
     if (tier_of_dir(d) == Tier::kMemory && !memory_fs(dirs[d]))
-      return {Code::kConfig, "memory tier path " + dirs[d] + " is not on a memory file system (tmpfs or ramfs)"};
+      return {Code::kConfig, "memory tier path " + dirs[d] + " is not on a memory file system (tmpfs, ramfs or hugetlbfs)"};
     for (size_t e = 0; e < d; ++e)
       if (dirs[e] == dirs[d]) return {Code::kConfig, "path " + dirs[d] + " is named twice (a storage and a memory path?)"};
   }
@@ -384,6 +427,7 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
       const uint64_t slots = capacity[d] / g.slot_bytes;
       p.capacity = (slots / files[d] + (k < slots % files[d] ? 1 : 0)) * g.slot_bytes;
       p.memory = memory_fs(dirs[d]);
+      p.huge_page = huge_page_of(dirs[d]);
       p.tier = tier_of_dir(d);
       paths_.push_back(p);
     }
@@ -428,7 +472,7 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
   }
   std::vector<PoolPath*> fresh_memory;
   for (PoolPath& p : paths_)
-    if (prewrite && !read_only && p.memory && p.fresh) fresh_memory.push_back(&p);
+    if (prewrite && !read_only && p.memory && !p.huge_page && p.fresh) fresh_memory.push_back(&p);  // hugetlbfs: fallocate allocated
   if (!fresh_memory.empty()) touch_memory_files(fresh_memory, g.slot_bytes);
   slot_path_.resize(num_slots_);
   for (uint32_t i = 0; i < paths_.size(); ++i) {
@@ -488,9 +532,19 @@ uint32_t FilePool::free_slots(Tier t) const {
   return n;
 }
 
+// hugetlbfs: a copy through the file's mapping (bounded by it).
+static Status huge_copy(const PoolPath& p, uint64_t at, void* buf, const void* src, uint64_t n) {
+  if (!p.map || at > p.map_bytes || n > p.map_bytes - at)
+    return {Code::kStorage, "bytes " + std::to_string(at) + "+" + std::to_string(n) + " lie beyond the mapping of " + p.file};
+  if (src) std::memcpy(p.map + at, src, n);
+  else std::memcpy(buf, p.map + at, n);
+  return Status::Ok();
+}
+
 Status FilePool::pread_all(uint32_t slot, uint64_t off, void* buf, uint64_t n) const {
   const PoolPath& p = paths_[slot_path_[slot]];
   uint64_t base = offset_of(slot) + off, done = 0;
+  if (p.huge_page) return huge_copy(p, base, buf, nullptr, n);
   while (done < n) {
     ssize_t r = ::pread(p.fd, static_cast<uint8_t*>(buf) + done, n - done, static_cast<off_t>(base + done));
     if (r < 0 && errno == EINTR) continue;
@@ -504,6 +558,7 @@ Status FilePool::pread_all(uint32_t slot, uint64_t off, void* buf, uint64_t n) c
 Status FilePool::pwrite_all(uint32_t slot, uint64_t off, const void* buf, uint64_t n) const {
   const PoolPath& p = paths_[slot_path_[slot]];
   uint64_t base = offset_of(slot) + off, done = 0;
+  if (p.huge_page) return huge_copy(p, base, nullptr, buf, n);
   while (done < n) {
     ssize_t r = ::pwrite(p.fd, static_cast<const uint8_t*>(buf) + done, n - done, static_cast<off_t>(base + done));
     if (r < 0 && errno == EINTR) continue;
@@ -526,9 +581,13 @@ void FilePool::write_slot_heads(const uint32_t* slots, const uint8_t* bufs, uint
       ring_failed_ = true;  // seccomp or an old kernel: synchronous writes from now on
     }
   }
-  for (uint32_t i = 0; ring_ && i < n; i += kDepth) {
-    const uint32_t batch = std::min(n - i, kDepth);
-    for (uint32_t k = i; k < i + batch; ++k) {
+  std::vector<uint32_t> by_ring;  // hugetlbfs files take no write: their copies are made below
+  for (uint32_t k = 0; k < n; ++k)
+    if (!paths_[slot_path_[slots[k]]].huge_page) by_ring.push_back(k);
+  for (uint32_t i = 0; ring_ && i < by_ring.size(); i += kDepth) {
+    const uint32_t batch = std::min(static_cast<uint32_t>(by_ring.size()) - i, kDepth);
+    for (uint32_t j = i; j < i + batch; ++j) {
+      const uint32_t k = by_ring[j];
       io_uring_sqe* e = io_uring_get_sqe(ring_);
       io_uring_prep_write(e, paths_[slot_path_[slots[k]]].fd, bufs + k * bytes, static_cast<unsigned>(bytes),
                           offset_of(slots[k]));

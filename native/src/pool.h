@@ -26,7 +26,10 @@ struct PoolPath {
   bool direct = false;    // O_DIRECT accepted by the file system
   bool fresh = false;     // empty when this open locked it (preallocated by this open)
   bool created = false;   // made by this open, which holds its lock: removed again if the open fails
-  bool memory = false;    // tmpfs or ramfs: requests complete inline unless punted to io_uring workers
+  bool memory = false;    // tmpfs, ramfs or hugetlbfs: requests complete inline unless punted to io_uring workers
+  // hugetlbfs: its page size. Such a file takes no write(2): it is mapped whole when opened (`map`)
+  // and every byte this process moves in or out of it goes through that mapping.
+  uint64_t huge_page = 0;
   // Served from memory or the page cache: requests complete inline and take any buffer.
   bool cached() const { return memory || !direct; }
   // O_DIRECT: the alignment (a power of two) that every buffer address and length of one I/O
@@ -61,7 +64,7 @@ class FilePool {
   // lock on each, so one process owns one share: `<dir>/tutti-<instance>.pool`, and with
   // `files_per_path` > 1 also `<dir>/tutti-<instance>.<k>.pool`; the capacity of a path is split
   // evenly. `tiers` gives each path's tier (all storage when empty); a memory-tier path must be on
-  // a memory file system (ConfigError otherwise). 0 files per path means: 16 on memory file systems (tmpfs, ramfs; fewer where the
+  // a memory file system (ConfigError otherwise). 0 files per path means: 16 on memory file systems (tmpfs, ramfs, hugetlbfs; fewer where the
   // capacity holds fewer GPU files), 1 elsewhere. Files are
   // ordered so that consecutive slots go to different paths. `read_only` opens the existing files
   // without lock, for readers such as the node daemon. `prewrite` writes zeros once over what
@@ -80,7 +83,7 @@ class FilePool {
               uint32_t files_per_path = 1, bool prewrite = false, const PoolFileOptions& files = {},
               const std::vector<Tier>& tiers = {});
   void close();
-  // Maps every pool file on a memory file system (tmpfs, ramfs) shared and populated, so that the
+  // Maps every pool file on a memory file system (tmpfs, ramfs; hugetlbfs files are mapped at open) shared and populated, so that the
   // I/O kernel can move objects between it and the KV blocks with loads and stores (byte-addressable
   // storage); other files stay unmapped. Undone by close().
   Status map_memory_files();
@@ -106,7 +109,8 @@ class FilePool {
   uint32_t free_slots() const;
   uint32_t free_slots(Tier t) const;
 
-  // Synchronous header I/O (recovery, invalidation before reuse); `buf` is 4 KiB aligned.
+  // Synchronous I/O (headers, flushes, imports); `buf` is 4 KiB aligned. A copy through the mapping
+  // on hugetlbfs.
   Status pread_all(uint32_t slot, uint64_t off, void* buf, uint64_t n) const;
   Status pwrite_all(uint32_t slot, uint64_t off, const void* buf, uint64_t n) const;
   // Writes `n` buffers of `bytes` each (buffer i at bufs + i * bytes, 4 KiB aligned) at the start of

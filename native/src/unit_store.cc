@@ -640,7 +640,9 @@ static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32
   const PoolPath& src = pool.path(pool.path_of(from));
   const uint8_t* data = nullptr;
   void* map = MAP_FAILED;
-  if (src.memory) {
+  if (src.huge_page && src.map) {
+    data = src.map + pool.offset_of(from);  // hugetlbfs: mapped whole at open, before any other thread ran
+  } else if (src.memory) {
     map = ::mmap(nullptr, g.slot_bytes, PROT_READ, MAP_SHARED | MAP_POPULATE, src.fd,
                  static_cast<off_t>(pool.offset_of(from)));
     if (map != MAP_FAILED) data = static_cast<const uint8_t*>(map);

@@ -125,7 +125,7 @@ Kubernetes node name.
   value: {{ include "tutti.scalar" .Values.memoryTier.capacityGb | quote }}
 {{- end }}
 
-{{/* The memory tier's volume (memoryTier.volume): a memory-backed emptyDir of the tier's size, or the host's directory. */}}
+{{/* The memory tier's volume (memoryTier.volume): a memory-backed (or huge-page) emptyDir of the tier's size, or the host's directory. */}}
 {{- define "tutti.memoryTierVolume" -}}
 - name: memory-tier
 {{- if eq .Values.memoryTier.volume "hostPath" }}
@@ -134,7 +134,7 @@ Kubernetes node name.
     type: DirectoryOrCreate
 {{- else }}
   emptyDir:
-    medium: Memory
+    medium: {{ eq .Values.memoryTier.volume "hugePages" | ternary "HugePages" "Memory" }}
     sizeLimit: {{ printf "%sGi" (include "tutti.scalar" .Values.memoryTier.capacityGb) }}
 {{- end }}
 {{- end }}
@@ -165,8 +165,8 @@ Kubernetes node name.
 {{- end }}
 {{- $m := .Values.memoryTier }}
 {{- if $m.enabled }}
-{{- if and (eq $m.volume "emptyDir") (not .Values.vllm.enabled) }}
-{{- fail "memoryTier.volume emptyDir puts the memory tier in the chart's engine pods: set vllm.enabled=true, or memoryTier.volume=hostPath (a tmpfs directory of the host) for engines of your own" }}
+{{- if and (ne $m.volume "hostPath") (not .Values.vllm.enabled) }}
+{{- fail (printf "memoryTier.volume %s puts the memory tier in the chart's engine pods: set vllm.enabled=true, or memoryTier.volume=hostPath (a tmpfs or hugetlbfs directory of the host) for engines of your own" $m.volume) }}
 {{- end }}
 {{- $storage := default (list (printf "%s/store" .Values.config.data_dir)) .Values.config.paths }}
 {{- range (append $storage .Values.config.data_dir) }}
