@@ -591,15 +591,18 @@ def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str
 
 
 @gpu
-def test_memory_tier_mixes_mapped_and_io_uring_units_in_one_request(shm_dirs: list[Path], dirs: list[Path]) -> None:
-    """The memory tier on tmpfs (mapped: the I/O kernel's loads and stores) in front of a disk
-    storage tier (io_uring): stores land in memory and the host flushes them to disk; a retrieve
-    whose units lie in both tiers moves each byte-exact from its fastest copy; a unit read twice
-    from disk is promoted and then read from memory."""
+@pytest.mark.parametrize("fs", ["tmpfs", "hugetlbfs"])
+def test_memory_tier_mixes_mapped_and_io_uring_units_in_one_request(fs: str, shm_dirs: list[Path], dirs: list[Path],
+                                                                   request: pytest.FixtureRequest) -> None:
+    """The memory tier on tmpfs or hugetlbfs (mapped: the I/O kernel's loads and stores) in front
+    of a disk storage tier (io_uring): stores land in memory and the host flushes them to disk; a
+    retrieve whose units lie in both tiers moves each byte-exact from its fastest copy; a unit read
+    twice from disk is promoted and then read from memory."""
+    memory = shm_dirs[0] if fs == "tmpfs" else request.getfixturevalue("hugetlbfs")
     kv = make_gpu_kv("kv_first", layers=3, blocks=256, seed=12)
     rng = np.random.default_rng(23)
     keys = [int(k) for k in rng.integers(1, 1 << 62, 24)]
-    with open_gpu_store(dirs, kv, "kv_first", map_memory_paths=True, memory_paths=[str(shm_dirs[0])],
+    with open_gpu_store(dirs, kv, "kv_first", map_memory_paths=True, memory_paths=[str(memory)],
                         memory_capacity_gb=0.0008) as s:  # 8 GPU files of 100 KiB
         mem_slots = s.stats()["memory_slots"]
         assert 4 <= mem_slots < 24
