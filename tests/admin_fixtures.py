@@ -98,15 +98,15 @@ class TuttiUp:
 
 
 @contextlib.contextmanager
-def served_admin(node: AdminNode, token: str = TOKEN, **app_options: Any) -> Iterator[str]:
+def served_admin(node: AdminNode | TuttiConfig, token: str = TOKEN, **app_options: Any) -> Iterator[str]:
     """The node's admin app (``create_app``'s options) under uvicorn on a free loopback port; yields
-    its base URL."""
+    its base URL. ``node``: an AdminNode, or the settings of a daemon run otherwise."""
     from tutti_control.app import create_app
     from tutti_control.backend import NodeBackend
     from tutti_control.serve import AdminServer, bind
 
     sock = bind("127.0.0.1", free_port())
-    backend = NodeBackend(node.config)
+    backend = NodeBackend(node if isinstance(node, TuttiConfig) else node.config)
     server = AdminServer(create_app(backend, token, **app_options), sock, backend).start()
     try:
         yield f"http://{server.address}"

@@ -5,7 +5,10 @@ a real engine process (TuttiStore attached through the daemon socket): every rou
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,7 +19,7 @@ fastapi = pytest.importorskip("fastapi", reason="the admin extra is not installe
 from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from admin_fixtures import AUTH, TOKEN, AdminNode, hexkey, wait_for  # noqa: E402
+from admin_fixtures import AUTH, TOKEN, AdminNode, hexkey, served_admin, wait_for  # noqa: E402
 from tutti_cluster import TuttiConfig  # noqa: E402
 from tutti_cluster.node.link import DaemonLink  # noqa: E402
 from tutti_cluster.errors import CapacityExceeded  # noqa: E402
@@ -157,14 +160,21 @@ def test_pin_unpin_and_list(client: TestClient, node: AdminNode):
     pinned_before = node.engine_stats()["pinned"]
     r = client.post("/v1/pins", json={"keys": [hexkey(k) for k in keys[:3]] + ["3bff"]}, headers=AUTH)
     assert r.status_code == 200
-    assert r.json() == {"pinned": [hexkey(k) for k in keys[:3]], "absent": [hexkey(0x3bff)], "unreachable": []}
-    # Pinning again changes nothing: one store pin per key, however often it is asked for.
+    assert r.json() == {"pinned": [hexkey(k) for k in keys[:3]], "absent": [hexkey(0x3bff)], "unreachable": [],
+                        "no_memory_tier": []}
+    # Pinning again changes nothing: one store pin per key, however often it is asked for. A memory
+    # pin where the engine has no memory tier still pins, and says it could not put the unit in memory.
     assert client.post("/v1/pins", json={"keys": [hexkey(keys[0])]}, headers=AUTH).json()["pinned"] == [hexkey(keys[0])]
+    r = client.post("/v1/pins", json={"keys": [hexkey(keys[1]), "3bff"], "tier": "memory"}, headers=AUTH).json()
+    assert r == {"pinned": [hexkey(keys[1])], "absent": [hexkey(0x3bff)], "unreachable": [],
+                 "no_memory_tier": [hexkey(keys[1])]}
     assert node.engine_stats()["pinned"] == pinned_before + 3
     listed = client.get("/v1/pins", headers=AUTH).json()
     assert {hexkey(k) for k in keys[:3]} <= set(listed["pins"]) and listed["count"] == len(listed["pins"])
+    assert {k: listed["tiers"][hexkey(k)] for k in keys[:3]} == {keys[0]: "any", keys[1]: "memory", keys[2]: "any"}
     objs = client.get("/v1/objects", params={"key": [hexkey(k) for k in keys]}, headers=AUTH).json()["objects"]
     assert [o["pinned"] for o in objs] == [True, True, True, False]
+    assert [o["tiers"] for o in objs] == [{"node-a": {"engine0": "storage"}}] * 4  # no memory tier here
 
     r = client.request("DELETE", "/v1/pins", json={"keys": [hexkey(keys[0]), hexkey(keys[3])]}, headers=AUTH)
     assert r.json() == {"unpinned": [hexkey(keys[0])], "not_pinned": [hexkey(keys[3])], "unreachable": []}
@@ -478,15 +488,19 @@ def test_pins_come_back_with_a_restarted_engine_and_daemon(tmp_path: Path):
         assert (r["evicted"], r["pinned_kept"], r["unreachable"]) == (0, 2, 1)
         assert c.get("/v1/objects", params={"prefix": "0000000000006f"}, headers=AUTH).json()["objects"][2]["nodes"]
 
-        # The daemon restarts (pins.json) and a new engine process opens the same pools: the pins
-        # are applied to its store as soon as its command channel connects.
+        # The daemon restarts (pins.json, in the list format of older releases: their tier is any)
+        # and a new engine process opens the same pools: the pins are applied to its store as soon
+        # as its command channel connects.
         n.daemon.stop(signal.SIGKILL)
+        pins_file = Path(n.cfg["data_dir"]) / "pins.json"
+        assert json.loads(pins_file.read_text()) == {"any": keys[:2], "memory": []}
+        pins_file.write_text(json.dumps(keys[:2]))
         from cluster_fixtures import DaemonProcess
 
         n.daemon = DaemonProcess(n.cfg, tmp_path / "daemon2.log")
         n.start_engine()
         assert wait_for(lambda: n.engine_stats()["pinned"] == 2, 10), n.engine_stats()
-        assert sorted(c.get("/v1/pins", headers=AUTH).json()["pins"]) == [hexkey(k) for k in keys[:2]]
+        assert c.get("/v1/pins", headers=AUTH).json()["tiers"] == {hexkey(k): "any" for k in keys[:2]}
     finally:
         if backend is not None:
             backend.close()
@@ -581,60 +595,183 @@ def test_the_data_plane_never_imports_fastapi():
     assert r.returncode == 0, r.stderr
 
 
-def test_metrics_show_each_tier(tmp_path: Path, mem_dir: Path):
+class Tiered:
+    """A node with a memory tier, in this process: its daemon, an engine's store (write_back, a
+    memory tier of 10 units) attached through its link, and the admin app under uvicorn."""
+
+    def __init__(self, workdir: Path, mem: Path) -> None:
+        from conftest import BLOCK_TOKENS, make_kv
+        from tutti_cluster import TuttiStore
+        from tutti_cluster.node.daemon import NodeDaemon
+
+        (workdir / "ssd").mkdir()
+        self.mem = mem
+        base = {"paths": [str(workdir / "ssd")], "unit_tokens": 64, "data_dir": str(workdir / "node"),
+                "node_id": "node-m", "memory_paths": [str(mem)]}
+        self.cfg = TuttiConfig(**base, capacity_gb=0.05, memory_capacity_gb=0.01)
+        self.ecfg = TuttiConfig(**base, capacity_gb=0.004, memory_capacity_gb=0.0002, instance="e0", staging_mb=2)
+        self.kv = make_kv(layers=1)
+        self.block_tokens = BLOCK_TOKENS
+        self.daemon = NodeDaemon(self.cfg).start()
+        self.store: Any = None
+        self.link: Any = None
+        self.open_engine()
+        self._url = served_admin(self.cfg)
+        self.url = self._url.__enter__()
+
+    def open_engine(self) -> None:
+        from tutti_cluster import TuttiStore
+
+        self.store = TuttiStore(self.ecfg)
+        self.store.register_kv_caches(self.kv, block_tokens=self.block_tokens)
+        self.link = DaemonLink(self.ecfg)
+        assert self.link.attach(self.store) is not None
+
+    def close_engine(self) -> None:
+        self.link.close()
+        self.store.close()
+
+    def put(self, keys: list[int]) -> None:
+        """Store ``keys`` (24 at most: the KV holds 24 units) and wait for their flush."""
+        assert self.store.store(keys, list(range(len(keys) * self.store.unit_blocks))).units == len(keys)
+        assert self.store.flush(timeout_s=30)
+
+    def close(self) -> None:
+        self._url.__exit__(None, None, None)
+        self.close_engine()
+        self.daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tiered]:
+    import shutil
+
+    from conftest import shm_dir
+
+    mem = shm_dir()
+    try:
+        t = Tiered(tmp_path_factory.mktemp("tiered"), mem)
+        try:
+            yield t
+        finally:
+            t.close()
+    finally:
+        shutil.rmtree(mem, ignore_errors=True)
+
+
+def test_metrics_show_each_tier(tiered: Tiered):
     """An engine with a memory tier (write_back): stores land in memory and are flushed to storage,
     lookups hit in memory; /metrics shows the store's per-tier counters and the memory tier's share."""
-    from conftest import BLOCK_TOKENS, make_kv
-    from tutti_cluster import TuttiStore
-    from tutti_cluster.node.daemon import NodeDaemon
+    import httpx
 
-    base = {"paths": [str(tmp_path / "ssd")], "unit_tokens": 64, "data_dir": str(tmp_path / "node"),
-            "node_id": "node-m", "memory_paths": [str(mem_dir)]}
-    (tmp_path / "ssd").mkdir()
-    cfg = TuttiConfig(**base, capacity_gb=0.05, memory_capacity_gb=0.01)
-    ecfg = TuttiConfig(**base, capacity_gb=0.002, memory_capacity_gb=0.002, instance="e0", staging_mb=2)
-    d = NodeDaemon(cfg).start()
-    store = TuttiStore(ecfg)
-    link = DaemonLink(ecfg)
-    backend = NodeBackend(cfg)
-    try:
-        store.register_kv_caches(make_kv(layers=1), block_tokens=BLOCK_TOKENS)
-        assert link.attach(store) is not None
-        keys = [0x4700 + i for i in range(3)]
-        assert store.store(keys, list(range(len(keys) * store.unit_blocks))).units == len(keys)
-        assert store.flush(timeout_s=30) and store.lookup(keys) == len(keys)
-        st = store.stats()
-        assert st["memory_hits"] >= len(keys) and st["flushes"] >= len(keys) and st["memory_units"] == len(keys)
-        inst = (("instance", "e0"), ("node", "node-m"))
-        with TestClient(create_app(backend, TOKEN), raise_server_exceptions=False) as c:
-            def scrape() -> dict | None:
-                out = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                       for fam in text_string_to_metric_families(c.get("/metrics").text) for s in fam.samples}
-                # The engine reports its counters on its own schedule: wait for a report made after
-                # both the flush and the lookup.
-                caught_up = (out.get(("tutti_flushes_total", inst)) == st["flushes"]
-                             and out.get(("tutti_tier_hits_total", inst + (("tier", "memory"),))) == st["memory_hits"])
-                return out if caught_up else None
+    store, cfg, ecfg, mem_dir = tiered.store, tiered.cfg, tiered.ecfg, tiered.mem
+    keys = [0x4700 + i for i in range(3)]
+    tiered.put(keys)
+    assert store.lookup(keys) == len(keys)
+    st = store.stats()
+    assert st["memory_hits"] >= len(keys) and st["flushes"] >= len(keys) and st["memory_units"] == len(keys)
+    inst = (("instance", "e0"), ("node", "node-m"))
+    with httpx.Client(base_url=tiered.url, headers=AUTH) as c:
+        def scrape() -> dict | None:
+            out = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for fam in text_string_to_metric_families(c.get("/metrics").text) for s in fam.samples}
+            # The engine reports its counters on its own schedule: wait for a report made after
+            # both the flush and the lookup.
+            caught_up = (out.get(("tutti_flushes_total", inst)) == st["flushes"]
+                         and out.get(("tutti_tier_hits_total", inst + (("tier", "memory"),))) == st["memory_hits"])
+            return out if caught_up else None
 
-            m = wait_for(scrape, 15)
-            assert m, "metrics did not catch up with the engine"
-            assert m[("tutti_tier_hits_total", inst + (("tier", "memory"),))] == st["memory_hits"]
-            assert m[("tutti_tier_hits_total", inst + (("tier", "storage"),))] == st["storage_hits"]
-            for name, key in (("tutti_memory_units", "memory_units"), ("tutti_memory_slots", "memory_slots"),
-                              ("tutti_memory_free_slots", "memory_free_slots"), ("tutti_flush_bytes_total", "flush_bytes"),
-                              ("tutti_flush_errors_total", "flush_errors"), ("tutti_flush_backlog_units", "flush_backlog"),
-                              ("tutti_promotions_total", "promotions"), ("tutti_demotions_total", "demotions"),
-                              ("tutti_memory_read_bytes_total", "memory_bytes_read")):
-                assert m[(name, inst)] == st[key], name
-            assert m[("tutti_memory_slots", inst)] > 0 and m[("tutti_flush_bytes_total", inst)] > 0
-            assert m[("tutti_instance_memory_capacity_bytes", inst)] == ecfg.memory_capacity_bytes()[0]
-            path = (("node", "node-m"), ("path", str(mem_dir)))
-            assert m[("tutti_memory_path_capacity_bytes", path)] == cfg.memory_capacity_bytes()[0]
-            assert m[("tutti_memory_path_allocated_bytes", path)] == ecfg.memory_capacity_bytes()[0]
-            node = c.get("/v1/nodes/node-m", headers=AUTH).json()
-            assert node["memory_paths"] == [str(mem_dir)] and node["instances"][0]["memory_units"] == len(keys)
-    finally:
-        backend.close()
-        link.close()
-        store.close()
-        d.stop()
+        m = wait_for(scrape, 15)
+        assert m, "metrics did not catch up with the engine"
+        assert m[("tutti_tier_hits_total", inst + (("tier", "memory"),))] == st["memory_hits"]
+        assert m[("tutti_tier_hits_total", inst + (("tier", "storage"),))] == st["storage_hits"]
+        for name, key in (("tutti_memory_units", "memory_units"), ("tutti_memory_slots", "memory_slots"),
+                          ("tutti_memory_free_slots", "memory_free_slots"), ("tutti_flush_bytes_total", "flush_bytes"),
+                          ("tutti_flush_errors_total", "flush_errors"), ("tutti_flush_backlog_units", "flush_backlog"),
+                          ("tutti_promotions_total", "promotions"), ("tutti_demotions_total", "demotions"),
+                          ("tutti_memory_read_bytes_total", "memory_bytes_read")):
+            assert m[(name, inst)] == st[key], name
+        assert m[("tutti_memory_slots", inst)] > 0 and m[("tutti_flush_bytes_total", inst)] > 0
+        assert m[("tutti_instance_memory_capacity_bytes", inst)] == ecfg.memory_capacity_bytes()[0]
+        path = (("node", "node-m"), ("path", str(mem_dir)))
+        assert m[("tutti_memory_path_capacity_bytes", path)] == cfg.memory_capacity_bytes()[0]
+        assert m[("tutti_memory_path_allocated_bytes", path)] == ecfg.memory_capacity_bytes()[0]
+        node = c.get("/v1/nodes/node-m").json()
+        assert node["memory_paths"] == [str(mem_dir)] and node["instances"][0]["memory_units"] == len(keys)
+
+
+def test_a_memory_pin_brings_a_unit_into_memory_and_keeps_it_there(tiered: Tiered):
+    """POST /v1/pins with tier memory, over uvicorn: a unit on storage only is copied into the memory
+    tier and stays there while stores demote everything else; the pin's tier is recorded, listed,
+    changed by a second pin, and brought back into a memory tier that a reboot emptied when the
+    engine attaches again. Bad tiers are refused. `tutti admin stats` shows each tier."""
+    import httpx
+
+    a = 0x4800
+    batch = [[a + b * 24 + i for i in range(24)] for b in range(6)]
+    tiered.put(batch[0])
+    tiered.put(batch[1])  # the memory tier holds 10 units: the first batch is demoted
+    assert tiered.store.unit_tiers([a]) == ["storage"]
+    pins_file = Path(tiered.cfg.data_dir) / "pins.json"
+    with httpx.Client(base_url=tiered.url, headers=AUTH, timeout=30) as c:
+        def tier() -> str | None:
+            o = c.get("/v1/objects", params={"key": hexkey(a)}).json()["objects"][0]
+            return o["tiers"].get("node-m", {}).get("e0")
+
+        assert wait_for(lambda: tier() == "storage", 10)  # the engine's first report shows its memory tier
+        for bad in ("hbm", "MEMORY", 1, None):
+            err = is_error(c.post("/v1/pins", json={"keys": [hexkey(a)], "tier": bad}), 422, "invalid_request")
+            assert err["message"].startswith("invalid request: body.tier: Input should be 'any' or 'memory'"), err
+        assert c.get("/v1/pins").json() == {"pins": [], "count": 0, "tiers": {}}
+
+        r = c.post("/v1/pins", json={"keys": [hexkey(a)], "tier": "memory"}).json()
+        assert r == {"pinned": [hexkey(a)], "absent": [], "unreachable": [], "no_memory_tier": []}
+        assert wait_for(lambda: tier() == "both", 10), tier()
+        assert c.get("/v1/pins").json() == {"pins": [hexkey(a)], "count": 1, "tiers": {hexkey(a): "memory"}}
+        assert json.loads(pins_file.read_text()) == {"any": [], "memory": [a]}
+
+        # Memory pressure: three more batches, each larger than the memory tier, demote all else.
+        demoted = tiered.store.stats()["demotions"]
+        for keys in batch[2:5]:
+            tiered.put(keys)
+        st = tiered.store.stats()
+        assert st["demotions"] - demoted > st["memory_slots"]  # every other memory copy made room, more than once
+        assert tiered.store.unit_tiers([a]) == ["both"] and tier() == "both"
+        assert tiered.store.unit_tiers(batch[1][:1]) == ["storage"]
+
+        # A reboot empties the memory tier; the engine attaches again and gets its memory pin back.
+        tiered.close_engine()
+        for f in tiered.mem.iterdir():
+            f.unlink()
+        tiered.open_engine()
+        assert tiered.store.unit_tiers([a]) == ["storage"]
+        assert wait_for(lambda: tiered.store.unit_tiers([a]) == ["both"], 10)
+        assert tiered.store.stats()["pinned"] == 1
+
+        # `tutti admin stats`: the tiers' lines under the usual table.
+        want = tiered.store.stats()
+        def stats_lines() -> list[str] | None:
+            r = subprocess.run([sys.executable, "-m", "tutti_cluster.cli", "admin", "--url", tiered.url, "stats"],
+                               capture_output=True, text=True, timeout=60, env={**os.environ, "TUTTI_ADMIN_TOKEN": TOKEN})
+            assert r.returncode == 0, r.stderr
+            lines = r.stdout.splitlines()
+            row = next((ln.split() for ln in lines if ln.startswith("node-m") and "/" in ln.split()[2]), None)
+            return lines if row is not None and row[1:4] == [str(want["memory_units"]), "/", str(want["memory_slots"])] else None
+
+        lines = wait_for(stats_lines, 15)
+        assert lines, "the tiers' lines did not show the engine's memory tier"
+        assert lines[0].split()[:3] == ["NODE", "UNITS", "PINNED"]
+        head = lines.index(next(ln for ln in lines if ln.startswith("NODE") and "MEMORY UNITS / SLOTS" in ln))
+        assert lines[head].split()[1:] == ["MEMORY", "UNITS", "/", "SLOTS", "MEMORY", "HITS", "STORAGE", "HITS", "READ",
+                                           "FROM", "MEMORY", "PROMOTIONS", "DEMOTIONS", "FLUSHES", "FLUSH", "BACKLOG",
+                                           "FLUSH", "ERRORS"]
+        assert [ln.split()[0] for ln in lines[head + 2:]] == ["node-m", "total"]
+
+        # Pinned again with tier any: recorded so, and the unit stays where it is.
+        r = subprocess.run([sys.executable, "-m", "tutti_cluster.cli", "admin", "--url", tiered.url, "pin", hexkey(a)],
+                           capture_output=True, text=True, timeout=60, env={**os.environ, "TUTTI_ADMIN_TOKEN": TOKEN})
+        assert r.returncode == 0 and r.stdout.splitlines()[2].split() == [hexkey(a), "pinned"], r.stdout
+        assert c.get("/v1/pins").json()["tiers"] == {hexkey(a): "any"}
+        assert json.loads(pins_file.read_text()) == {"any": [a], "memory": []}
+        assert tiered.store.unit_tiers([a]) == ["both"] and tiered.store.stats()["pinned"] == 1
+        assert c.request("DELETE", "/v1/pins", json={"keys": [hexkey(a)]}).json()["unpinned"] == [hexkey(a)]

@@ -78,17 +78,20 @@ def test_tutti_admin_commands_against_a_node(up: TuttiUp, tmp_path: Path):
         assert header.split()[:4] == ["NODE", "MODE", "STATE", "UNITS"] and row.split()[:4] == ["cli-node", "single", "up", "4"]
         r = admin(*base, "stats")
         assert r.returncode == 0 and r.stdout.splitlines()[0].split()[:3] == ["NODE", "UNITS", "PINNED"]
+        assert len(r.stdout.splitlines()) == 4 and "MEMORY" not in r.stdout  # no memory tier: no tiers' lines
         assert json.loads(admin(*base, "--json", "stats").stdout)["totals"]["units"] == 4
 
         r = admin(*base, "objects", "--prefix", "00000000000081")
         assert r.returncode == 0 and [line.split()[0] for line in r.stdout.splitlines()[2:]] == [hexkey(k) for k in keys]
+        assert r.stdout.splitlines()[2].split()[1:5] == ["cli-node", "cli-node:", "engine0", "(storage)"]
         r = admin(*base, "--json", "objects", "--key", "8100", "--key", "dead")
         assert [o["nodes"] for o in json.loads(r.stdout)["objects"]] == [["cli-node"], []]
 
-        r = admin(*base, "pin", hexkey(keys[0]), "beef")
+        r = admin(*base, "pin", "--tier", "memory", hexkey(keys[0]), "beef")
         assert r.returncode == 0
-        assert {tuple(line.split()) for line in r.stdout.splitlines()[2:]} == {(hexkey(keys[0]), "pinned"),
-                                                                                (hexkey(0xbeef), "absent")}
+        assert {tuple(line.split()) for line in r.stdout.splitlines()[2:]} == {
+            (hexkey(keys[0]), "pinned"), (hexkey(0xbeef), "absent"), (hexkey(keys[0]), "no_memory_tier")}
+        assert admin(*base, "pin", "--tier", "hbm", hexkey(keys[0])).returncode == 2
         r = admin(*base, "--json", "evict", "--prefix", "00000000000081")
         assert json.loads(r.stdout)["evicted"] == 3 and json.loads(r.stdout)["pinned_kept"] == 1
         assert engine.call(op="lookup", keys=keys[:1])["local"] == 1

@@ -100,9 +100,12 @@ def test_cluster_admin_over_the_directory(cluster: tuple[EtcdServer, ClusterNode
         assert set(cfgs.json()["nodes"]) == {"node-a", "node-b"} and TOKEN not in cfgs.text
         assert cfgs.json()["nodes"]["node-a"]["admin_token"] == "<redacted>"
 
-        r = c.post("/v1/pins", json={"keys": [hexkey(shared[0]), "dead"]}, headers=AUTH).json()
-        assert r == {"pinned": [hexkey(shared[0])], "absent": [hexkey(0xdead)], "unreachable": []}
-        assert c.get("/v1/pins", headers=AUTH).json()["pins"] == [hexkey(shared[0])]
+        # The tier goes to every node (neither has a memory tier: the pin protects the unit where it lies).
+        r = c.post("/v1/pins", json={"keys": [hexkey(shared[0]), "dead"], "tier": "memory"}, headers=AUTH).json()
+        assert r == {"pinned": [hexkey(shared[0])], "absent": [hexkey(0xdead)], "unreachable": [],
+                     "no_memory_tier": [hexkey(shared[0])]}
+        assert c.get("/v1/pins", headers=AUTH).json() == {"pins": [hexkey(shared[0])], "count": 1,
+                                                          "tiers": {hexkey(shared[0]): "memory"}}
         assert all(httpx.get(f"{n.up.url}/v1/pins", headers=AUTH).json()["pins"] == [hexkey(shared[0])] for n in (a, b))
 
         # Drain node-a: units node-b also holds go at once, except the pinned one; the unit only
@@ -118,6 +121,7 @@ def test_cluster_admin_over_the_directory(cluster: tuple[EtcdServer, ClusterNode
         assert a.engine.call(op="lookup", keys=shared + [only_a])["local"] == 0
         objs = c.get("/v1/objects", params={"prefix": "000000000000c1"}, headers=AUTH).json()["objects"]
         assert all(o["nodes"] == ["node-b"] for o in objs) and len(objs) == 5
+        assert all(o["tiers"] == {"node-b": {"engine0": "storage"}} for o in objs)
         assert c.delete("/v1/nodes/node-a/drain", headers=AUTH).json()["drain"]["state"] == "serving"
 
         r = c.delete("/v1/cache", params={"all": "false", "node": "node-b", "prefix": "000000000000c1"},

@@ -696,12 +696,17 @@ class TuttiStore:
     # ---- capacity ----------------------------------------------------------------------------
     def pin(self, keys: Sequence[Key], memory: bool = False) -> int:
         """Protects units from eviction (counted: pin twice, unpin twice); a pinned unit's memory
-        copy is never demoted. ``memory=True`` also copies each unit that lies on storage only into
-        the memory tier, in the background; returns how many such copies were queued (0 without a
-        memory tier)."""
+        copy is never demoted. ``memory=True`` also :meth:`promote`\ s them; returns how many copies
+        into memory were queued."""
         a = key_array(keys)
         self._n.pin(a, True)
         return int(self._n.promote(a)) if memory else 0
+
+    def promote(self, keys: Sequence[Key]) -> int:
+        """Queues each unit of ``keys`` that lies on storage only for a copy into the memory tier,
+        made in the background (verified on the way); returns how many were queued (0 without a
+        memory tier). A pinned unit then stays in memory."""
+        return int(self._n.promote(key_array(keys)))
 
     def unpin(self, keys: Sequence[Key]) -> None:
         self._n.pin(key_array(keys), False)

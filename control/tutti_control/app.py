@@ -31,7 +31,8 @@ from tutti_control.errors import ApiError, ErrorBody, error_body
 from tutti_control.metrics import TuttiCollector
 from tutti_control.models import (
     ConfigResponse, DrainRequest, DrainResponse, EvictResult, Health, HexKey, HexPrefix, KeysRequest,
-    NodeId, NodeInfo, NodeList, ObjectList, PinList, PinResult, Readiness, StatsResponse, UnpinResult,
+    NodeId, NodeInfo, NodeList, ObjectList, PinList, PinRequest, PinResult, PinTier, Readiness, StatsResponse,
+    UnpinResult,
 )
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Backend(Protocol):
     def config_view(self) -> ConfigResponse: ...
     def objects(self, keys: list[str] | None, prefix: str | None, limit: int) -> ObjectList: ...
     def evict(self, prefix: str | None, node: str | None, everything: bool, keys: list[str] | None = None) -> EvictResult: ...
-    def pin(self, keys: list[str]) -> PinResult: ...
+    def pin(self, keys: list[str], tier: PinTier = "any") -> PinResult: ...
     def unpin(self, keys: list[str]) -> UnpinResult: ...
     def pins(self) -> PinList: ...
     def drain(self, node_id: str, mode: str) -> tuple[str, Any]: ...
@@ -359,9 +360,9 @@ def create_app(backend: Backend, token: str, *, title: str = "Tutti admin API", 
         return backend.pins()
 
     @v1.post("/pins", response_model=PinResult, tags=["pins"], dependencies=[Depends(only_params())],
-             summary="Pin units (protect them from eviction)")
-    def pin(body: KeysRequest) -> PinResult:
-        return backend.pin(list(body.keys))
+             summary="Pin units (protect them from eviction; with tier `memory`, keep them in the memory tier)")
+    def pin(body: PinRequest) -> PinResult:
+        return backend.pin(list(body.keys), body.tier)
 
     @v1.delete("/pins", response_model=UnpinResult, tags=["pins"], dependencies=[Depends(only_params())],
                summary="Unpin units")

@@ -25,7 +25,7 @@ from tutti_cluster.node.protocol import (ConfigReply, ConfigRequest, DirectoryCo
 from tutti_control.errors import ApiError
 from tutti_control.models import (
     ConfigResponse, Counters, DrainStatus, EvictResult, InstanceInfo, NodeInfo, NodeList, NodeStats,
-    ObjectInfo, ObjectList, PinList, PinResult, Readiness, StatsResponse, UnpinResult, key_int, key_text,
+    ObjectInfo, ObjectList, PinList, PinResult, PinTier, Readiness, StatsResponse, UnpinResult, key_int, key_text,
 )
 
 _P = TypeVar("_P", bound=Reply)
@@ -257,7 +257,8 @@ class NodeBackend:
         for o in r.objects:
             nodes = ([me] if o.instances else []) + [n for n in o.remote if n != me]
             out.append(ObjectInfo(key=key_text(o.key), nodes=nodes,
-                                  instances={me: list(o.instances)} if o.instances else {}, pinned=o.pinned))
+                                  instances={me: list(o.instances)} if o.instances else {}, pinned=o.pinned,
+                                  tiers={me: {i: t for i, t in o.tiers.items() if t}} if o.tiers else {}))
         return ObjectList(objects=out, truncated=r.truncated)
 
     # -- operations -------------------------------------------------------------------------------
@@ -274,10 +275,11 @@ class NodeBackend:
         return EvictResult(evicted=r.evicted, pinned_kept=r.pinned_kept, unreachable=r.unreachable,
                            nodes={self.node_id: counts})
 
-    def pin(self, keys: list[str]) -> PinResult:
-        r = self.ask(PinRequest, PinReply, keys=[key_int(k) for k in keys])
+    def pin(self, keys: list[str], tier: PinTier = "any") -> PinResult:
+        r = self.ask(PinRequest, PinReply, keys=[key_int(k) for k in keys], tier=tier)
         return PinResult(pinned=[key_text(k) for k in r.pinned], absent=[key_text(k) for k in r.absent],
-                         unreachable=[key_text(k) for k in r.unreachable])
+                         unreachable=[key_text(k) for k in r.unreachable],
+                         no_memory_tier=[key_text(k) for k in r.no_memory_tier])
 
     def unpin(self, keys: list[str]) -> UnpinResult:
         r = self.ask(UnpinRequest, UnpinReply, keys=[key_int(k) for k in keys])
@@ -285,8 +287,10 @@ class NodeBackend:
                            unreachable=[key_text(k) for k in r.unreachable])
 
     def pins(self) -> PinList:
-        keys = sorted(key_text(k) for k in self.ask(PinsRequest, PinsReply).keys)
-        return PinList(pins=keys, count=len(keys))
+        r = self.ask(PinsRequest, PinsReply)
+        memory = set(r.memory)
+        tiers: dict[str, PinTier] = {key_text(k): "memory" if k in memory else "any" for k in r.keys}
+        return PinList(pins=sorted(tiers), count=len(tiers), tiers=dict(sorted(tiers.items())))
 
     def drain(self, node_id: str, mode: str) -> tuple[str, DrainStatus]:
         self._check_node(node_id)

@@ -2,10 +2,10 @@
 neither for ``--help``).
 
     tutti admin status                    nodes, units, capacity, engines, drain state
-    tutti admin stats                     hits, bytes, evictions, checksum failures, remote fetches
+    tutti admin stats                     hits, bytes, evictions, checksum failures, remote fetches; each tier
     tutti admin objects --prefix P | --key K [--key K ...] [--limit N]
     tutti admin evict --all | --prefix P | --node N
-    tutti admin pin KEY [KEY ...]         tutti admin unpin KEY [KEY ...]
+    tutti admin pin [--tier any|memory] KEY [KEY ...]      tutti admin unpin KEY [KEY ...]
     tutti admin drain NODE [--mode replicated|all|none] [--wait S] [--undo]
     tutti admin serve                     the cluster-wide admin API (nodes from the directory)
 
@@ -132,8 +132,24 @@ def show_stats(c: Client) -> tuple[Any, str]:
         rows.append([n["node_id"], n["units"], n["pinned"], "-" if hr is None else f"{hr * 100:.1f} %",
                      human_bytes(n["bytes_read"]), human_bytes(n["bytes_written"]), n["evictions"],
                      n["checksum_failures"], f"{n['remote_units']} / {n['stage_units']}", n["directory_errors"]])
-    return s, table(rows, ["NODE", "UNITS", "PINNED", "HIT RATE", "READ", "WRITTEN", "EVICTIONS", "CHECKSUM FAIL",
-                           "REMOTE IN / OUT", "DIR ERRORS"])
+    text = table(rows, ["NODE", "UNITS", "PINNED", "HIT RATE", "READ", "WRITTEN", "EVICTIONS", "CHECKSUM FAIL",
+                        "REMOTE IN / OUT", "DIR ERRORS"])
+    # The tiers, where some node has a memory tier: its nodes and the total.
+    tiered = [n for n in s["nodes"] if n.get("reachable", True) and (n["memory_slots"] or n["memory_capacity_bytes"])]
+    if tiered:
+        rows = [[n["node_id"], f"{n['memory_units']} / {n['memory_slots']}", n["memory_hits"], n["storage_hits"],
+                 human_bytes(n["memory_bytes_read"]), n["promotions"], n["demotions"], n["flushes"], n["flush_backlog"],
+                 n["flush_errors"]] for n in tiered + [dict(s["totals"], node_id="total")]]
+        text += "\n\n" + table(rows, ["NODE", "MEMORY UNITS / SLOTS", "MEMORY HITS", "STORAGE HITS", "READ FROM MEMORY",
+                                     "PROMOTIONS", "DEMOTIONS", "FLUSHES", "FLUSH BACKLOG", "FLUSH ERRORS"])
+    return s, text
+
+
+def instances_text(o: dict[str, Any]) -> str:
+    """A unit's instances per node, each with its tier where known: ``node-a: e0 (both),e1``."""
+    tiers = o.get("tiers", {})
+    return "; ".join(f"{n}: " + ",".join(f"{i} ({tiers[n][i]})" if i in tiers.get(n, {}) else i for i in inst)
+                     for n, inst in o["instances"].items())
 
 
 def run(a: argparse.Namespace) -> int:
@@ -153,8 +169,7 @@ def run(a: argparse.Namespace) -> int:
         else:
             params["prefix"] = (a.prefix or "").lower()
         body = c.call("GET", "/v1/objects", params=params)
-        rows = [[o["key"], ",".join(o["nodes"]) or "(nowhere)",
-                 "; ".join(f"{n}: {','.join(i)}" for n, i in o["instances"].items()), "yes" if o["pinned"] else ""]
+        rows = [[o["key"], ",".join(o["nodes"]) or "(nowhere)", instances_text(o), "yes" if o["pinned"] else ""]
                 for o in body["objects"]]
         text = table(rows, ["KEY", "NODES", "INSTANCES", "PINNED"]) + ("\n(more match: raise --limit)" if body["truncated"] else "")
     elif a.admin_cmd == "evict":
@@ -168,7 +183,10 @@ def run(a: argparse.Namespace) -> int:
         rows.append(["total", body["evicted"], body["pinned_kept"], body["unreachable"]])
         text = table(rows, ["NODE", "EVICTED", "PINNED (KEPT)", "UNREACHABLE"])
     elif a.admin_cmd in ("pin", "unpin"):
-        body = c.call("POST" if a.admin_cmd == "pin" else "DELETE", "/v1/pins", json={"keys": _keys_arg(a.keys)})
+        req: dict[str, Any] = {"keys": _keys_arg(a.keys)}
+        if a.admin_cmd == "pin":
+            req["tier"] = a.tier
+        body = c.call("POST" if a.admin_cmd == "pin" else "DELETE", "/v1/pins", json=req)
         rows = [[k, state] for state in body for k in body[state]]
         text = table(rows, ["KEY", "RESULT"])
     elif a.admin_cmd == "drain":
@@ -232,7 +250,8 @@ def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     sub = p.add_subparsers(dest="admin_cmd", required=True)
     sub.add_parser("status", help="nodes, units, capacity, engines, drain state")
-    sub.add_parser("stats", help="hit rate, bytes, evictions, checksum failures, remote fetches")
+    sub.add_parser("stats", help="hit rate, bytes, evictions, checksum failures, remote fetches; with a memory "
+                   "tier, each tier's units, hits, promotions, demotions and flush backlog")
     o = sub.add_parser("objects", help="units by key or key prefix, with their nodes")
     g = o.add_mutually_exclusive_group(required=True)
     g.add_argument("--prefix", help="hex prefix of the 16-digit keys ('' lists all)")
@@ -245,6 +264,9 @@ def parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser
     for name in ("pin", "unpin"):
         q = sub.add_parser(name, help=f"{name} units (16-digit hex keys)")
         q.add_argument("keys", nargs="+")
+        if name == "pin":
+            q.add_argument("--tier", choices=["any", "memory"], default="any",
+                           help="memory: also keep the units in the memory tier (default any: wherever they lie)")
     d = sub.add_parser("drain", help="stop a node taking new units; evict as --mode says")
     d.add_argument("node")
     d.add_argument("--mode", choices=["replicated", "all", "none"], default="replicated")

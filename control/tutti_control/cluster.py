@@ -25,7 +25,7 @@ from tutti_control.backend import sum_counters
 from tutti_control.errors import ApiError
 from tutti_control.models import (
     ConfigResponse, Counters, DrainResponse, DrainStatus, EvictResult, NodeInfo, NodeList, NodeStats, ObjectInfo,
-    ObjectList, PinList, PinResult, Readiness, StatsResponse, UnpinResult, node_path,
+    ObjectList, PinList, PinResult, PinTier, Readiness, StatsResponse, UnpinResult, node_path,
 )
 
 T = TypeVar("T")
@@ -213,6 +213,7 @@ class ClusterBackend:
                 cur = merged.setdefault(o.key, ObjectInfo(key=o.key, nodes=[], instances={}, pinned=False))
                 cur.nodes = sorted(set(cur.nodes) | set(o.nodes))
                 cur.instances.update(o.instances)
+                cur.tiers.update(o.tiers)
                 cur.pinned |= o.pinned
         order = keys if keys else sorted(merged)
         objs = [merged[k] for k in dict.fromkeys(k.lower().rjust(16, "0") for k in order) if k in merged]
@@ -239,24 +240,26 @@ class ClusterBackend:
             out.nodes.update(v.nodes)
         return out
 
-    def _keys_everywhere(self, method: str, keys: list[str], model: type[PinResult] | type[UnpinResult],
-                         done_field: str) -> tuple[list[str], set[str], set[str]]:
-        """Pins or unpins ``keys`` on every node: (the keys normalised, those done somewhere, those
-        not done whose node did not answer; every key when a node is away)."""
-        got = self._each(lambda r: self._call(r, method, "/v1/pins", model, json={"keys": keys}))
+    def _keys_everywhere(self, method: str, body: dict[str, Any], model: type[PinResult] | type[UnpinResult],
+                         done_field: str) -> tuple[list[str], set[str], set[str], list[PinResult | UnpinResult]]:
+        """Pins or unpins ``body["keys"]`` on every node: (the keys normalised, those done somewhere,
+        those not done whose node did not answer, every key when a node is away; the answers)."""
+        got = self._each(lambda r: self._call(r, method, "/v1/pins", model, json=body))
         ok = [v for v in got.values() if not isinstance(v, NodeUnavailable)]
-        norm = list(dict.fromkeys(k.lower().rjust(16, "0") for k in keys))
+        norm = list(dict.fromkeys(k.lower().rjust(16, "0") for k in body["keys"]))
         done = {k for v in ok for k in getattr(v, done_field)}
         unreachable = {k for v in ok for k in v.unreachable} | (set(norm) if len(ok) < len(got) else set())
-        return norm, done, unreachable - done
+        return norm, done, unreachable - done, ok
 
-    def pin(self, keys: list[str]) -> PinResult:
-        norm, pinned, unreachable = self._keys_everywhere("POST", keys, PinResult, "pinned")
+    def pin(self, keys: list[str], tier: PinTier = "any") -> PinResult:
+        norm, pinned, unreachable, ok = self._keys_everywhere("POST", {"keys": keys, "tier": tier}, PinResult, "pinned")
+        no_memory = {k for v in ok if isinstance(v, PinResult) for k in v.no_memory_tier}
         return PinResult(pinned=[k for k in norm if k in pinned], unreachable=[k for k in norm if k in unreachable],
-                         absent=[k for k in norm if k not in pinned and k not in unreachable])
+                         absent=[k for k in norm if k not in pinned and k not in unreachable],
+                         no_memory_tier=[k for k in norm if k in no_memory])
 
     def unpin(self, keys: list[str]) -> UnpinResult:
-        norm, done, unreachable = self._keys_everywhere("DELETE", keys, UnpinResult, "unpinned")
+        norm, done, unreachable, _ = self._keys_everywhere("DELETE", {"keys": keys}, UnpinResult, "unpinned")
         return UnpinResult(unpinned=[k for k in norm if k in done], unreachable=[k for k in norm if k in unreachable],
                            not_pinned=[k for k in norm if k not in done and k not in unreachable])
 
@@ -266,8 +269,15 @@ class ClusterBackend:
         if missing:
             raise ApiError(503, "node_unavailable", f"cannot list every pin: no answer from {', '.join(sorted(missing))}",
                            {"nodes": sorted(missing)})
-        keys = sorted({k for v in got.values() if not isinstance(v, NodeUnavailable) for k in v.pins})
-        return PinList(pins=keys, count=len(keys))
+        # A key pinned for memory on any node shows tier memory (nodes differ only where one was
+        # away when it was pinned).
+        tiers: dict[str, PinTier] = {}
+        for v in got.values():
+            if not isinstance(v, NodeUnavailable):
+                for k in v.pins:
+                    tiers[k] = "memory" if v.tiers.get(k) == "memory" or tiers.get(k) == "memory" else "any"
+        keys = sorted(tiers)
+        return PinList(pins=keys, count=len(keys), tiers={k: tiers[k] for k in keys})
 
     def drain(self, node_id: str, mode: str) -> tuple[str, DrainStatus]:
         return node_id, self._one(node_id, "POST", node_path(node_id, "/drain"), DrainResponse, json={"mode": mode}).drain

@@ -150,11 +150,19 @@ class ConfigResponse(_Model):
     nodes: dict[str, dict[str, Any]] = Field(description="Each node's settings, secrets redacted.")
 
 
+UnitTier = Literal["memory", "storage", "both"]
+PinTier = Literal["any", "memory"]
+
+
 class ObjectInfo(_Model):
     key: str
     nodes: list[str] = Field(description="Nodes holding the unit.")
     instances: dict[str, list[str]] = Field(description="Per node, the store instances holding it.")
     pinned: bool
+    tiers: dict[str, dict[str, UnitTier]] = Field(default_factory=dict, description=(
+        "Per node, where each instance holds the unit: `memory` (in the memory tier only, not durable until "
+        "its storage copy is written), `storage`, or `both`. Asked of each engine; for an engine that is gone, "
+        "as the node's last rescan of its pools found it (an instance left out: not known)."))
 
 
 class ObjectList(_Model):
@@ -174,10 +182,20 @@ class KeysRequest(_Model):
     keys: list[HexKey] = Field(min_length=1, max_length=MAX_KEYS)
 
 
+class PinRequest(KeysRequest):
+    tier: PinTier = Field(default="any", description=(
+        "`any`: protect the units from eviction wherever they lie. `memory`: also copy each unit that lies on "
+        "storage only into the memory tier (in the background) and keep it there. A pinned unit's memory copy is "
+        "never demoted, whatever its tier. Pinning a pinned key again records the new tier."))
+
+
 class PinResult(_Model):
     pinned: list[str]
     absent: list[str] = Field(description="Keys no store on the node(s) holds.")
     unreachable: list[str] = Field(description="Keys held only by engines that did not answer.")
+    no_memory_tier: list[str] = Field(default_factory=list, description=(
+        "With tier `memory`: keys pinned by an engine that has no memory tier. The pin protects them where "
+        "they lie; they are not in memory there."))
 
 
 class UnpinResult(_Model):
@@ -189,6 +207,7 @@ class UnpinResult(_Model):
 class PinList(_Model):
     pins: list[str]
     count: int
+    tiers: dict[str, PinTier] = Field(default_factory=dict, description="Each pin's tier (see `POST /v1/pins`).")
 
 
 class DrainRequest(_Model):

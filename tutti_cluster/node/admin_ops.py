@@ -29,12 +29,15 @@ from tutti_cluster.node.protocol import (ADMIN_TIMEOUT_S, COMMAND_KEYS, U64, Com
                                          CommandsRequest, ConfigReply, ConfigRequest, DrainReply, DrainRequest,
                                          DrainState, HealthReply,
                                          HealthRequest, ObjectsReply, ObjectsRequest, PinReply, PinRequest,
-                                         PinsReply, PinsRequest, RemoveUnitsReply, RemoveUnitsRequest, Reply,
-                                         UndrainRequest, UnitInfo, UnpinReply, UnpinRequest)
+                                         PinsReply, PinsRequest, PinTier, RemoveUnitsReply, RemoveUnitsRequest,
+                                         Reply, UndrainRequest, UnitInfo, UnitTier, UnpinReply, UnpinRequest)
 
 log = logging.getLogger(__name__)
 
 PINS_NAME = "pins.json"
+PIN_TIERS: tuple[PinTier, ...] = ("any", "memory")
+# How long an objects listing waits for the engines' tiers of its units (then the views' answer).
+TIERS_TIMEOUT_S = 2.0
 
 
 class AdminOps:
@@ -64,30 +67,40 @@ class AdminOps:
         self._results: dict[int, CommandResult] = {}
         self._next_command = 0
         self._engines: dict[str, dict[str, Any]] = {}
-        self._pins: set[int] = set()
+        self._pins: dict[int, PinTier] = {}  # key -> the tier it was pinned for
         self._drain: dict[str, Any] | None = None
         self._drain_thread: threading.Thread | None = None
         self._stopping = False
 
-    def _load_pins(self) -> set[int]:
+    def _load_pins(self) -> dict[int, PinTier]:
+        """``pins.json``: ``{"any": [keys], "memory": [keys]}``, or the list of keys of older
+        releases (their tier ``any``)."""
         path = self.data_dir / PINS_NAME
         try:
             data = from_json(read_bounded(path, MAX_STATE_BYTES, what="pins"), allow_inf_nan=False)
-            if not isinstance(data, list) or not all(isinstance(k, int) and 0 <= k <= U64 for k in data):
-                raise ValueError("not a list of unit keys")
-            return set(data)
+            if isinstance(data, list):
+                data = {"any": data}
+            if not isinstance(data, dict) or not set(data) <= set(PIN_TIERS):
+                raise ValueError(f"not a list of unit keys nor an object of {', '.join(PIN_TIERS)}")
+            pins: dict[int, PinTier] = {}
+            for tier in PIN_TIERS:
+                keys = data.get(tier, [])
+                if not isinstance(keys, list) or not all(isinstance(k, int) and 0 <= k <= U64 for k in keys):
+                    raise ValueError(f"{tier!r} is not a list of unit keys")
+                pins.update(dict.fromkeys(keys, tier))
+            return pins
         except FileNotFoundError:
-            return set()
+            return {}
         except (OSError, ValueError, StorageError) as exc:
             log.warning("pins %s unreadable (%s): starting with no pins", path, exc)
-            return set()
+            return {}
 
     def _save_pins(self) -> None:
         path = self.data_dir / PINS_NAME
         with self._lock:
-            keys = sorted(self._pins)
+            data = {t: sorted(k for k, v in self._pins.items() if v == t) for t in PIN_TIERS}
         try:
-            write_atomic(path, json.dumps(keys).encode(), self._file_gid)  # the old or the new list, never a torn one
+            write_atomic(path, json.dumps(data).encode(), self._file_gid)  # the old or the new pins, never torn ones
         except OSError as exc:
             log.warning("cannot save pins to %s: %s", path, exc)
 
@@ -180,12 +193,19 @@ class AdminOps:
         return CommandsReply(commands=cmds)
 
     def _sync_commands(self, name: str) -> list[Command]:
-        """What a newly connected engine must apply: the pins of its units, the drain state."""
+        """What a newly connected engine must apply: the pins of its units (memory pins bring their
+        units into its memory tier again), the drain state."""
         with self._lock:
-            pinned = [k for k in sorted(self._pins) if name in self._index.get(k, ())]
+            pinned = {t: [k for k in sorted(self._pins) if self._pins[k] == t and name in self._index.get(k, ())]
+                      for t in PIN_TIERS}
             draining = self._drain is not None
-        cmds = [Command(cmd="pin", keys=pinned[i:i + COMMAND_KEYS]) for i in range(0, len(pinned), COMMAND_KEYS)]
+        cmds = [self._pin_command(ks[i:i + COMMAND_KEYS], t) for t, ks in pinned.items()
+                for i in range(0, len(ks), COMMAND_KEYS)]
         return cmds + [Command(cmd="drain", on=draining)]
+
+    @staticmethod
+    def _pin_command(keys: list[int], tier: PinTier) -> Command:
+        return Command(cmd="pin", keys=keys, memory=True) if tier == "memory" else Command(cmd="pin", keys=keys)
 
     @staticmethod
     def _rate(e: dict[str, Any], stats: dict[str, Any], now: float) -> None:
@@ -235,13 +255,43 @@ class AdminOps:
             truncated = len(keys) > req.limit
             keys = keys[:req.limit]
             held = [(k, sorted(self._index.get(k, ())), k in self._pins) for k in keys]
+        tiers = self._tiers(self._owners_of(keys))
         remote: list[list[str]] = []
         if self.directory is not None and keys:
             remote = list(self.directory.lookup(keys, prefix=False))
         remote += [[] for _ in range(len(keys) - len(remote))]  # a failed lookup answers fewer keys
-        objs = [UnitInfo(key=k, instances=inst, pinned=pinned, remote=owners)
+        objs = [UnitInfo(key=k, instances=inst, pinned=pinned, remote=owners,
+                         tiers={n: tiers[n][k] for n in inst if tiers.get(n, {}).get(k)})
                 for (k, inst, pinned), owners in zip(held, remote)]
         return ObjectsReply(node_id=self.node_id, objects=objs, truncated=truncated)
+
+    def _tiers(self, by_inst: dict[str, list[int]]) -> dict[str, dict[int, UnitTier]]:
+        """Where each instance's keys lie: asked of its engine (one ``tiers`` command), at once
+        ``storage`` where the engine's last report shows no memory tier; for an engine that is gone
+        or does not answer within TIERS_TIMEOUT_S, as the daemon's view of its pools found them at
+        its last rescan ("": committed since, not known)."""
+        out: dict[str, dict[int, UnitTier]] = {}
+        ask: dict[str, list[list[int]]] = {}
+        with self._cmd_cv:
+            for name, ks in by_inst.items():
+                stats = (self._engines.get(name) or {}).get("stats")
+                if stats is not None and not stats.get("memory_slots"):
+                    out[name] = dict.fromkeys(ks, "storage")
+                else:
+                    ask[name] = [ks[i:i + COMMAND_KEYS] for i in range(0, len(ks), COMMAND_KEYS)]
+        results = self._run_commands({n: [Command(cmd="tiers", keys=c) for c in cs] for n, cs in ask.items()},
+                                     timeout_s=TIERS_TIMEOUT_S)
+        for name, chunks in ask.items():
+            got: dict[int, UnitTier] = {}
+            for chunk, r in zip(chunks, results[name]):
+                if r is None or r.error or len(r.tiers) != len(chunk):
+                    with self._lock:
+                        view = self._instances.get(name)
+                    got.update(zip(chunk, view.unit_tiers(chunk) if view is not None else []))
+                else:
+                    got.update(zip(chunk, r.tiers))
+            out[name] = got
+        return out
 
     @handles(RemoveUnitsRequest)
     def _remove_units_op(self, req: RemoveUnitsRequest) -> Reply:
@@ -277,40 +327,46 @@ class AdminOps:
                 self._evict(name, [*r.done, *r.absent], count=False)
         return len([k for k in todo if k not in unreachable and k not in kept]), len(kept), len(unreachable - kept)
 
-    def _key_command(self, cmd: str, keys: list[int]) -> tuple[set[int], set[int]]:
+    def _key_command(self, cmd: Command, keys: list[int]) -> tuple[set[int], set[int], set[int]]:
         """Sends ``cmd`` for ``keys`` to each engine owning some of them: (keys it did, keys whose
-        engine did not answer or refused)."""
+        engine did not answer or refused, keys it skipped)."""
         by_inst = self._owners_of(keys)
-        results = self._run_commands({n: [Command(cmd=cmd, keys=ks)] for n, ks in by_inst.items()})
+        results = self._run_commands({n: [cmd.model_copy(update={"keys": ks})] for n, ks in by_inst.items()})
         done: set[int] = set()
         unreachable: set[int] = set()
+        skipped: set[int] = set()
         for name, ks in by_inst.items():
             r = results[name][0]
             if r is None or r.error:
                 unreachable.update(ks)
             else:
                 done.update(r.done)
-        return done, unreachable
+                skipped.update(r.skipped)
+        return done, unreachable, skipped
 
     @handles(PinRequest)
     def _pin_op(self, req: PinRequest) -> Reply:
+        """Pins ``keys`` in every engine holding them and records each pin's tier (a key pinned
+        again takes the new tier)."""
         keys = list(dict.fromkeys(req.keys))
-        pinned, unreachable = self._key_command("pin", keys)
+        pinned, unreachable, no_memory = self._key_command(self._pin_command([], req.tier), keys)
         unreachable -= pinned  # pinned where its engine answered; the others follow when they connect
         if pinned:
             with self._lock:
-                self._pins |= pinned
+                self._pins.update(dict.fromkeys(pinned, req.tier))
             self._save_pins()
         return PinReply(pinned=[k for k in keys if k in pinned], unreachable=[k for k in keys if k in unreachable],
-                        absent=[k for k in keys if k not in pinned and k not in unreachable])
+                        absent=[k for k in keys if k not in pinned and k not in unreachable],
+                        no_memory_tier=[k for k in keys if k in no_memory and k in pinned])
 
     @handles(UnpinRequest)
     def _unpin_op(self, req: UnpinRequest) -> Reply:
         keys = list(dict.fromkeys(req.keys))
-        done, unreachable = self._key_command("unpin", keys)
+        done, unreachable, _ = self._key_command(Command(cmd="unpin"), keys)
         with self._lock:
-            was = self._pins & set(keys)
-            self._pins -= set(keys) - unreachable  # a pin whose engine is away stays recorded
+            was = self._pins.keys() & set(keys)
+            for k in set(keys) - unreachable:  # a pin whose engine is away stays recorded
+                self._pins.pop(k, None)
         if was:
             self._save_pins()
         unpinned = (was | done) - unreachable
@@ -320,7 +376,7 @@ class AdminOps:
     @handles(PinsRequest)
     def _pins_op(self, req: PinsRequest) -> Reply:
         with self._lock:
-            return PinsReply(keys=sorted(self._pins))
+            return PinsReply(keys=sorted(self._pins), memory=sorted(k for k, t in self._pins.items() if t == "memory"))
 
     @handles(DrainRequest)
     def _drain_op(self, req: DrainRequest) -> Reply:
@@ -389,7 +445,7 @@ class AdminOps:
         with self._lock:
             d = self._drain
             units = len(self._index)
-            pinned = len(self._pins & self._index.keys())
+            pinned = len(self._pins.keys() & self._index.keys())
         if d is None:
             return DrainState(state="serving", mode=None, units_left=units, replicated_elsewhere=None,
                               pinned_left=pinned, started_at=None)

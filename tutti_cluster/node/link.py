@@ -312,7 +312,8 @@ class DaemonLink:
 
     def _apply(self, cmd: Command) -> CommandResult:
         """One admin command on the store: pins are the link's own (one store pin per key, however
-        often it is pinned), removals leave pinned units in place."""
+        often it is pinned; a memory pin also queues the unit's copy into the memory tier), removals
+        leave pinned units in place."""
         cid, kind, keys = cmd.id, cmd.cmd, list(cmd.keys)
         done: list[int] = []
         absent: list[int] = []
@@ -326,7 +327,15 @@ class DaemonLink:
                 if new:
                     st.pin(new)
                     self._pinned.update(new)
+                if cmd.memory and present:
+                    st.promote(present)
                 done, absent = present, [k for k in keys if k not in self._pinned]
+                if cmd.memory and present and not st.stats().get("memory_slots"):
+                    skipped = present  # pinned where they lie: this store has no memory tier
+            elif kind == "tiers":
+                tiers = st.unit_tiers(keys)
+                self.commands_applied += 1
+                return CommandResult(id=cid, tiers=tiers)
             elif kind == "unpin":
                 done = [k for k in keys if k in self._pinned]
                 if done:

@@ -6,10 +6,11 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 from tutti_cluster.config import TuttiConfig
 from tutti_cluster.errors import NotFound, TuttiError
+from tutti_cluster.node.protocol import UnitTier
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,11 @@ class PoolView:
             return True  # cannot tell: the rescan failed (logged), so do not drop the unit
         with self._shared() as st:
             return st is not None and bool(st.contains(key))
+
+    def unit_tiers(self, keys: list[int]) -> list[UnitTier]:
+        """Where each of ``keys`` lay at the last rescan ("memory", "storage", "both"; "" absent)."""
+        with self._shared() as st:
+            return cast(list[UnitTier], list(st.unit_tiers(keys))) if st is not None else [""] * len(keys)
 
     def slot_bytes(self) -> int:
         with self._shared() as st:

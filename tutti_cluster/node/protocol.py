@@ -189,9 +189,18 @@ class RemoveUnitsRequest(Request):
         return self
 
 
+# A pin's tier: ``any`` protects the unit wherever it lies; ``memory`` also copies it into the
+# memory tier (a pinned unit's memory copy is never demoted, whatever its tier).
+PinTier = Literal["any", "memory"]
+# Where a unit lies (``TuttiStore.unit_tiers``): in memory only (not yet durable), on storage only,
+# in both; "" absent.
+UnitTier = Literal["memory", "storage", "both", ""]
+
+
 class PinRequest(Request):
     op: Literal["pin"] = "pin"
     keys: AdminKeys
+    tier: PinTier = "any"
 
 
 class UnpinRequest(Request):
@@ -216,12 +225,14 @@ class UndrainRequest(Request):
 
 class CommandResult(StrictModel):
     """What an engine did with one admin command: keys done, absent from its store, skipped (pinned
-    units a removal leaves, keys an unpin found unpinned)."""
+    units a removal leaves, keys an unpin found unpinned, keys a memory pin pinned in a store with
+    no memory tier); for ``tiers``, each key's tier in its store."""
 
     id: Annotated[int, Field(gt=0)]
     done: list[UnitKey] = []
     absent: list[UnitKey] = []
     skipped: list[UnitKey] = []
+    tiers: list[UnitTier] = []
     error: Annotated[str, StringConstraints(max_length=1000)] | None = None
 
 
@@ -306,9 +317,13 @@ class RemoveUnitsReply(Reply):
 
 
 class PinReply(Reply):
+    """``no_memory_tier``: of ``pinned`` (a memory pin), the keys an engine holding them could not
+    put in memory: its store has no memory tier (the pin protects them where they lie)."""
+
     pinned: list[int]
     absent: list[int]
     unreachable: list[int]
+    no_memory_tier: list[int] = []
 
 
 class UnpinReply(Reply):
@@ -318,17 +333,22 @@ class UnpinReply(Reply):
 
 
 class PinsReply(Reply):
+    """Every pinned key; ``memory``: those pinned with tier ``memory`` (the others' tier is ``any``)."""
+
     keys: list[int]
+    memory: list[int] = []
 
 
 class UnitInfo(BaseModel):
-    """One unit of an ``objects`` reply: the local instances holding it, other nodes holding it."""
+    """One unit of an ``objects`` reply: the local instances holding it, other nodes holding it, and
+    its tier in each local instance that could tell (see ``AdminOps._tiers``)."""
 
     model_config = ConfigDict(extra="forbid")
     key: int
     instances: list[str]
     pinned: bool
     remote: list[str]
+    tiers: dict[str, UnitTier] = {}
 
 
 class DrainState(BaseModel):
@@ -357,14 +377,16 @@ class _GivenFields(BaseModel):
 
 
 class Command(_GivenFields):
-    """An admin command for an engine's store: ``pin``, ``unpin`` or ``remove`` its ``keys``, or
-    ``drain`` (``on``: stop or go on taking new units)."""
+    """An admin command for an engine's store: ``pin`` (``memory``: and copy into the memory tier),
+    ``unpin`` or ``remove`` its ``keys``, ``tiers`` (where each of ``keys`` lies), or ``drain``
+    (``on``: stop or go on taking new units)."""
 
     model_config = ConfigDict(extra="forbid")
     id: int = 0
     cmd: str
     keys: list[int] = []
     on: bool = False
+    memory: bool = False
 
 
 class CommandsReply(Reply):
