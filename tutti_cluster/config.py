@@ -148,7 +148,7 @@ class TuttiConfig(BaseSettings):
         description="Map the pool files on memory file systems (tmpfs, ramfs) and let the I/O kernel move "
         "objects with loads and stores instead of io_uring (byte-addressable storage: one pass over "
         "each byte, no staging; on CUDA the pool is pinned). Other paths always go through io_uring; "
-        "hugetlbfs files, which take no write(2), are always mapped.",
+        "with a memory tier only its files are mapped; hugetlbfs files, which take no write(2), always are.",
     )
     file_group: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$",

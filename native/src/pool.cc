@@ -485,7 +485,8 @@ Status FilePool::open(const std::vector<std::string>& dirs, const std::vector<ui
 
 Status FilePool::map_memory_files() {
   for (PoolPath& p : paths_) {
-    if (!p.memory || p.map || p.num_slots == 0) continue;
+    // With a memory tier, only its files: storage paths on tmpfs (a stand-in for NVMe) keep io_uring.
+    if (!p.memory || p.map || p.num_slots == 0 || (has_memory_tier() && p.tier != Tier::kMemory)) continue;
     const uint64_t bytes = static_cast<uint64_t>(p.num_slots) * slot_bytes_;
     void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, p.fd, 0);
     if (m == MAP_FAILED) return {Code::kStorage, errno_message("mmap " + p.file, errno)};

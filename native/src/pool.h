@@ -83,7 +83,8 @@ class FilePool {
               uint32_t files_per_path = 1, bool prewrite = false, const PoolFileOptions& files = {},
               const std::vector<Tier>& tiers = {});
   void close();
-  // Maps every pool file on a memory file system (tmpfs, ramfs; hugetlbfs files are mapped at open) shared and populated, so that the
+  // Maps every pool file on a memory file system (tmpfs, ramfs; hugetlbfs files are mapped at open),
+  // only the memory tier's where there is one, shared and populated, so that the
   // I/O kernel can move objects between it and the KV blocks with loads and stores (byte-addressable
   // storage); other files stay unmapped. Undone by close().
   Status map_memory_files();

@@ -551,7 +551,7 @@ void UnitStore::flusher_loop() {
     if (flush_q_.empty() && promote_q_.empty()) continue;
     // The storage tier's slack: copies wait while the engine's retrieves are in flight (at most
     // 50 ms at a time), unless the memory tier is under pressure (under an eighth of it free).
-    if (reading_ > 0 && pool_->free_slots(Tier::kMemory) * 8 >= pool_->num_slots(Tier::kMemory)) {
+    if (reading_ > 0 && !memory_pressure()) {
       work_cv_.wait_for(lk, std::chrono::milliseconds(50), [this] { return stop_ || reading_ == 0; });
       if (stop_) break;
     }
@@ -569,8 +569,8 @@ void UnitStore::flusher_loop() {
     lk.unlock();
     std::vector<std::future<bool>> others;
     for (size_t i = 1; i < keys.size(); ++i)
-      others.push_back(std::async(std::launch::async, [this, k = keys[i], to] { return copy_unit(k, to); }));
-    std::vector<bool> done{copy_unit(keys[0], to)};
+      others.push_back(std::async(std::launch::async, [this, k = keys[i], to] { return copy_unit(k, to, true); }));
+    std::vector<bool> done{copy_unit(keys[0], to, true)};
     for (auto& f : others) done.push_back(f.get());
     lk.lock();
     batch_.clear();
@@ -581,6 +581,10 @@ void UnitStore::flusher_loop() {
     }
     if (settled()) idle_cv_.notify_all();
   }
+}
+
+bool UnitStore::memory_pressure() const {
+  return pool_->free_slots(Tier::kMemory) * 8 < pool_->num_slots(Tier::kMemory);
 }
 
 bool UnitStore::settled() const {
@@ -635,8 +639,10 @@ void UnitStore::note_storage_hit(uint64_t key) {
 // schedule), a storage source with pread into a buffer of one GPU file. The objects' write runs on a second thread
 // while this one verifies them (a damaged source is never committed: its header is not written).
 // Not under mu_.
+static constexpr uint64_t kFlushPiece = 2ull << 20;
+
 static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32_t to,
-                        const std::function<Status(const uint8_t*)>& verify) {
+                        const std::function<Status(const uint8_t*)>& verify, const std::function<void()>& pace) {
   const PoolPath& src = pool.path(pool.path_of(from));
   const uint8_t* data = nullptr;
   void* map = MAP_FAILED;
@@ -657,13 +663,19 @@ static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32
   if (st.ok()) {
     // Four writes in flight: one synchronous stream of 32 MiB writes moved 0.65-0.8x of what four
     // streams of 8 MiB did on the 2-core VM's disk (tools/diag/flush_bandwidth.py measures the flush).
+    // Each stream writes pieces of at most 2 MiB (1-8 MiB flushed alike there) and calls `pace` before each.
     constexpr uint64_t kParts = 4;
     const uint64_t body = g.slot_bytes - g.header_bytes, part = (body / kParts + kAlign - 1) / kAlign * kAlign;
     std::vector<std::future<Status>> writes;
     for (uint64_t off = 0; off < body; off += part) {
-      const uint64_t n = std::min(part, body - off);
-      writes.push_back(std::async(std::launch::async, [&pool, &g, to, data, off, n] {
-        return pool.pwrite_all(to, g.header_bytes + off, data + g.header_bytes + off, n);
+      const uint64_t end = std::min(off + part, body);
+      writes.push_back(std::async(std::launch::async, [&pool, &g, &pace, to, data, off, end] {
+        Status ws;
+        for (uint64_t at = off; ws.ok() && at < end; at += kFlushPiece) {
+          pace();
+          ws = pool.pwrite_all(to, g.header_bytes + at, data + g.header_bytes + at, std::min(kFlushPiece, end - at));
+        }
+        return ws;
       }));
     }
     Status v = verify(data);
@@ -681,7 +693,7 @@ static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32
 // A flush (to the storage tier: the unit must lie in memory only) or a promotion (to memory: the
 // unit must lie on storage only). The source is pinned while it is read; the copy is recorded only
 // if the unit still lies where it did, else its slot is freed again.
-bool UnitStore::copy_unit(uint64_t key, Tier to_tier) {
+bool UnitStore::copy_unit(uint64_t key, Tier to_tier, bool in_slack) {
   const bool flush = to_tier == Tier::kStorage;
   uint32_t from, to;
   {
@@ -707,7 +719,17 @@ bool UnitStore::copy_unit(uint64_t key, Tier to_tier) {
     damaged = !v.ok();
     return v;
   };
-  Status st = copy_slot(*pool_, geom_, from, to, verify);
+  // A background flush writes in the storage tier's slack: before each piece it waits while the
+  // engine's retrieves are in flight, unless the memory tier is under pressure, for at most half a
+  // second in all (a remove waiting for this copy is never held long; a close ends the wait).
+  const double deadline = now_s() + 0.5;
+  auto pace = [&] {
+    if (!in_slack || !flush) return;
+    std::unique_lock<std::mutex> lk(mu_);
+    while (!stop_ && reading_ > 0 && !memory_pressure() && now_s() < deadline)
+      work_cv_.wait_for(lk, std::chrono::milliseconds(10));
+  };
+  Status st = copy_slot(*pool_, geom_, from, to, verify, pace);
   std::lock_guard<std::mutex> lk(mu_);
   index_->unpin(key);
   moving_.erase(key);

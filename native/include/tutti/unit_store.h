@@ -82,7 +82,10 @@ class UnitStore {
   // objects first and the header (the same bytes: the same key and commit) last, then records the
   // second copy. Not under mu_.
   // False when a flush failed for want of a free storage slot or by a write error: to be tried again.
-  bool copy_unit(uint64_t key, Tier to_tier);
+  // `in_slack`: the flusher's own copy, whose writes pace themselves by the engine's retrieves.
+  bool copy_unit(uint64_t key, Tier to_tier, bool in_slack = false);
+  // Under an eighth of the memory tier free.
+  bool memory_pressure() const;
   // write_through: copies a unit to storage now, or (that failing) leaves it to the flusher. Not under mu_.
   void flush_now(uint64_t key);
   // A unit left with its memory copy alone (its storage copy dropped as damaged) is flushed again.
