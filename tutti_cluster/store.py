@@ -696,7 +696,7 @@ class TuttiStore:
     # ---- capacity ----------------------------------------------------------------------------
     def pin(self, keys: Sequence[Key], memory: bool = False) -> int:
         """Protects units from eviction (counted: pin twice, unpin twice); a pinned unit's memory
-        copy is never demoted. ``memory=True`` also :meth:`promote`\ s them; returns how many copies
+        copy is never demoted. ``memory=True`` also calls :meth:`promote` on them; returns how many copies
         into memory were queued."""
         a = key_array(keys)
         self._n.pin(a, True)
