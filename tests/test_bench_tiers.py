@@ -70,7 +70,7 @@ def test_a_workload_that_breaks_its_definition_is_refused(tmp_path: Path, mem_di
     if fsutil.fs_type(tmp_path) not in fsutil.MEMORY_FS:
         (tmp_path / "a").mkdir()
         (tmp_path / "m").mkdir()
-        with pytest.raises(ConfigError, match="tmpfs or ramfs"):
+        with pytest.raises(ConfigError, match="tmpfs, ramfs or hugetlbfs"):
             main([*TINY, "--paths", str(tmp_path / "a"), "--memory-paths", str(tmp_path / "m")])
 
 
@@ -79,3 +79,97 @@ def test_the_hot_set_is_the_most_popular_prefixes_drawing_half_the_requests() ->
     assert w.sum() == pytest.approx(1.0) and w[0] == pytest.approx(12 / 25)
     assert hot_prefixes(w) == 2  # 12/25 < 0.5 <= 18/25
     assert hot_prefixes(zipf_weights(10, 3.0)) == 1
+
+
+# --figures: 256 and 512 tokens are 16 and 32 of those 128 KiB units; a 30 MiB flush backlog.
+FIGURES = ["--figures", "--device", "cpu", "--layers", "2", "--unit-tokens", "16", "--prefix-tokens", "256,512",
+           "--repeat", "1", "--flush-gb", "0.03", "--limit-gb", "0.0625"]
+
+
+def test_figures_measure_each_ratio_against_the_same_runs_limits(tmp_path: Path, mem_dir: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir()
+    out = tmp_path / "figures.json"
+    assert main([*FIGURES, "--paths", str(store), "--memory-paths", str(mem_dir), "--json", str(out)]) == 0
+    assert not list(store.iterdir()) and not list(mem_dir.iterdir())  # every file of the run is gone
+    report = json.loads(out.read_text())
+    assert report["bench"] == "tiers-figures"
+    lim = report["limits"]
+    assert lim["memory_ref"]["name"] == "host memory copy" and lim["memory_ref"]["gbps"] > 0
+    assert lim["storage_write_gbps"] > 0 and set(lim["storage_write_gbps_by_threads"]) == {"1", "4", "16"}
+    hot = {(r["system"], r["prefix_tokens"]): r for r in report["hot_set"]}
+    assert set(hot) == {(s, n) for s in ("tutti-mapped", "tutti-memory") for n in (256, 512)}
+    assert all(r["store_gbps"] > 0 and r["retrieve_gbps"] > 0 for r in hot.values())
+    # The mixed request: every even unit read from memory, every odd one from storage, each half
+    # alone and both together, every byte checked (the run raises otherwise).
+    (mixed,) = report["mixed"]
+    assert mixed["prefix_tokens"] == 256 and mixed["units"] == 16
+    assert min(mixed["t_memory_s"], mixed["t_storage_s"], mixed["t_mixed_s"]) > 0
+    assert mixed["x_parts"] == pytest.approx((mixed["t_memory_s"] + mixed["t_storage_s"]) / mixed["t_mixed_s"], rel=1e-3)
+    f = report["stores_during_flush"]
+    units = (f["backlog_bytes"] + f["timed_bytes"]) // (128 << 10)
+    assert f["flushes"] == units and f["flush_errors"] == 0 and f["flush_bytes"] >= f["backlog_bytes"] + f["timed_bytes"]
+    assert f["flush_gbps"] > 0 and f["store_gbps"] > 0
+    names = [r["figure"] for r in report["figures"]]
+    assert names == ["hot set from memory"] * 2 + ["mixed request", "stores during a flush", "flush to storage"]
+    by = {(r["figure"], r["prefix_tokens"]): r for r in report["figures"]}
+    assert by[("hot set from memory", 512)]["ratio"] == pytest.approx(
+        hot[("tutti-memory", 512)]["retrieve_gbps"] / lim["memory_ref"]["gbps"], rel=1e-3)
+    assert by[("stores during a flush", 256)]["ratio"] == pytest.approx(
+        f["store_gbps"] / hot[("tutti-mapped", 256)]["store_gbps"], rel=1e-3)
+    assert by[("flush to storage", None)]["ratio"] == pytest.approx(f["flush_gbps"] / lim["storage_write_gbps"], rel=1e-3)
+    assert {r["target"] for r in report["figures"]} == {0.90, 0.95}
+
+
+def test_figures_refuse_bad_input(tmp_path: Path, mem_dir: Path) -> None:
+    base = [*FIGURES, "--paths", str(tmp_path), "--memory-paths", str(mem_dir)]
+    with pytest.raises(ConfigError, match="multiple of two units"):
+        main([*base, "--prefix-tokens", "16"])
+    with pytest.raises(ConfigError, match="--flush-gb"):
+        main([*base, "--flush-gb", "0"])
+    with pytest.raises(ConfigError, match="--repeat"):
+        main([*base, "--repeat", "0"])
+    assert not list(tmp_path.iterdir()) and not list(mem_dir.iterdir())
+
+
+def test_bench_runs_the_memory_tier_system(tmp_path: Path, mem_dir: Path) -> None:
+    from tutti_cluster.bench import main as bench_main
+
+    store = tmp_path / "store"
+    store.mkdir()
+    out = tmp_path / "bench.json"
+    base = ["--quick", "--device", "cpu", "--paths", str(store), "--prefix-tokens", "256", "--limit-gb", "0.0625"]
+    with pytest.raises(ConfigError, match="tutti-memory needs a memory tier"):
+        bench_main([*base, "--systems", "tutti-memory"])
+    # With a memory tier configured it runs by default; every retrieve reads units that lie in memory.
+    assert bench_main([*base, "--memory-paths", str(mem_dir), "--systems", "tutti,tutti-memory",
+                       "--json", str(out)]) == 0
+    got = {(r["system"], r["op"]) for r in json.loads(out.read_text())["results"]}
+    assert got == {(s, op) for s in ("tutti", "tutti-memory") for op in ("store", "retrieve")}
+    assert not list(store.iterdir()) and not list(mem_dir.iterdir())
+
+
+def test_pipeline_with_the_memory_tier_runs_hot_and_cold(tmp_path: Path, mem_dir: Path) -> None:
+    from tutti_cluster.bench import main as bench_main
+
+    store = tmp_path / "store"
+    store.mkdir()
+    out = tmp_path / "pipeline.json"
+    assert bench_main(["--pipeline", "--device", "cpu", "--paths", str(store), "--memory-paths", str(mem_dir),
+                       "--inputs", "1K", "--prefix-tokens", "50%", "--systems", "ideal,tutti", "--no-writeback",
+                       "--decode-steps", "2", "--json", str(out)]) == 0
+    assert not list(store.iterdir()) and not list(mem_dir.iterdir())
+    report = json.loads(out.read_text())
+    rows = {r["system"]: r for r in report["results"]}
+    # Each restored the prefix bit for bit (the run raises otherwise), hot from memory, cold from storage.
+    assert {"ideal", "tutti", "tutti-memory-hot", "tutti-memory-cold"} <= set(rows)
+    assert all(rows[s]["matches_ideal"] == "bitwise" and rows[s]["itl_s"] > 0
+               for s in ("tutti", "tutti-memory-hot", "tutti-memory-cold"))
+    assert report["machine"]["memory_tier"]["memory_slots"] > 0
+    (f,) = report["memory_tier"]
+    assert f["input_tokens"] == 1024 and f["prefix_tokens"] == 512
+    assert f["ttft_cold_x_off"] == pytest.approx(rows["tutti-memory-cold"]["ttft_s"] / rows["tutti"]["ttft_s"], rel=1e-2)
+    assert f["ttft_hot_x_ideal"] == rows["tutti-memory-hot"]["x_ideal"] and "itl_cold_x_off" in f
+    with pytest.raises(ConfigError, match="keep both in --systems"):
+        bench_main(["--pipeline", "--device", "cpu", "--paths", str(store), "--memory-paths", str(mem_dir),
+                    "--systems", "tutti"])

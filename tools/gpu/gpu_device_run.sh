@@ -27,6 +27,15 @@
 # longer) from /dev/shm, systems ideal, tutti, load-all, split attention; NCCL with a GPU per rank,
 # gloo with the ranks sharing the GPU where the host has fewer (TP_BACKEND overrides; such a run
 # checks the code path, its times are not a TP run's). TP_TEST=1 runs the two-rank GPU test first.
+# tiers: issue 46's memory-tier figures, memory tier on /dev/shm, storage tier on the disk
+# (/var/tmp, O_DIRECT), each ratio against limits of the same run: `tutti bench tiers --figures` (a hot
+# set from memory against the host-to-GPU limit at TIER_PREFIXES, default 16K,128K; a request mixing
+# both tiers against its halves alone and stores into memory during a flush, against the mapped store,
+# at the smallest prefix; that flush of TIER_FLUSH_GB, default 4, against the disk's write limit;
+# TIER_REPEAT rounds, default 2), then `tutti bench --pipeline --memory-paths` (TTFT and ITL with the
+# memory tier and no unit in memory against no memory tier, and with every unit in memory against the
+# HBM ideal, its storage tier on /dev/shm, read through io_uring beside a memory tier; TIER_PIPE_INPUTS 32K, TIER_PIPE_PREFIXES 50%,-1u, TIER_PIPE_REPEAT 3, ideal and tutti
+# only); JSON in $OUT. About 210 s on an H100.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -171,6 +180,21 @@ for step in "$@"; do
         --json "$OUT/pipeline_disk.json" --plot "$OUT/pipeline_disk.png" | grep -v "step/s\]" | tail -40
       rm -rf /var/tmp/tutti-pipe
     fi ;;
+  tiers)
+    log "memory-tier figures: memory tier on /dev/shm, storage on /var/tmp (O_DIRECT)"
+    mkdir -p /dev/shm/tutti-tmem /var/tmp/tutti-tiers
+    TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} timeout "$(left)" python3 -c \
+      'import sys; from tutti_cluster.bench.tiers import main; sys.exit(main(sys.argv[1:]))' --figures \
+      --device cuda --paths /var/tmp/tutti-tiers --memory-paths /dev/shm/tutti-tmem \
+      --prefix-tokens ${TIER_PREFIXES:-16K,128K} --repeat ${TIER_REPEAT:-2} --flush-gb ${TIER_FLUSH_GB:-4} \
+      --limit-gb 2 --json "$OUT/tiers_figures.json" 2>&1 | grep -v "it/s\]\|step/s\]" | tail -20
+    log "bench --pipeline ${PIPE_MODEL:-llama3-8b} with the memory tier: storage on /dev/shm (a stand-in for NVMe, read through io_uring), memory tier on /dev/shm"
+    mkdir -p /dev/shm/tutti-tsto
+    TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline --paths /dev/shm/tutti-tsto \
+      --memory-paths /dev/shm/tutti-tmem --model ${PIPE_MODEL:-llama3-8b} --inputs ${TIER_PIPE_INPUTS:-32K} \
+      --prefix-tokens=${TIER_PIPE_PREFIXES:-50%,-1u} --systems ideal tutti --no-writeback \
+      --repeat ${TIER_PIPE_REPEAT:-3} --json "$OUT/pipeline_tiers.json" | grep -v "step/s\]" | tail -16
+    rm -rf /dev/shm/tutti-tmem /dev/shm/tutti-tsto /var/tmp/tutti-tiers ;;
   memcheck)
     log "compute-sanitizer memcheck: GPU tests -k '${MEMCHECK_K:-skipped or scatter}'"
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from tutti_cluster.config import add_config_arguments
 
-SYSTEMS = ("tutti", "tutti-mapped", "per-block", "per-chunk", "kvikio")
+SYSTEMS = ("tutti", "tutti-mapped", "tutti-memory", "per-block", "per-chunk", "kvikio")
 MODEL_SHAPES = ("llama3-8b", "glm4-9b-1m", "tiny")
 # The store settings a bench run takes from the command line; the others (cluster, admin) play no
 # part in it, and the device is --device's.
 BENCH_CONFIG_FIELDS = ("paths", "capacity_gb", "data_dir", "direct_io", "pool_files", "prewrite_pool",
                        "map_memory_paths", "unit_tokens", "min_io_bytes", "queue_depth", "iocb_depth", "staging_mb",
-                       "max_requests", "io_sms", "cuda_pair", "cuda_trace")
+                       "max_requests", "io_sms", "cuda_pair", "cuda_trace", "memory_paths", "memory_capacity_gb")
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -43,7 +43,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--seed", type=int, default=0)
     _pipeline_arguments(p)
     add_config_arguments(p, BENCH_CONFIG_FIELDS,
-                         default_notes={"capacity_gb": "sized to the prefix"})
+                         default_notes={"capacity_gb": "sized to the prefix", "memory_capacity_gb": "sized to the prefix",
+                                        "memory_paths": "none; the tutti-memory system and --pipeline's memory-tier "
+                                        "runs need them"})
     return p
 
 

@@ -18,6 +18,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 MEMORY_FS = ("tmpfs", "ramfs")
+MEMORY_TIER_FS = (*MEMORY_FS, "hugetlbfs")  # what a memory tier may live on (the store maps hugetlbfs)
+
+
+def check_memory_tier_dirs(dirs: Iterable[str | os.PathLike[str]]) -> None:
+    """ConfigError unless each directory is one on a file system the memory tier takes."""
+    from tutti_cluster.errors import ConfigError
+
+    for d in dirs:
+        fs = fs_type(d) if os.path.isdir(d) else None
+        if fs not in MEMORY_TIER_FS:
+            raise ConfigError(f"memory path {d} is {'on ' + fs if fs else 'not a directory'}; the memory tier "
+                              "needs tmpfs, ramfs or hugetlbfs")
 
 
 def fs_type(path: str | os.PathLike[str]) -> str:

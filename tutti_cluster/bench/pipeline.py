@@ -2,7 +2,15 @@
 layer by layer, against the HBM ideal, a naive pipeline, load-then-compute, the per-chunk baseline
 and full recompute (systems of :mod:`tutti_cluster.bench.prefill.harness`), with the GPU bubble, the
 crossover hit rate, write-back's effect on TTFT and inter-token latency, and the cost per 1M
-generated tokens.  See docs/BENCH.md, "Pipeline"."""
+generated tokens.  See docs/BENCH.md, "Pipeline".
+
+With ``--memory-paths`` the run goes on with a second store, a memory tier (``write_back``,
+``promote_hits`` 0) in front of the same paths, and runs ``ideal`` and ``tutti`` again per input
+and prefix twice: ``tutti-memory-hot`` with every unit of the prefix in memory, then
+``tutti-memory-cold`` with none (demoted by as many other units as the memory tier has slots,
+stored and removed again), each state checked with ``TuttiStore.unit_tiers`` before and after its
+runs; ``memory_tier`` in the report sets them against the first store's ``tutti`` (TTFT, ITL)
+and the HBM ideal of their own phase."""
 
 from __future__ import annotations
 
@@ -68,6 +76,8 @@ class PipelinePlan:
     tp: int = 1
     tp_backend: str = "gloo"
     ranks_per_dir: int = 1  # ranks whose pools share each of ``dirs``' file systems
+    memory_dirs: list[Path] = field(default_factory=list)  # --memory-paths: the memory-tier runs
+    memory_capacity_gb: list[float] | None = None
     skipped: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -199,6 +209,12 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
                           "windows come from each rank's resident run")
     if args.profile is not None and not args.profile.is_file():
         raise ConfigError(f"--profile {args.profile}: no such file (write one with `tutti profile`)")
+    if cfg.memory_paths:
+        if tp > 1:
+            raise ConfigError("--memory-paths: the memory-tier runs are for one rank; leave out --tp")
+        if "tutti" not in systems or "ideal" not in systems:
+            raise ConfigError("--memory-paths: the memory-tier runs are tutti's against the ideal; keep both in --systems")
+        fsutil.check_memory_tier_dirs(cfg.memory_paths)
     prices = hz.Prices(args.gpu_price_hour, args.dram_price_gb_hour, args.ssd_price_gb_hour, gpus=tp)
     return PipelinePlan(
         dirs=dirs, shape=shape, inputs=inputs, prefixes=prefixes, systems=[s for s in hz.SYSTEMS if s in systems],
@@ -209,6 +225,8 @@ def make_plan(args: argparse.Namespace) -> PipelinePlan:
         output_tokens=args.output_tokens, prices=prices, profile=args.profile,
         baseline_threads=args.baseline_threads, seed=args.seed,
         capacity_gb=list(cfg.capacity_gb) if args.capacity_gb else None, tp=tp, tp_backend=backend,
+        memory_dirs=list(cfg.memory_paths),
+        memory_capacity_gb=list(cfg.memory_capacity_gb) if args.memory_capacity_gb else None,
     )
 
 
@@ -236,6 +254,13 @@ def check_room(plan: PipelinePlan) -> None:
     s = plan.local_shape
     kv_bytes = n * s.kv_bytes_per_token
     per_path = pool_bytes_per_path(pool_tokens(plan) * s.kv_bytes_per_token, len(plan.dirs))
+    mem_bytes = sum(memory_caps(plan)) if plan.memory_dirs else 0
+    if plan.memory_dirs:  # the memory-tier store's paths: the prefix and as many units as memory holds
+        per_path += mem_bytes // len(plan.dirs)
+        for d in plan.memory_dirs:
+            if shutil.disk_usage(d).free < mem_bytes:
+                raise CapacityExceeded(f"{d}: {shutil.disk_usage(d).free / GIB:.1f} GiB free, the memory tier needs "
+                                       f"{mem_bytes / GIB:.1f} GiB there; pass smaller --inputs or --memory-capacity-gb")
     if "per-chunk" in plan.systems:
         per_path += -(-max(max(ps) for ps in plan.prefixes.values()) * s.kv_bytes_per_token // len(plan.dirs))
     for d in plan.dirs:
@@ -244,7 +269,7 @@ def check_room(plan: PipelinePlan) -> None:
             raise CapacityExceeded(f"{d}: {free / GIB:.1f} GiB free, the pipeline benchmark needs "
                                    f"{per_path * plan.ranks_per_dir / GIB:.1f} GiB there for inputs of {n} tokens; "
                                    "pass smaller --inputs")
-    tmpfs = sum(per_path for d in plan.dirs if fsutil.fs_type(d) in fsutil.MEMORY_FS)
+    tmpfs = sum(per_path for d in plan.dirs if fsutil.fs_type(d) in fsutil.MEMORY_FS) + mem_bytes
     host_need = plan.tp * (tmpfs + (kv_bytes + _weights_bytes(s) if plan.device.type == "cpu" else 0))
     avail = machine.meminfo_bytes("MemAvailable")
     if avail and host_need > avail:
@@ -263,7 +288,20 @@ def check_room(plan: PipelinePlan) -> None:
                                    f"{need / GIB:.1f} GiB (weights, KV of {n} tokens, activations)")
 
 
-def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path]) -> Any:
+def memory_caps(plan: PipelinePlan) -> list[int]:
+    """Bytes per memory path of the memory-tier runs: ``--memory-capacity-gb``, else room for the
+    longest stored prefix."""
+    if plan.memory_capacity_gb:
+        caps = plan.memory_capacity_gb * len(plan.memory_dirs) if len(plan.memory_capacity_gb) == 1 \
+            else plan.memory_capacity_gb
+        return [int(c * GIB) for c in caps[:len(plan.memory_dirs)]]
+    return [pool_bytes_per_path(pool_tokens(plan) * plan.local_shape.kv_bytes_per_token, len(plan.memory_dirs))
+            ] * len(plan.memory_dirs)
+
+
+def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path], memory: list[Path] | None = None) -> Any:
+    """The run's store on ``dirs``; with ``memory``, a memory tier there (``write_back``, nothing
+    promoted) and each path grown by its share of the memory tier (the demoting units' room)."""
     from tutti_cluster import TuttiStore
     from tutti_cluster.config import load_config
 
@@ -271,7 +309,13 @@ def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path]) -> Any:
                                                     len(dirs)) / GIB]
     fields = plan.cfg.model_dump()
     fields.update(paths=dirs, capacity_gb=caps, instance="pipeline",
-                  backend="cuda" if plan.device.type == "cuda" else "cpu")
+                  backend="cuda" if plan.device.type == "cuda" else "cpu", memory_paths=memory or [])
+    if memory:
+        mem = memory_caps(plan)
+        fields.update(capacity_gb=[c + sum(mem) / len(dirs) / GIB for c in caps], write_policy="write_back",
+                      memory_capacity_gb=[c / GIB for c in mem], promote_hits=0, instance="pipeline-memory")
+        for d in memory:
+            d.mkdir(parents=True, exist_ok=True)
     if plan.device.type == "cuda" and plan.device.index is not None:
         fields["device"] = plan.device.index
     for d in dirs:
@@ -299,6 +343,7 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
     remove_stale_runs(plan.dirs)
     check_room(plan)
     work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
+    mem_work = [d / f"tutti-bench-{os.getpid()}" for d in plan.memory_dirs]
     store: Any = None
     reader: Any = None
     progress: Progress | None = None
@@ -320,11 +365,13 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
             reader = LayerwisePerChunk(kv, [w / "per-chunk" for w in work], plan.baseline_threads)  # type: ignore[arg-type]
             for w in work:
                 (w / "per-chunk").mkdir()
-        h = hz.Harness(model, kv, store, per_chunk=reader, naive_ahead=plan.naive_ahead, read_ahead=plan.read_ahead,
-                       iocb_ioctx=plan.iocb_ioctx,
-                       seed=plan.seed, tutti_reads=plan.tutti_reads,
-                       compute_stream=plan.compute_on == "partition",
-                       barrier=group.barrier if group.size > 1 else None)
+        def harness(store: Any, reader: Any = None) -> hz.Harness:
+            return hz.Harness(model, kv, store, per_chunk=reader, naive_ahead=plan.naive_ahead,
+                              read_ahead=plan.read_ahead, iocb_ioctx=plan.iocb_ioctx, seed=plan.seed,
+                              tutti_reads=plan.tutti_reads, compute_stream=plan.compute_on == "partition",
+                              barrier=group.barrier if group.size > 1 else None)
+
+        h = harness(store, reader)
         if plan.profile is not None:
             from tutti_cluster.pipeline.table import SlackTable
 
@@ -334,6 +381,7 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
         model.prefill(kv, warm.tokens, 0, warm.block_ids)
         restoring = [x for x in plan.systems if x not in ("ideal", "recompute")]
         per_p = plan.repeat * (1 + len(restoring) + (plan.writeback and "tutti" in plan.systems))
+        per_p += 2 * plan.repeat if plan.memory_dirs else 0  # the memory tier's hot and cold runs
         progress = Progress(sum(1 + len(plan.prefixes[n]) * per_p for n in plan.inputs), "tutti bench --pipeline",
                             show=group.rank == 0)
         info["store"] = {"unit_tokens": store.unit_tokens, "staging_mb": plan.cfg.staging_mb,
@@ -352,6 +400,22 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
             info["store"]["evictions"] = store.stats().get("evictions")
             if partial is not None:
                 partial(_report(plan, info, rows, summary))
+        if plan.memory_dirs:  # the same inputs again through a store with a memory tier
+            store.close()
+            store = None
+            for w in work:
+                shutil.rmtree(w / "tutti", ignore_errors=True)
+            for w in mem_work:
+                w.mkdir()
+            store = _open_store(plan, kv, [w / "tutti-memory" for w in work], [w / "tutti-memory" for w in mem_work])
+            info["memory_tier"] = {"memory_paths": [str(d) for d in plan.memory_dirs], "write_policy": "write_back",
+                                   "promote_hits": 0, "memory_slots": store.stats()["memory_slots"],
+                                   "memory_bytes": sum(memory_caps(plan))}
+            hm = harness(store)
+            for n in plan.inputs:
+                rows.extend(_run_tiers(plan, hm, n, progress))
+                if partial is not None:
+                    partial(_report(plan, info, rows, summary))
     finally:
         if progress is not None:
             progress.close()
@@ -359,13 +423,14 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
             reader.close()
         if store is not None:
             store.close()
-        for w in work:
+        for w in [*work, *mem_work]:
             shutil.rmtree(w, ignore_errors=True)
     return _report(plan, info, rows, summary)
 
 
 def _report(plan: PipelinePlan, info: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any]) -> dict:
-    return {
+    extra = {"memory_tier": memory_tier_figures(rows)} if plan.memory_dirs else {}
+    return {**extra,
         "machine": info,
         "model": {"name": plan.shape.name, "layers": plan.shape.layers, "q_heads": plan.shape.q_heads,
                   "kv_heads": plan.shape.kv_heads, "head_dim": plan.shape.head_dim, "hidden": plan.shape.hidden,
@@ -447,8 +512,8 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress,
                 for system in plan.systems:
                     if system in ("ideal", "recompute"):
                         continue
-                    # With write-back planned, tutti decodes too: the write-back's ITL baseline.
-                    decode = {"decode_steps": plan.decode_steps} if system == "tutti" and plan.writeback else {}
+                    # tutti decodes too: its ITL, and the write-back's ITL baseline.
+                    decode = {"decode_steps": plan.decode_steps} if system == "tutti" and plan.decode_steps else {}
                     o = run_one(system, p, **decode)
                     c = hz.compare(ideal.out, o.out)
                     if not c["exact"]:
@@ -492,6 +557,8 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress,
                              "windows_from", "ahead", "threads", "host_cpu_us_per_layer"):
                     if name in last:
                         row[name] = last[name]
+                if system == "tutti" and "itl_s" in last:
+                    row["itl_s"] = round(_median([o.extra["itl_s"] for o in outs]), 6)
                 if system == "tutti-writeback":
                     wb_itl = _median([o.extra["itl_s"] for o in outs])
                     wb_base = _median([o.extra["itl_base_s"] for o in outs])
@@ -544,19 +611,114 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress,
         h.release(case)
 
 
+def _demote_all(h: hz.Harness, case: hz.InputCase, seed: int) -> None:
+    """Moves the case's units out of the memory tier: as many other units as it has slots are
+    stored (the least recently used units with a storage copy lose their memory copy to them),
+    flushed, and removed again."""
+    import numpy as np
+
+    store = h.store
+    slots = int(store.stats()["memory_slots"])
+    ub = int(store.unit_blocks)
+    ids = case.block_ids[: len(case.keys) * ub].tolist()
+    rng = np.random.default_rng(seed ^ 0xDE)
+    others: list[int] = []
+    while len(others) < slots:
+        keys = [int(k) for k in rng.integers(1, 2**63 - 1, size=min(len(case.keys), slots - len(others)))]
+        res = store.store(keys, ids[: len(keys) * ub])
+        if res.failed_units:
+            raise BenchVerificationError(f"demoting the prefix: {len(res.failed_units)} of {len(keys)} units failed")
+        others += keys
+    store.flush()
+    for k in others:
+        store.remove(k)
+
+
+def _run_tiers(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress) -> list[dict[str, Any]]:
+    """One input through the memory-tier store: the prefix stored (into memory), then per prefix
+    ``ideal`` and ``tutti`` with every unit in memory (``tutti-memory-hot``), then the same with
+    every unit on storage only (``tutti-memory-cold``)."""
+    from tutti_cluster.bench.tutti_system import check_tiers
+
+    prefixes = plan.prefixes[n]
+    case = h.new_case(n, max(prefixes))
+    rows: list[dict[str, Any]] = []
+    s = plan.shape
+    try:
+        h.prepare(case, compute=False)
+        itl = h.itl(case, plan.decode_steps)
+        for state, where in (("hot", ("memory", "both")), ("cold", ("storage",))):
+            name = f"tutti-memory-{state}"
+            if state == "cold":
+                _demote_all(h, case, plan.seed)
+            check_tiers(h.store, case.keys, where, name)
+            for p in sorted(prefixes, reverse=True):
+                h.warm_up(case, p)
+                ideal, outs = [], []
+                for _ in range(plan.repeat):
+                    i = h.run("ideal", case, p)
+                    o = h.run("tutti", case, p, decode_steps=plan.decode_steps)
+                    if not hz.compare(i.out, o.out)["exact"]:
+                        raise BenchVerificationError(f"{name} at {n} tokens, prefix {p}: output differs from the "
+                                                     "resident run")
+                    ideal.append(i.ttft_s)
+                    outs.append(o)
+                    progress.step(f"{_k(n)} P={_k(p)} {name}")
+                ideal_s, ttft = _median(ideal), _median([o.ttft_s for o in outs])
+                prefix_gb = p * s.kv_bytes_per_token / 1e9
+                row: dict[str, Any] = {
+                    "input_tokens": n, "prefix_tokens": p, "hit_rate": round(p / n, 5), "system": name,
+                    "number": None, "ttft_s": round(ttft, 5), "ttft_runs_s": [round(o.ttft_s, 5) for o in outs],
+                    "ideal_s": round(ideal_s, 5), "bubble_s": round(ttft - ideal_s, 5),
+                    "x_ideal": round(ttft / ideal_s, 4), "matches_ideal": "bitwise", "rounds": len(outs),
+                    "cost_per_1m_tokens": round(hz.cost_per_million(
+                        plan.prices, ttft_s=ttft, itl_s=itl, output_tokens=plan.output_tokens,
+                        dram_gb=plan.cfg.staging_mb / 1024 + (prefix_gb if state == "hot" else 0.0),
+                        ssd_gb=prefix_gb), 4)}
+                if plan.decode_steps:
+                    row["itl_s"] = round(_median([o.extra["itl_s"] for o in outs]), 6)
+                rows.append(row)
+            check_tiers(h.store, case.keys, where, f"{name}, after its runs")  # promote_hits 0: nothing moved
+        return rows
+    finally:
+        h.release(case)
+
+
+def memory_tier_figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per input and prefix: the memory tier with no unit in memory against the store without one
+    (TTFT and ITL, target within 5 %), and with every unit in memory against the HBM ideal of its
+    own runs (target at most 1.02x)."""
+    by = {(r["input_tokens"], r["prefix_tokens"], r["system"]): r for r in rows}
+    out = []
+    for (n, p, system), cold in sorted(by.items()):
+        off, hot = by.get((n, p, "tutti")), by.get((n, p, "tutti-memory-hot"))
+        if system != "tutti-memory-cold" or off is None or hot is None:
+            continue
+        f: dict[str, Any] = {"input_tokens": n, "prefix_tokens": p, "ttft_off_s": off["ttft_s"],
+                             "ttft_cold_s": cold["ttft_s"], "ttft_cold_x_off": round(cold["ttft_s"] / off["ttft_s"], 4),
+                             "ttft_hot_s": hot["ttft_s"], "ideal_s": hot["ideal_s"], "ttft_hot_x_ideal": hot["x_ideal"]}
+        if "itl_s" in off and "itl_s" in cold:
+            f.update(itl_off_s=off["itl_s"], itl_cold_s=cold["itl_s"],
+                     itl_cold_x_off=round(cold["itl_s"] / off["itl_s"], 4))
+        f["met"] = {"cold_within_5pct": abs(f["ttft_cold_x_off"] - 1) <= 0.05 and
+                    abs(f.get("itl_cold_x_off", 1.0) - 1) <= 0.05, "hot_within_ideal_x1.02": hot["x_ideal"] <= 1.02}
+        out.append(f)
+    return out
+
+
 def _close(c: dict[str, Any]) -> bool:
     return bool(c) and c["finite"] and c["max_abs_diff"] <= hz.RECOMPUTE_RTOL * max(c["logit_scale"], 1.0)
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = f"{'input':>7} {'prefix':>8} {'hit %':>6} {'system':<16} {'TTFT s':>9} {'x ideal':>8} {'bubble ms':>10} {'$/1M tok':>9}"
+    head = f"{'input':>7} {'prefix':>8} {'hit %':>6} {'system':<17} {'TTFT s':>9} {'x ideal':>8} {'bubble ms':>10} {'$/1M tok':>9}"
     lines = [head, "-" * len(head)]
-    order = {s: i for i, s in enumerate((*hz.SYSTEMS, "tutti-writeback"))}
+    order = {s: i for i, s in enumerate((*hz.SYSTEMS, "tutti-writeback", "tutti-memory-hot", "tutti-memory-cold"))}
     for r in sorted(report["results"], key=lambda r: (r["input_tokens"], r["prefix_tokens"], order.get(r["system"], 99))):
         bubble = f"{r['bubble_s'] * 1e3:10.1f}" if "bubble_s" in r else f"{'':>10}"
         xi = f"{r['x_ideal']:8.3f}" if "x_ideal" in r else f"{'':>8}"
         lines.append(f"{_k(r['input_tokens']):>7} {_k(r['prefix_tokens']):>8} {r['hit_rate'] * 100:6.1f} "
-                     f"{r['system']:<16} {r['ttft_s']:9.4f} {xi} {bubble} {r['cost_per_1m_tokens']:9.3f}")
+                     f"{r['system']:<17} {r['ttft_s']:9.4f} {xi} {bubble} {r['cost_per_1m_tokens']:9.3f}")
     for n, sm in report["summary"].items():
         cross = sm["crossover_hit_rate"]
         rec = "not run" if sm["recompute_s"] is None else f"{sm['recompute_s']:.3f} s"
@@ -570,6 +732,13 @@ def format_table(report: dict[str, Any]) -> str:
             peak = "" if rk.get("peak_gpu_bytes") is None else f", peak GPU memory {rk['peak_gpu_bytes'] / GIB:.1f} GiB"
             lines.append(f"  rank {rk['rank']} ({rk['device']}): read {rk['read_gbps']} GB/s, write {rk['write_gbps']} "
                          f"GB/s, host CPU per layer {cpu}, staging {rk['staging_bytes'] >> 20} MiB{peak}")
+    for f in report.get("memory_tier", []):
+        itl = (f" ITL {f['itl_cold_s'] * 1e3:.2f} against {f['itl_off_s'] * 1e3:.2f} ms ({f['itl_cold_x_off']:.3f}x);"
+               if "itl_cold_x_off" in f else "")
+        lines.append(f"memory tier {_k(f['input_tokens'])}/{_k(f['prefix_tokens'])}: none in memory: TTFT "
+                     f"{f['ttft_cold_s']:.4f} against {f['ttft_off_s']:.4f} s with no memory tier "
+                     f"({f['ttft_cold_x_off']:.3f}x),{itl} all in memory: TTFT {f['ttft_hot_s']:.4f} against the "
+                     f"ideal's {f['ideal_s']:.4f} s ({f['ttft_hot_x_ideal']:.3f}x; target <= 1.02)")
     for r in report["results"]:
         if r["system"] == "tutti-writeback":
             lines.append(f"write-back {_k(r['input_tokens'])}/{_k(r['prefix_tokens'])}: TTFT {r['ttft_increase'] * 100:+.1f} %, "

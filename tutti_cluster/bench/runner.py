@@ -67,6 +67,7 @@ class Plan:
     drop_caches: bool
     capacity_gb: list[float] | None
     cfg: Any
+    memory_capacity_gb: bool = False  # --memory-capacity-gb given (else sized to the prefix)
     seed: int = 0
     shape: KVShape = LLAMA3_8B
     skipped: dict[str, str] = field(default_factory=dict)
@@ -97,11 +98,16 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 f"unit_tokens={cfg.unit_tokens}, e.g. {unit}"
             )
     memory = all(fsutil.fs_type(d) in fsutil.MEMORY_FS for d in dirs)
-    # tutti-mapped differs from tutti only on memory file systems: by default it runs there only.
-    systems = split_list(args.systems) or [s for s in SYSTEMS if s != "tutti-mapped" or memory]
+    # tutti-mapped differs from tutti only on memory file systems: by default it runs there only;
+    # tutti-memory runs by default where a memory tier is configured.
+    systems = split_list(args.systems) or [s for s in SYSTEMS if (s != "tutti-mapped" or memory)
+                                           and (s != "tutti-memory" or cfg.memory_paths)]
     for s in systems:
         if s not in SYSTEMS:
             raise ConfigError(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if "tutti-memory" in systems and not cfg.memory_paths:
+        raise ConfigError("tutti-memory needs a memory tier: pass --memory-paths (tmpfs, ramfs or hugetlbfs directories)")
+    fsutil.check_memory_tier_dirs(cfg.memory_paths)
     if "tutti-mapped" in systems and not memory:
         raise ConfigError("tutti-mapped maps pool files on memory file systems (tmpfs, ramfs); "
                           f"not every path of {', '.join(map(str, dirs))} is one")
@@ -130,6 +136,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         drop_caches=args.drop_caches,
         capacity_gb=list(cfg.capacity_gb) if args.capacity_gb else None,
         cfg=cfg,
+        memory_capacity_gb=bool(args.memory_capacity_gb),
         seed=args.seed,
         shape=shape,
     )
@@ -165,6 +172,8 @@ def check_room(plan: Plan) -> None:
                 f"(prefix of {max(plan.prefixes)} tokens = {max_bytes / GIB:.1f} GiB of KV); "
                 "pass smaller --prefix-tokens or more --paths"
             )
+    if "tutti-memory" in plan.systems:  # its memory tier's files, one prefix (and slack) at a time
+        tmpfs_bytes += pool_bytes_per_path(max_bytes, 1)
     kv_bytes = max_bytes + 2 * max_bytes // plan.shape.layers  # tensors + pool + verify buffer
     staging = plan.baseline_threads * (CHUNK_TOKENS // plan.shape.block_tokens) * plan.shape.block_bytes
     host_need = tmpfs_bytes + staging + max(plan.staging_bytes, 64 * MIB) + GIB
@@ -202,11 +211,13 @@ def _measure(fn: Callable[[Round], OpTiming], rnd: Round, nbytes: int, layers: i
     )
 
 
-def _make_system(name: str, plan: Plan, kv: KVData, work: list[Path]) -> BenchSystem:
-    if name in ("tutti", "tutti-mapped"):
+def _make_system(name: str, plan: Plan, kv: KVData, work: list[Path], mem_work: list[Path]) -> BenchSystem:
+    if name in ("tutti", "tutti-mapped", "tutti-memory"):
         from tutti_cluster.bench.tutti_system import TuttiSystem
 
-        return TuttiSystem(kv, plan.cfg, work, plan.capacity_gb, plan.seed, mapped=name == "tutti-mapped")
+        mem_caps = list(plan.cfg.memory_capacity_gb) if plan.memory_capacity_gb else None
+        return TuttiSystem(kv, plan.cfg, work, plan.capacity_gb, plan.seed, mapped=name == "tutti-mapped",
+                           memory=mem_work if name == "tutti-memory" else None, memory_capacity_gb=mem_caps)
     if name == "per-block":
         return PerBlockBaseline(kv, work, plan.baseline_threads)
     if name == "per-chunk":
@@ -216,16 +227,17 @@ def _make_system(name: str, plan: Plan, kv: KVData, work: list[Path]) -> BenchSy
 
 def run(plan: Plan) -> dict[str, Any]:
     """Run the benchmark; returns the report (the JSON object).  Cleans up its files."""
-    remove_stale_runs(plan.dirs)
+    remove_stale_runs([*plan.dirs, *plan.cfg.memory_paths])
     check_room(plan)
     work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
+    mem_work = [d / f"tutti-bench-{os.getpid()}" for d in plan.cfg.memory_paths] if "tutti-memory" in plan.systems else []
     systems: dict[str, BenchSystem] = {}
     page_cache: set[str] = set()
     samples: dict[tuple[str, str, int], list[Sample]] = {}
     progress: Progress | None = None
     probe: limits_mod.StorageProbe | None = None
     try:
-        for w in work:
+        for w in [*work, *mem_work]:
             w.mkdir()
         direct = {w: fsutil.probe_direct_io(w) for w in work}
         for w, ok in direct.items():
@@ -236,7 +248,7 @@ def run(plan: Plan) -> dict[str, Any]:
         kv = KVData(plan.shape, n_max, plan.device, seed=plan.seed)
         for name in plan.systems:
             try:
-                systems[name] = _make_system(name, plan, kv, work)
+                systems[name] = _make_system(name, plan, kv, work, mem_work)
             except ImportError as e:
                 plan.skipped[name] = str(e)
         steps = 2 * len(plan.limit_threads) + (plan.device.type == "cuda")
@@ -286,7 +298,7 @@ def run(plan: Plan) -> dict[str, Any]:
                 system.close()
             except Exception:  # noqa: BLE001 - cleanup must go on
                 logger.warning("closing %s failed", system.name, exc_info=True)
-        for w in work:
+        for w in [*work, *mem_work]:
             shutil.rmtree(w, ignore_errors=True)
     info["page_cache"] = (
         "own files evicted (fadvise DONTNEED) before each read pass; drop_caches: "
@@ -310,6 +322,7 @@ def run(plan: Plan) -> dict[str, Any]:
                 "x_adjacent_limit": round(statistics.median(s.gbps / s.limit_gbps for s in ss), 3),
                 "bytes": plan.shape.prefix_bytes(tokens),
                 "rounds": len(ss),
+                **({"x_h2d": round(statistics.median(s.gbps for s in ss) / lim.h2d_gbps, 3)} if lim.h2d_gbps else {}),
                 "verified": True,
             }
         )

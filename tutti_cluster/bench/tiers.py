@@ -17,6 +17,8 @@ blocks (the stand-in for their prefill) and stored. Every retrieved unit is chec
 ``--requests`` timed ones; its counters are the differences of ``TuttiStore.stats()`` over the timed
 requests.
 
+``--figures`` measures issue 46's figures instead (:mod:`~tutti_cluster.bench.tier_figures`).
+
 Systems:
 
 * ``tiered``: ``memory_paths`` (default: a directory on /dev/shm) with ``memory_capacity_gb`` in front
@@ -90,6 +92,9 @@ def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.Argument
     p.add_argument("--plot", type=Path, metavar="PATH", help="write a PNG plot")
     add_config_arguments(p, CONFIG_FIELDS, default_notes={
         "capacity_gb": f"{DEFAULT_STORAGE_GB:g}", "memory_paths": f"a new directory in {DEFAULT_MEMORY_ROOT}"})
+    from tutti_cluster.bench.tier_figures import add_arguments
+
+    add_arguments(p)
     return p
 
 
@@ -142,11 +147,10 @@ def hot_prefixes(weights: Any, share: float = HOT_SHARE) -> int:
     return int(np.searchsorted(np.cumsum(weights), share - 1e-12) + 1)
 
 
-def make_plan(args: argparse.Namespace) -> Plan:
-    """Validates the flags against the config; ConfigError (or DeviceError) on bad input."""
+def load_tiers_config(args: argparse.Namespace) -> Any:
+    """The config of the flags, with a memory tier (default: in /dev/shm) on tmpfs, ramfs or hugetlbfs and
+    writable directories; ConfigError otherwise."""
     from tutti_cluster.bench import fsutil
-    from tutti_cluster.bench.kvdata import LLAMA3_8B, KVShape
-    from tutti_cluster.bench.options import resolve_device
     from tutti_cluster.config import config_arguments, load_config
     from tutti_cluster.errors import ConfigError
 
@@ -154,7 +158,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     cfg = load_config(**given)
     if not cfg.memory_paths:  # neither the flag, the environment nor a config file names one
         if not DEFAULT_MEMORY_ROOT.is_dir():
-            raise ConfigError(f"no {DEFAULT_MEMORY_ROOT} here: pass --memory-paths on a tmpfs or ramfs")
+            raise ConfigError(f"no {DEFAULT_MEMORY_ROOT} here: pass --memory-paths on a tmpfs, ramfs or hugetlbfs")
         cfg = load_config(**given, memory_paths=str(DEFAULT_MEMORY_ROOT))
     dirs = cfg.storage_paths()
     if not cfg.paths:
@@ -164,9 +168,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise ConfigError(f"path {d} is not a directory")
         if not os.access(d, os.W_OK):
             raise ConfigError(f"path {d} is not writable")
-    for d in cfg.memory_paths:
-        if fsutil.fs_type(d) not in fsutil.MEMORY_FS:
-            raise ConfigError(f"memory path {d} is on {fsutil.fs_type(d)}; the memory tier needs tmpfs or ramfs")
+    fsutil.check_memory_tier_dirs(cfg.memory_paths)
+    return cfg
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    """Validates the flags against the config; ConfigError (or DeviceError) on bad input."""
+    from tutti_cluster.bench.kvdata import LLAMA3_8B, KVShape
+    from tutti_cluster.bench.options import resolve_device
+    from tutti_cluster.errors import ConfigError
+
+    cfg = load_tiers_config(args)
+    dirs = cfg.storage_paths()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
@@ -509,6 +522,10 @@ def run_args(args: argparse.Namespace, emit: Callable[[str], None] = print) -> i
     from tutti_cluster.bench.extra import check_extra
 
     check_extra()
+    if args.figures:
+        from tutti_cluster.bench import tier_figures
+
+        return tier_figures.run_args(args, load_tiers_config(args), emit)
     plan = make_plan(args)
     emit(f"tutti bench tiers: device {plan.device}, storage {', '.join(map(str, plan.dirs))}, memory tier "
          f"{', '.join(map(str, plan.memory_dirs))}, systems {','.join(plan.systems)}")

@@ -36,7 +36,11 @@ class TuttiSystem:
     ``tutti`` moves every object through the host agent and io_uring, memory file systems included
     (there /dev/shm stands in for an NVMe array); ``tutti-mapped`` sets ``map_memory_paths``, so that
     the I/O kernel copies objects straight between mapped tmpfs pool files and the KV blocks
-    (byte-addressable storage).
+    (byte-addressable storage). ``tutti-memory`` (``memory`` given) puts a memory tier on those
+    directories in front of ``dirs``: a store commits into memory (``write_back``: the flusher
+    copies it to ``dirs`` in the background; ``memory_only``: never) and, before each timed retrieve, the flush is waited
+    for and every unit is checked to lie in memory (:meth:`TuttiStore.unit_tiers`), so that the
+    retrieve reads a hot set held in memory (``promote_hits`` 0: reads move nothing).
 
     ``store``: ``begin_store`` once, ``store_layer`` per layer, ``wait_layer`` per layer, ``finish``.
     ``retrieve``: ``begin_retrieve`` once, ``retrieve_layer`` for every layer, then ``wait_layer``
@@ -54,13 +58,19 @@ class TuttiSystem:
         capacity_gb: list[float] | None,
         seed: int,
         mapped: bool = False,
+        memory: Sequence[Path] | None = None,
+        memory_capacity_gb: list[float] | None = None,
+        write_policy: str = "write_back",
     ) -> None:
-        self.name = "tutti-mapped" if mapped else "tutti"
+        self.name = "tutti-memory" if memory else "tutti-mapped" if mapped else "tutti"
         self.kv = kv
         self._base_cfg = cfg
         self._mapped = mapped
         self._dirs = [d / self.name for d in dirs]
+        self._memory = [d / self.name for d in memory or ()]
         self._capacity_gb = capacity_gb
+        self._memory_capacity_gb = memory_capacity_gb
+        self._write_policy = write_policy if memory else "write_back"
         self._rng = np.random.default_rng(seed ^ 0x7A77)
         self._store: Any = None
         self._n_blocks = 0
@@ -73,7 +83,7 @@ class TuttiSystem:
         from tutti_cluster import TuttiStore
 
         self._close_store()
-        for d in self._dirs:
+        for d in [*self._dirs, *self._memory]:
             d.mkdir(parents=True, exist_ok=True)
         prefix_bytes = n_blocks * self.kv.shape.block_bytes
         caps = self._capacity_gb or [pool_bytes_per_path(prefix_bytes, len(self._dirs)) / (1 << 30)]
@@ -83,9 +93,14 @@ class TuttiSystem:
             paths=self._dirs,
             capacity_gb=caps,
             instance=f"bench{self._instances}",
-            map_memory_paths=self._mapped,
+            map_memory_paths=self._mapped or bool(self._memory),
             backend="cuda" if self.kv.device.type == "cuda" else "cpu",
+            memory_paths=self._memory,
+            write_policy=self._write_policy,
         )
+        if self._memory:
+            mem = self._memory_capacity_gb or [pool_bytes_per_path(prefix_bytes, len(self._memory)) / (1 << 30)]
+            fields.update(memory_capacity_gb=mem, promote_hits=0)
         if self.kv.device.type == "cuda" and self.kv.device.index is not None:
             fields["device"] = self.kv.device.index
         cfg = load_config(**fields)
@@ -141,6 +156,8 @@ class TuttiSystem:
         # Reads are O_DIRECT where the file system allows it; evicting the pool files also covers
         # a path that fell back to buffered I/O (on tmpfs this is a no-op: memory is the storage).
         fsutil.evict(p for d in self._dirs for p in d.iterdir() if p.is_file())
+        if self._memory:  # no flush beside the timed read, and the hot set in memory
+            check_tiers(self._store, self._keys[rnd.tag], ("memory", "both"), self.name)
 
     def retrieve(self, rnd: Round) -> OpTiming:
         store = self._store
@@ -167,8 +184,21 @@ class TuttiSystem:
         if self._store is not None:
             self._store.close()
             self._store = None
-        for d in self._dirs:
+        for d in [*self._dirs, *self._memory]:
             shutil.rmtree(d, ignore_errors=True)
 
     def close(self) -> None:
         self._close_store()
+
+
+def check_tiers(store: Any, keys: Sequence[int], want: Sequence[str], what: str, timeout_s: float = 600.0) -> None:
+    """Waits for the memory tier's background copies (``flush``), then checks that every unit of
+    ``keys`` lies where ``want`` says (:meth:`TuttiStore.unit_tiers`); BenchVerificationError otherwise."""
+    if not store.flush(timeout_s=timeout_s):
+        raise BenchVerificationError(f"{what}: the memory tier's flush did not end within {timeout_s:g} s")
+    tiers = store.unit_tiers(keys)
+    wrong = [t for t in tiers if t not in want]
+    if wrong:
+        raise BenchVerificationError(
+            f"{what}: {len(wrong)} of {len(keys)} units lie in {sorted(set(wrong))}, not in {' or '.join(want)} "
+            "(the memory tier too small for them?)")

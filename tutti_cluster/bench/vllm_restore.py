@@ -385,10 +385,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], list[int]]:
     if "tutti-memory" in systems:
         from tutti_cluster.bench import fsutil
 
-        fs = fsutil.fs_type(args.memory_path) if args.memory_path.is_dir() else None
-        if fs not in fsutil.MEMORY_FS:
-            raise ConfigError(f"tutti-memory: --memory-path {args.memory_path} is "
-                              f"{'on ' + fs if fs else 'not a directory'}; the memory tier needs tmpfs or ramfs")
+        fsutil.check_memory_tier_dirs([args.memory_path])
     return systems, units
 
 
