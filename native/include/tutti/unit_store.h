@@ -82,8 +82,7 @@ class UnitStore {
   // objects first and the header (the same bytes: the same key and commit) last, then records the
   // second copy. Not under mu_.
   // False when a flush failed for want of a free storage slot or by a write error: to be tried again.
-  // `in_slack`: the flusher's own copy, whose writes pace themselves by the engine's retrieves.
-  bool copy_unit(uint64_t key, Tier to_tier, bool in_slack = false);
+  bool copy_unit(uint64_t key, Tier to_tier);
   // Under an eighth of the memory tier free.
   bool memory_pressure() const;
   // write_through: copies a unit to storage now, or (that failing) leaves it to the flusher. Not under mu_.
@@ -128,7 +127,7 @@ class UnitStore {
   std::vector<uint64_t> evicted_;
   uint64_t lookups_ = 0, hits_ = 0, evictions_ = 0, checksum_failures_ = 0, io_errors_ = 0, bad_headers_ = 0;
   uint64_t bytes_read_ = 0, bytes_written_ = 0;
-  // The memory tier: counters, and the flusher thread with its queues (under mu_).
+  // The memory tier: counters, and the flusher's threads with their queues (under mu_).
   uint64_t memory_hits_ = 0, storage_hits_ = 0, memory_bytes_read_ = 0, promotions_ = 0, demotions_ = 0;
   uint64_t flushes_ = 0, flush_bytes_ = 0, flush_errors_ = 0;
   void flusher_loop();
@@ -136,12 +135,13 @@ class UnitStore {
   void stop_flusher();
   bool settled() const;  // nothing queued, waiting to be tried again, or being copied. Under mu_.
   std::deque<uint64_t> flush_q_, promote_q_, retry_;
+  double retry_at_ = 0;  // when retry_ goes back to the flush queue
   uint32_t reading_ = 0;  // the engine session's retrieves in flight: the flusher waits for them
   std::unordered_set<uint64_t> moving_;  // keys being copied between tiers
-  std::vector<uint64_t> batch_;  // copies the flusher has taken off a queue and not finished
+  std::vector<uint64_t> batch_;  // copies the copiers have taken off a queue and not finished
   std::unordered_map<uint64_t, std::pair<uint32_t, double>> storage_reads_;  // key -> (hits, first hit time)
   std::condition_variable work_cv_, idle_cv_, moved_cv_;
-  std::thread flusher_;
+  std::vector<std::thread> flushers_;  // the copiers (flusher_loop)
   bool stop_ = false;
 };
 
