@@ -580,10 +580,13 @@ def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str
     with open_gpu_store(paths, kv, layout, map_memory_paths=True) as s:
         g = s.geometry()
         pool = shm_dirs[0] / "tutti-gpu.pool"  # slot 0 of the first file: the first unit
+        # The first object's last bytes: the kernel reads a mapped object in four pieces, and the
+        # last piece's sum must count as much as the first's.
+        at = g["header_bytes"] + g["obj_bytes"] - 64
         with open(pool, "r+b") as f:
-            f.seek(g["header_bytes"] + g["obj_bytes"] + 64)
+            f.seek(at)
             b = f.read(4)
-            f.seek(g["header_bytes"] + g["obj_bytes"] + 64)
+            f.seek(at)
             f.write(bytes(x ^ 0xFF for x in b))
         res = s.retrieve(keys, rng.permutation(128)[: 16 * s.unit_blocks])
         assert res.failed_units == [0], res

@@ -55,6 +55,12 @@ constexpr uint32_t kLanes = 2;
 constexpr uint32_t kWorkerWarps = 15;
 constexpr uint32_t kThreads = 32 * (1 + kWorkerWarps);
 constexpr uint32_t kMaxChunksPerWorker = 8192;  // 14-bit chunk index in the packed entries
+// A mapped object a retrieve reads whole is cut into this many pieces, each a work entry of its own
+// (the piece in bits 30-31 of the entry), so that a layer's objects spread over more worker warps:
+// at 16K tokens a layer holds 16 objects per block for 15 worker warps, and one warp would move a
+// second object alone. Each piece sums its bytes alone; the last to finish joins the sums (one shift
+// each, crc32c.h) and checks the object.
+constexpr uint32_t kPieces = 4;
 constexpr uint32_t kValid = 1u << 31;
 constexpr uint32_t kPost = 1u << 30;
 
@@ -82,6 +88,7 @@ struct LaunchIocb {
   uint8_t* failed;         // device, [unit]
   uint8_t* failed_out;     // mapped host, [unit]
   uint64_t* sums_out;      // mapped host, [unit][obj]: checksums made by a store
+  uint32_t* pieces;        // device, [unit][obj][2]: a split object's joined sums, pieces done (zeroed per request)
   uint64_t kv[2];          // the layer's object base pointers
   uint64_t block_stride;
 };
@@ -103,6 +110,8 @@ struct LaunchParams {
   const uint64_t* mapped;     // device, per pool file: device address of its mapping or 0; null: none
   const CrcLaneTables* crc;   // device: the lane scheme's tables (crc32c.h)
   uint32_t crc_xor;           // raw register -> CRC32C of one object (crc32c_zeros_xor(obj_bytes))
+  uint32_t pieces;            // pieces per mapped object a retrieve reads whole: kPieces, or 1 (no split)
+  uint32_t piece_shift[kPieces];  // x^(8 k piece_bytes) mod P: joins piece kPieces - 1 - k's sum
   LaunchIocb b[kMaxLaunchIocbs];
 };
 
@@ -219,12 +228,54 @@ __device__ __forceinline__ uint8_t* mapped_object(const LaunchParams& p, const L
                                     (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
 }
 
+// The piece `piece` of a mapped object that a retrieve reads whole (p.pieces > 1): its blocks move
+// and sum alone; the last piece to finish joins the pieces' sums, checks the object and releases it.
+template <typename Release>
+__device__ void process_piece(const LaunchParams& p, const LaunchIocb& B, const Ioctx& x, const uint8_t* m, uint32_t piece,
+                              uint32_t lane, uint32_t* errors, Release release) {
+  const uint64_t piece_bytes = p.obj_bytes / p.pieces, lo = piece * piece_bytes;
+  uint32_t acc = 0;
+  for (uint32_t e = 0; e < x.extent_count; ++e) {
+    const Extent ext = B.extents[x.extent_first + e];
+    for (uint32_t j = 0; j < ext.num_blocks; ++j) {
+      const uint64_t o = (ext.unit_offset_blocks + j) * p.block_bytes;
+      if (o < lo || o >= lo + piece_bytes) continue;
+      uint8_t* kv = reinterpret_cast<uint8_t*>(B.kv[x.obj] + (ext.first_block + j) * B.block_stride);
+      warp_move<true, true>(p.vec16, m + o, kv, p.block_bytes, o - lo, crc_t, acc, lane);
+    }
+  }
+  // The piece's raw register, shifted past the pieces after it; xor joins them (crc32c.h).
+  const uint32_t mine = crc32c_multmodp(p.piece_shift[p.pieces - 1 - piece],
+                                        warp_crc(p.vec16, crc_shift, crc_shift + 32, acc, 0, lane));
+  const uint64_t at = static_cast<uint64_t>(x.unit) * p.num_objs + static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj;
+  uint32_t last = 0, sum = 0;
+  if (lane == 0) {
+    atomicXor(&B.pieces[2 * at], mine);
+    __threadfence();  // this piece's sum is in before it counts as done
+    last = atomicAdd(&B.pieces[2 * at + 1], 1u) == p.pieces - 1;
+    if (last) {
+      __threadfence();
+      sum = atomicXor(&B.pieces[2 * at], 0u) ^ p.crc_xor;
+      if (static_cast<uint64_t>(sum) != B.expect[at]) {
+        vstore<uint8_t>(&B.failed[x.unit], 2);  // a corrupt object is a miss, as in process_object
+        vstore<uint8_t>(&B.failed_out[x.unit], 2);
+        atomicAdd(errors, 1u);
+      }
+    }
+  }
+  if (!__shfl_sync(0xffffffffu, last, 0)) return;  // the last piece hands the object back
+  __threadfence_system();
+  __syncwarp();
+  release();
+}
+
 // Retrieve: verify and scatter one object from staging (or its mapped file). Store: gather one
 // object into staging (or its mapped file) and record its checksum. Runs on one warp; `release()`
 // hands the object's staging chunk back to the manager (once, after the warp's last use of it).
+// A mapped object a retrieve reads comes as p.pieces entries (`piece`), see process_piece.
 template <typename Release>
-__device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint32_t off, uint8_t* chunk, uint32_t lane,
-                               uint32_t* errors, Release release) {
+__device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint32_t off, uint32_t piece, uint8_t* chunk,
+                               uint32_t lane, uint32_t* errors, Release release) {
   CrcRows t = crc_t;
   const Ioctx x = B.ctx[B.ctx_first + off];
   const bool read = B.op == static_cast<uint32_t>(IoOp::kRead);
@@ -239,6 +290,10 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
     skips = skips || B.extents[x.extent_first + e].first_block == kSkipBlock;
   }
   const uint64_t payload = blocks * p.block_bytes;
+  if (p.pieces > 1 && read && m) {  // the manager posted p.pieces entries for this object
+    if (payload == p.obj_bytes && !skips) return process_piece(p, B, x, m, piece, lane, errors, release);
+    if (piece != 0) return;  // a partial unit, or skipped blocks: the first piece moves it whole
+  }
   // A retrieve from staging copies first and hands the chunk back, then sums the blocks it wrote
   // (device memory, its own writes): the chunk's next I/O does not wait for the checksum, which
   // costs table lookups per byte. The unit is still failed, a miss, when the sum does not match.
@@ -308,12 +363,12 @@ __device__ __forceinline__ void load_crc_tables(const CrcLaneTables* crc, uint32
 
 __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_constant__ LaunchParams p) {
   extern __shared__ uint32_t smem[];
-  const uint32_t C = p.chunks_per_worker;
-  uint32_t* ready = smem;             // [C] manager -> workers
-  uint32_t* freed = smem + C;         // [C] workers -> manager, kValid | kPost? | entry
-  uint32_t* chunk_ent = smem + 2 * C; // [C] entry of the chunk's current IOCTX
-  uint32_t* free_stack = smem + 3 * C;   // [C / group] free slots
-  uint8_t* slot_state = reinterpret_cast<uint8_t*>(smem + 4 * C);  // [C / group]
+  const uint32_t C = p.chunks_per_worker, R = C * p.pieces;
+  uint32_t* ready = smem;             // [R] manager -> workers: an entry per chunk, or per piece of a mapped object
+  uint32_t* freed = smem + R;         // [C] workers -> manager, kValid | kPost? | entry
+  uint32_t* chunk_ent = smem + R + C; // [C] entry of the chunk's current IOCTX
+  uint32_t* free_stack = smem + R + 2 * C;   // [C / group] free slots
+  uint8_t* slot_state = reinterpret_cast<uint8_t*>(smem + R + 3 * C);  // [C / group]
   __shared__ uint32_t ready_head, ready_claim, freed_claim, all_done, io_slots;
   __shared__ uint32_t errors[kMaxLaunchIocbs];
 
@@ -417,7 +472,7 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
             const LaunchIocb& B = p.b[ent_k(e)];
             const bool ok = res == static_cast<int64_t>(objs * p.obj_bytes);
             if (B.op == static_cast<uint32_t>(IoOp::kRead) && ok) {
-              for (uint32_t i = 0; i < objs; ++i) ready[(ready_head + i) % C] = chunk_ent[c + i];
+              for (uint32_t i = 0; i < objs; ++i) ready[(ready_head + i) % R] = chunk_ent[c + i];
               __threadfence_block();
               vstore<uint32_t>(&ready_head, ready_head + objs);
               continue;
@@ -471,9 +526,11 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
                 posted = true;
               }
             } else {
-              ready[ready_head % C] = e;  // store: gather first, post after; mapped: no I/O at all
+              // Store: gather first, post after. Mapped: no I/O at all, and a retrieve's object in pieces.
+              const uint32_t n = read ? p.pieces : 1;
+              for (uint32_t q = 0; q < n; ++q) ready[(ready_head + q) % R] = e | (q << 30);
               __threadfence_block();
-              vstore<uint32_t>(&ready_head, ready_head + 1);
+              vstore<uint32_t>(&ready_head, ready_head + n);
             }
           }
           if (read && paired) {
@@ -518,12 +575,14 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
         }
         if (have) {
           __threadfence_block();
-          e = vload(&ready[idx % C]);
+          e = vload(&ready[idx % R]);
         }
       }
       have = __shfl_sync(0xffffffffu, have, 0);
       if (!have) break;
       e = __shfl_sync(0xffffffffu, e, 0);
+      const uint32_t piece = e >> 30;
+      e &= 0x3fffffffu;
       const uint32_t k = ent_k(e);
       const unsigned long long t0 = now_ns();
       auto release = [&] {
@@ -534,7 +593,7 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
           vstore<uint32_t>(&freed[slot % C], kValid | post | e);
         }
       };
-      process_object(p, p.b[k], ent_off(e), chunk_ptr(ent_chunk(e)), lane, &errors[k], release);
+      process_object(p, p.b[k], ent_off(e), piece, chunk_ptr(ent_chunk(e)), lane, &errors[k], release);
       busy += now_ns() - t0;
       ++objs;
     }
@@ -660,6 +719,7 @@ struct RequestMem {
   uint8_t* failed = nullptr;
   uint64_t* sums_out = nullptr;    // host address
   uint8_t* failed_out = nullptr;   // host address
+  uint32_t* pieces = nullptr;      // device: split objects' joined sums and pieces done
   uint64_t nsums = 0;
   uint32_t units = 0;
 };
@@ -757,6 +817,7 @@ class CudaBackend final : public Backend {
   uint32_t* counters_ = nullptr;
   CrcLaneTables* dev_crc_ = nullptr;
   uint32_t crc_xor_ = 0;
+  uint32_t pieces_ = 1, piece_shift_[kPieces] = {};  // LaunchParams::pieces, piece_shift
   uint64_t* abort_ = nullptr;  // mapped host page
   unsigned long long* trace_ = nullptr;  // device counters, printed at stop() with cuda_trace
   bool pair_io_ = false;
@@ -766,8 +827,9 @@ class CudaBackend final : public Backend {
   std::vector<RequestMem> req_;
   bool vec16_ = false;
   uint32_t group_ = 1;  // IOCTXs per staging slot (2: K and V of a unit-layer as one I/O)
-  // Shared memory of one I/O block: four words and one state byte per staging chunk.
-  size_t smem_bytes() const { return sizeof(uint32_t) * 4 * per_worker_ + (per_worker_ + 3) / 4 * 4; }
+  // Shared memory of one I/O block: 3 + pieces_ words (the ready ring takes one per piece) and one
+  // state byte per staging chunk.
+  size_t smem_bytes() const { return sizeof(uint32_t) * (3 + pieces_) * per_worker_ + (per_worker_ + 3) / 4 * 4; }
   bool started_ = false;
 };
 
@@ -942,6 +1004,12 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     std::unique_ptr<CrcLaneTables> tables(new CrcLaneTables());
     crc32c_lane_tables(tables.get());
     crc_xor_ = crc32c_zeros_xor(ctx->geom.obj_bytes);
+    // Pieces of whole blocks and whole 512-byte strides of the lane scheme, where the shared memory
+    // of a fourfold ready ring is small.
+    const uint64_t piece = ctx->geom.obj_bytes / kPieces;
+    pieces_ = ctx->geom.obj_bytes % kPieces == 0 && piece % ctx->geom.block_bytes == 0 && piece % 512 == 0 &&
+                      per_worker_ <= 2048 ? kPieces : 1;
+    for (uint32_t k = 0; k < kPieces; ++k) piece_shift_[k] = crc32c_x8n(k * piece);
     if ((e = cudaMalloc(&dev_crc_, sizeof(CrcLaneTables))) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
     if ((e = cudaMemcpy(dev_crc_, tables.get(), sizeof(CrcLaneTables), cudaMemcpyHostToDevice)) != cudaSuccess)
       return {Code::kDevice, cuda_msg("cudaMemcpy", e)};
@@ -1022,7 +1090,8 @@ Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
   const uint64_t o_ext = al(nctx * sizeof(Ioctx));
   const uint64_t o_exp = o_ext + al(next * sizeof(Extent));
   const uint64_t o_fail = o_exp + al(nsums * 8);
-  const uint64_t dev_bytes = o_fail + al(v->num_units) + 256;
+  const uint64_t o_pieces = o_fail + al(v->num_units);
+  const uint64_t dev_bytes = o_pieces + al(nsums * 8) + 256;
   const uint64_t host_bytes = dev_bytes + al(nsums * 8) + al(v->num_units) + 256;
   cudaSetDevice(device_);
   if (m.uploaded) cudaEventSynchronize(m.uploaded);  // the upload area of the last request is free
@@ -1055,6 +1124,7 @@ Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
   m.extents = reinterpret_cast<Extent*>(m.dev + o_ext);
   m.expect = reinterpret_cast<uint64_t*>(m.dev + o_exp);
   m.failed = m.dev + o_fail;
+  m.pieces = reinterpret_cast<uint32_t*>(m.dev + o_pieces);
   m.sums_out = reinterpret_cast<uint64_t*>(m.host + al(dev_bytes));
   m.failed_out = m.host + al(dev_bytes) + al(nsums * 8);
   m.nsums = nsums;
@@ -1064,6 +1134,7 @@ Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
   std::memcpy(m.failed_out, v->unit_failed, v->num_units);
   push();
   cudaError_t e = cudaMemcpyAsync(m.dev, up, o_fail + v->num_units, cudaMemcpyHostToDevice, io_streams_[0]);
+  if (e == cudaSuccess && pieces_ > 1) e = cudaMemsetAsync(m.pieces, 0, nsums * 8, io_streams_[0]);
   if (e == cudaSuccess) e = cudaEventRecord(m.uploaded, io_streams_[0]);
   for (uint32_t l = 1; l < kLanes && e == cudaSuccess; ++l) e = cudaStreamWaitEvent(io_streams_[l], m.uploaded, 0);
   pop();
@@ -1118,6 +1189,8 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
     p.mapped = dev_mapped_;
     p.crc = dev_crc_;
     p.crc_xor = crc_xor_;
+    p.pieces = pieces_;
+    std::memcpy(p.piece_shift, piece_shift_, sizeof(piece_shift_));
     for (uint32_t i = 0; i < p.n; ++i) {
       const Iocb& b = k_->iocbs[ids[first + i]];
       const RequestMem& m = req_[b.request];
@@ -1135,6 +1208,7 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
       L.failed = m.failed;
       L.failed_out = reinterpret_cast<uint8_t*>(dev_addr(m.failed_out));
       L.sums_out = reinterpret_cast<uint64_t*>(dev_addr(m.sums_out));
+      L.pieces = m.pieces;
       L.kv[0] = l.ptr[0];
       L.kv[1] = l.ptr[1];
       L.block_stride = l.block_stride;
