@@ -577,7 +577,9 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         row["x_cached"] = (row["ttft_s"]["median"] / cached["ttft_s"]["median"]
                            if cached is not None and row["system"] != "cached" else None)
         # Of that, what the forward spent waiting for layers still in flight (the rest: the restore's
-        # share of the host beside compute, and the engine's own steps).
+        # share of the host beside compute, and the engine's own steps). On the CPU build a copy from
+        # the memory tier shows as a slower forward, not as a wait: the I/O threads copy and verify
+        # on the cores the forward runs on (tools/diag/vllm_restore_timeline.py --summary splits it).
         waits = [x["metrics"].get("vllm:tutti_load_wait_us") for x in row["runs"]]
         row["load_wait_s"] = (_summary([w / 1e6 for w in waits])
                               if row["system"] in TUTTI_SYSTEMS and None not in waits else None)
@@ -680,7 +682,8 @@ def format_table(report: dict[str, Any]) -> str:
         if r.get("load_wait_s") is not None:
             w = r["load_wait_s"]
             lines.append(f"{name}: the forward waited {w['median'] * 1e3:.1f} ms ({w['min'] * 1e3:.1f}-"
-                         f"{w['max'] * 1e3:.1f}) for layers still loading (vllm:tutti_load_wait_us)")
+                         f"{w['max'] * 1e3:.1f}) for layers still loading (vllm:tutti_load_wait_us; the "
+                         "copy's share of the cores beside the forward is not in it)")
     src = sorted({s for r in report["rows"] for s in r["ttft_source"]})
     lines.append("TTFT: " + ("vLLM's RequestOutput.metrics.first_token_latency (request arrival to first token)"
                              if src == ["metrics"] else f"sources {src} (generate_wall: the generate call's wall time)"))
