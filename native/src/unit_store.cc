@@ -520,8 +520,8 @@ static double now_s() {
 
 // Copies at a time: one unit's own steps (mapping, verifying, the header's write) overlap the
 // others' object writes, and the disk sees more writes in flight. Each copier takes its next unit
-// as soon as its last one is done (four copies in batches, each waiting for its slowest, moved
-// 0.76x of the write limit on the H100 host's disk).
+// as soon as its last one is done (batches of four, each waiting for its slowest, left the disk
+// with fewer writes at the end of every batch).
 static constexpr size_t kCopiers = 4;
 
 void UnitStore::start_flusher() {
