@@ -172,40 +172,26 @@ def _open(plan: FigurePlan, kv: Any, name: str, dirs: list[Path], caps_bytes: in
     return store
 
 
-def _timed_retrieve(store: Any, kv: Any, keys: list[int], ids: list[int], what: str) -> float:
-    """One retrieve as an engine issues it (every layer, then every wait), in seconds."""
+def _timed(store: Any, kv: Any, op: str, keys: list[int], ids: list[int], what: str) -> float:
+    """One retrieve or store (``op``) as an engine issues it (every layer, then every wait), in
+    seconds; BenchVerificationError when a unit failed."""
     from tutti_cluster.bench.errors import BenchVerificationError
 
+    read = op == "retrieve"
     _sync(kv)
     t0 = time.perf_counter()
-    req = store.begin_retrieve(keys, ids)
+    req = (store.begin_retrieve if read else store.begin_store)(keys, ids)
     for layer in range(kv.shape.layers):
-        store.retrieve_layer(layer, req)
+        (store.retrieve_layer if read else store.store_layer)(layer, req)
     for layer in range(kv.shape.layers):
         store.wait_layer(layer, req)
     res = store.finish(req)
     _sync(kv)
     t = time.perf_counter() - t0
-    if res.failed_units:
-        raise BenchVerificationError(f"{what}: {len(res.failed_units)} of {len(keys)} units failed to load")
-    return t
-
-
-def _timed_store(store: Any, kv: Any, keys: list[int], ids: list[int], what: str) -> float:
-    from tutti_cluster.bench.errors import BenchVerificationError
-
-    _sync(kv)
-    t0 = time.perf_counter()
-    req = store.begin_store(keys, ids)
-    for layer in range(kv.shape.layers):
-        store.store_layer(layer, req)
-    for layer in range(kv.shape.layers):
-        store.wait_layer(layer, req)
-    res = store.finish(req)
-    _sync(kv)
-    t = time.perf_counter() - t0
-    if res.failed_units or len(res.committed_units) != len(keys):
-        raise BenchVerificationError(f"{what}: {len(keys) - len(res.committed_units)} of {len(keys)} units not stored")
+    done = len(keys) - len(res.failed_units) if read else len(res.committed_units)
+    if res.failed_units or done != len(keys):
+        raise BenchVerificationError(f"{what}: {len(keys) - done} of {len(keys)} units failed to "
+                                     f"{'load' if read else 'store'}")
     return t
 
 
@@ -284,9 +270,9 @@ def mixed_request(plan: FigurePlan, kv: Any, mem_work: list[Path], work: list[Pa
         times: dict[str, list[float]] = {k: [] for k in parts}
         try:
             with _open(plan, kv, "mixed", dirs, cap) as s:
-                _timed_store(s, kv, [keys[u] for u in parts["storage"]], ids_of(parts["storage"], blocks), "mixed")
+                _timed(s, kv, "store", [keys[u] for u in parts["storage"]], ids_of(parts["storage"], blocks), "mixed")
             with _open(plan, kv, "mixed", dirs, cap, memory=mem, write_policy="memory_only") as s:
-                _timed_store(s, kv, [keys[u] for u in parts["memory"]], ids_of(parts["memory"], blocks), "mixed")
+                _timed(s, kv, "store", [keys[u] for u in parts["memory"]], ids_of(parts["memory"], blocks), "mixed")
                 where = {"memory": ("memory",), "storage": ("storage",)}
                 for part, want in where.items():
                     check_tiers(s, [keys[u] for u in parts[part]], want, f"mixed request, {part} half")
@@ -298,7 +284,7 @@ def mixed_request(plan: FigurePlan, kv: Any, mem_work: list[Path], work: list[Pa
                         out = kv.permutation(n)
                         kv.clear(n)
                         fsutil.evict(p for d in dirs for p in d.iterdir() if p.is_file())
-                        t = _timed_retrieve(s, kv, [keys[u] for u in us], ids_of(us, out), f"mixed request, {part}")
+                        t = _timed(s, kv, "retrieve", [keys[u] for u in us], ids_of(us, out), f"mixed request, {part}")
                         if r >= 0:
                             times[part].append(t)
                         for u in us:  # unit u lands where it lies in the whole prefix
@@ -350,13 +336,13 @@ def stores_during_flush(plan: FigurePlan, kv: Any, mem_work: list[Path], work: l
             t0 = time.perf_counter()
             for _ in range(batches):
                 keys += (k := new_keys())
-                _timed_store(s, kv, k, ids, "flush backlog")
+                _timed(s, kv, "store", k, ids, "flush backlog")
             step(f"flush backlog {batches * nbytes / GIB:.2f} GiB")
             timed, backlog = [], []
             for _ in range(plan.repeat):
                 before = int(s.stats()["flush_backlog"])
                 keys += (k := new_keys())
-                timed.append(nbytes / _timed_store(s, kv, k, ids, "store during flush") / 1e9)
+                timed.append(nbytes / _timed(s, kv, "store", k, ids, "store during flush") / 1e9)
                 backlog.append((before, int(s.stats()["flush_backlog"])))
             step(f"stores during the flush, {_k(tokens)}")
             if not s.flush(timeout_s=1800):
