@@ -301,7 +301,9 @@ def memory_caps(plan: PipelinePlan) -> list[int]:
 
 def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path], memory: list[Path] | None = None) -> Any:
     """The run's store on ``dirs``; with ``memory``, a memory tier there (``write_back``, nothing
-    promoted) and each path grown by its share of the memory tier (the demoting units' room)."""
+    promoted) and each path grown by its share of the memory tier (the demoting units' room). In a
+    run with ``--memory-paths`` the store without one maps no file either, so that both stores read
+    ``dirs`` alike (through io_uring: beside a memory tier only its files are mapped)."""
     from tutti_cluster import TuttiStore
     from tutti_cluster.config import load_config
 
@@ -310,6 +312,8 @@ def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path], memory: list[
     fields = plan.cfg.model_dump()
     fields.update(paths=dirs, capacity_gb=caps, instance="pipeline",
                   backend="cuda" if plan.device.type == "cuda" else "cpu", memory_paths=memory or [])
+    if plan.memory_dirs and not memory:
+        fields["map_memory_paths"] = False
     if memory:
         mem = memory_caps(plan)
         fields.update(capacity_gb=[c + sum(mem) / len(dirs) / GIB for c in caps], write_policy="write_back",
@@ -385,7 +389,8 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
         progress = Progress(sum(1 + len(plan.prefixes[n]) * per_p for n in plan.inputs), "tutti bench --pipeline",
                             show=group.rank == 0)
         info["store"] = {"unit_tokens": store.unit_tokens, "staging_mb": plan.cfg.staging_mb,
-                         "map_memory_paths": plan.cfg.map_memory_paths, "total_slots": store.stats().get("total_slots"),
+                         "map_memory_paths": plan.cfg.map_memory_paths and not plan.memory_dirs,
+                         "mapped_files": store.stats().get("mapped_files"), "total_slots": store.stats().get("total_slots"),
                          "io_sms": plan.cfg.io_sms, "compute_stream": h._stream is not None}
         info["tensor_parallel"] = {"size": plan.tp, "backend": plan.tp_backend if plan.tp > 1 else None}
         for n in plan.inputs:
