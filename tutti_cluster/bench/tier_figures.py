@@ -299,11 +299,11 @@ def mixed_request(plan: FigurePlan, kv: Any, mem_work: list[Path], work: list[Pa
         med = {k: statistics.median(v) for k, v in times.items()}
         ratios = [(m + st) / x for m, st, x in zip(times["memory"], times["storage"], times["mixed"])]
         rows.append({"prefix_tokens": tokens, "units": units, "bytes": plan.shape.prefix_bytes(tokens),
-                     "t_memory_s": round(med["memory"], 6), "t_storage_s": round(med["storage"], 6),
-                     "t_mixed_s": round(med["mixed"], 6), "x_parts": round((med["memory"] + med["storage"]) /
+                     "t_memory_s": round(med["memory"], 9), "t_storage_s": round(med["storage"], 9),
+                     "t_mixed_s": round(med["mixed"], 9), "x_parts": round((med["memory"] + med["storage"]) /
                                                                           med["mixed"], 4),
                      "x_parts_runs": [round(x, 4) for x in ratios],
-                     "runs_s": {k: [round(x, 6) for x in v] for k, v in times.items()}})
+                     "runs_s": {k: [round(x, 9) for x in v] for k, v in times.items()}})
     return rows
 
 
