@@ -158,6 +158,7 @@ def test_pipeline_with_the_memory_tier_runs_hot_and_cold(tmp_path: Path, mem_dir
     mem_dir = mem_dir / "memory"
     store.mkdir()
     mem_dir.mkdir()
+    (mem_dir / "tutti-bench-999999999").mkdir()  # a killed run's memory tier: removed by the next run
     out = tmp_path / "pipeline.json"
     assert bench_main(["--pipeline", "--device", "cpu", "--paths", str(store), "--memory-paths", str(mem_dir),
                        "--inputs", "1K", "--prefix-tokens", "50%", "--systems", "ideal,tutti", "--no-writeback",

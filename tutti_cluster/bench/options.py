@@ -6,6 +6,7 @@ PyTorch is imported only by :func:`resolve_device`."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,11 +71,21 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+RUN_PREFIX = "tutti-bench-"  # a run's directory in each path: tutti-bench-<pid>
+
+
 def remove_stale_runs(dirs: Sequence[Path]) -> None:
     """Remove ``tutti-bench-<pid>`` directories left by runs whose process is gone (killed)."""
     for d in dirs:
-        for w in d.glob("tutti-bench-*"):
-            pid = w.name.removeprefix("tutti-bench-")
+        for w in d.glob(f"{RUN_PREFIX}*"):
+            pid = w.name.removeprefix(RUN_PREFIX)
             if w.is_dir() and pid.isdigit() and not Path(f"/proc/{pid}").exists():
                 logger.info("removing %s, left by an earlier run", w)
                 shutil.rmtree(w, ignore_errors=True)
+
+
+def run_dirs(dirs: Sequence[Path]) -> list[Path]:
+    """This run's directory in each of ``dirs`` (not made yet), once those of runs that are gone
+    are removed (:func:`remove_stale_runs`)."""
+    remove_stale_runs(dirs)
+    return [d / f"{RUN_PREFIX}{os.getpid()}" for d in dirs]

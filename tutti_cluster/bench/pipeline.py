@@ -33,8 +33,8 @@ from tutti_cluster.bench import fsutil, machine
 from tutti_cluster.bench.args import BENCH_CONFIG_FIELDS
 from tutti_cluster.bench.baselines import LayerwisePerChunk
 from tutti_cluster.bench.errors import BenchVerificationError, RankFailed
-from tutti_cluster.bench.options import (CPU_INPUTS, DEFAULT_INPUTS, parse_tokens, prefix_for, remove_stale_runs,
-                                         resolve_device, split_list)
+from tutti_cluster.bench.options import (CPU_INPUTS, DEFAULT_INPUTS, parse_tokens, prefix_for, resolve_device,
+                                         run_dirs, split_list)
 from tutti_cluster.bench.prefill import harness as hz
 from tutti_cluster.bench.prefill.model import Decoder, ModelShape, PagedKV, TensorParallel, model_shape
 from tutti_cluster.bench.progress import Progress
@@ -344,10 +344,8 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
     Under tensor parallelism every rank runs this with its own plan (device, paths), ``group`` and
     ``tp``; the report's times are the slowest rank's."""
     group = group or RankGroup()
-    remove_stale_runs(plan.dirs)
+    work, mem_work = run_dirs(plan.dirs), run_dirs(plan.memory_dirs)
     check_room(plan)
-    work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
-    mem_work = [d / f"tutti-bench-{os.getpid()}" for d in plan.memory_dirs]
     store: Any = None
     reader: Any = None
     progress: Progress | None = None

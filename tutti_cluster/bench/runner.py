@@ -30,7 +30,7 @@ from tutti_cluster.bench.baselines import CHUNK_TOKENS, KvikioBaseline, PerBlock
 from tutti_cluster.bench.common import BenchSystem, OpTiming, Round
 from tutti_cluster.bench.extra import check_extra
 from tutti_cluster.bench.kvdata import LLAMA3_8B, KVData, KVShape
-from tutti_cluster.bench.options import parse_tokens, remove_stale_runs, resolve_device, split_list
+from tutti_cluster.bench.options import parse_tokens, resolve_device, run_dirs, split_list
 from tutti_cluster.bench.progress import Progress
 from tutti_cluster.errors import CapacityExceeded, ConfigError
 
@@ -227,10 +227,10 @@ def _make_system(name: str, plan: Plan, kv: KVData, work: list[Path], mem_work: 
 
 def run(plan: Plan) -> dict[str, Any]:
     """Run the benchmark; returns the report (the JSON object).  Cleans up its files."""
-    remove_stale_runs([*plan.dirs, *plan.cfg.memory_paths])
+    work, mem_work = run_dirs(plan.dirs), run_dirs(plan.cfg.memory_paths)
+    if "tutti-memory" not in plan.systems:
+        mem_work = []
     check_room(plan)
-    work = [d / f"tutti-bench-{os.getpid()}" for d in plan.dirs]
-    mem_work = [d / f"tutti-bench-{os.getpid()}" for d in plan.cfg.memory_paths] if "tutti-memory" in plan.systems else []
     systems: dict[str, BenchSystem] = {}
     page_cache: set[str] = set()
     samples: dict[tuple[str, str, int], list[Sample]] = {}

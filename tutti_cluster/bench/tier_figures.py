@@ -369,14 +369,11 @@ def run(plan: FigurePlan) -> dict[str, Any]:
     """Measures the limits and the figures; returns the report. Cleans up its files."""
     from tutti_cluster.bench import fsutil, limits as limits_mod, machine
     from tutti_cluster.bench.kvdata import KVData
-    from tutti_cluster.bench.options import remove_stale_runs
+    from tutti_cluster.bench.options import run_dirs
     from tutti_cluster.bench.progress import Progress
 
-    remove_stale_runs([*plan.dirs, *plan.memory_dirs])
+    work, mem_work = run_dirs(plan.dirs), run_dirs(plan.memory_dirs)
     check_room(plan)
-    tag = f"tutti-bench-{os.getpid()}"
-    work = [d / tag for d in plan.dirs]
-    mem_work = [d / tag for d in plan.memory_dirs]
     probe = mem_probe = progress = None
     try:
         for w in [*work, *mem_work]:

@@ -399,13 +399,10 @@ def run(plan: Plan) -> dict[str, Any]:
 
     from tutti_cluster.bench import fsutil, limits as limits_mod, machine
     from tutti_cluster.bench.kvdata import KVData
-    from tutti_cluster.bench.options import remove_stale_runs
+    from tutti_cluster.bench.options import run_dirs
 
-    remove_stale_runs([*plan.dirs, *plan.memory_dirs])
+    work, mem_work = run_dirs(plan.dirs), run_dirs(plan.memory_dirs)
     check_room(plan)
-    tag = f"tutti-bench-{os.getpid()}"
-    work = [d / tag for d in plan.dirs]
-    mem_work = [d / tag for d in plan.memory_dirs]
     weights = zipf_weights(plan.prefixes, plan.zipf)
     seq = np.random.default_rng(plan.seed).choice(plan.prefixes, size=plan.warmup + plan.requests, p=weights)
     rows: list[dict[str, Any]] = []
