@@ -23,6 +23,11 @@ DEFAULT_INPUTS = ("64K", "128K")  # --pipeline's and the profile's input lengths
 CPU_INPUTS = ("1K", "2K")  # ... and on the CPU
 
 
+def token_label(tokens: int) -> str:
+    """``16384`` -> ``"16K"``, ``512`` -> ``"512"``: the inverse of :func:`parse_tokens`."""
+    return f"{tokens // 1024}K" if tokens and tokens % 1024 == 0 else str(tokens)
+
+
 def parse_tokens(text: str) -> int:
     """``"16K"`` -> 16384, ``"512"`` -> 512."""
     t = text.strip().upper()

@@ -29,12 +29,12 @@ from typing import Any
 
 import torch
 
-from tutti_cluster.bench import fsutil, machine
+from tutti_cluster.bench import fsutil, machine, pipeline_tiers
 from tutti_cluster.bench.args import BENCH_CONFIG_FIELDS
 from tutti_cluster.bench.baselines import LayerwisePerChunk
 from tutti_cluster.bench.errors import BenchVerificationError, RankFailed
 from tutti_cluster.bench.options import (CPU_INPUTS, DEFAULT_INPUTS, parse_tokens, prefix_for, resolve_device,
-                                         run_dirs, split_list)
+                                         run_dirs, split_list, token_label)
 from tutti_cluster.bench.prefill import harness as hz
 from tutti_cluster.bench.prefill.model import Decoder, ModelShape, PagedKV, TensorParallel, model_shape
 from tutti_cluster.bench.progress import Progress
@@ -416,7 +416,7 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
                                    "memory_bytes": sum(memory_caps(plan))}
             hm = harness(store)
             for n in plan.inputs:
-                rows.extend(_run_tiers(plan, hm, n, progress))
+                rows.extend(pipeline_tiers.run_input(plan, hm, n, progress))
                 if partial is not None:
                     partial(_report(plan, info, rows, summary))
     finally:
@@ -432,7 +432,7 @@ def run(plan: PipelinePlan, partial: Callable[[dict[str, Any]], None] | None = N
 
 
 def _report(plan: PipelinePlan, info: dict[str, Any], rows: list[dict[str, Any]], summary: dict[str, Any]) -> dict:
-    extra = {"memory_tier": memory_tier_figures(rows)} if plan.memory_dirs else {}
+    extra = {"memory_tier": pipeline_tiers.figures(rows)} if plan.memory_dirs else {}
     return {**extra,
         "machine": info,
         "model": {"name": plan.shape.name, "layers": plan.shape.layers, "q_heads": plan.shape.q_heads,
@@ -489,7 +489,7 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress,
         rec_times = [group.max(rec.ttft_s)] if rec is not None else []
         for _ in range(plan.repeat - 1 if recompute else 0):
             rec_times.append(run_one("recompute", 0).ttft_s)
-        progress.step(f"{_k(n)} recompute" if recompute else f"{_k(n)} prefix KV (random)")
+        progress.step(f"{token_label(n)} recompute" if recompute else f"{token_label(n)} prefix KV (random)")
         itl = group.max(h.itl(case, plan.decode_steps))
         staging_gb = plan.cfg.staging_mb / 1024
         chunk_gb = plan.baseline_threads * 256 // s.block_tokens * s.kv_shape().block_bytes / GIB
@@ -524,7 +524,7 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress,
                             f"{system} at {n} tokens, prefix {p}: output differs from the resident run "
                             f"(max |diff| {c['max_abs_diff']:.3g}{'' if c['finite'] else ', not finite'})")
                     runs.setdefault(system, []).append(o)
-                    progress.step(f"{_k(n)} P={_k(p)} {system}")
+                    progress.step(f"{token_label(n)} P={token_label(p)} {system}")
                     if system == "tutti" and plan.writeback:
                         o = run_one("tutti", p, writeback=True, decode_steps=plan.decode_steps)
                         if not hz.compare(ideal.out, o.out)["exact"]:
@@ -533,8 +533,8 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress,
                             h.store.remove(k)
                         case.write_keys.clear()
                         runs.setdefault("tutti-writeback", []).append(o)
-                        progress.step(f"{_k(n)} P={_k(p)} tutti write-back")
-                progress.step(f"{_k(n)} P={_k(p)} ideal")
+                        progress.step(f"{token_label(n)} P={token_label(p)} tutti write-back")
+                progress.step(f"{token_label(n)} P={token_label(p)} ideal")
             ideal_s = _median([o.ttft_s for o in runs["ideal"]])
             hit = p / n
             prefix_gb = p * s.kv_bytes_per_token / 1e9
@@ -614,101 +614,6 @@ def _run_input(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress,
         h.release(case)
 
 
-def _demote_all(h: hz.Harness, case: hz.InputCase, seed: int) -> None:
-    """Moves the case's units out of the memory tier: as many other units as it has slots are
-    stored (the least recently used units with a storage copy lose their memory copy to them),
-    flushed, and removed again."""
-    import numpy as np
-
-    store = h.store
-    slots = int(store.stats()["memory_slots"])
-    ub = int(store.unit_blocks)
-    ids = case.block_ids[: len(case.keys) * ub].tolist()
-    rng = np.random.default_rng(seed ^ 0xDE)
-    others: list[int] = []
-    while len(others) < slots:
-        keys = [int(k) for k in rng.integers(1, 2**63 - 1, size=min(len(case.keys), slots - len(others)))]
-        res = store.store(keys, ids[: len(keys) * ub])
-        if res.failed_units:
-            raise BenchVerificationError(f"demoting the prefix: {len(res.failed_units)} of {len(keys)} units failed")
-        others += keys
-    store.flush()
-    for k in others:
-        store.remove(k)
-
-
-def _run_tiers(plan: PipelinePlan, h: hz.Harness, n: int, progress: Progress) -> list[dict[str, Any]]:
-    """One input through the memory-tier store: the prefix stored (into memory), then per prefix
-    ``ideal`` and ``tutti`` with every unit in memory (``tutti-memory-hot``), then the same with
-    every unit on storage only (``tutti-memory-cold``)."""
-    from tutti_cluster.bench.tutti_system import check_tiers
-
-    prefixes = plan.prefixes[n]
-    case = h.new_case(n, max(prefixes))
-    rows: list[dict[str, Any]] = []
-    s = plan.shape
-    try:
-        h.prepare(case, compute=False)
-        itl = h.itl(case, plan.decode_steps)
-        for state, where in (("hot", ("memory", "both")), ("cold", ("storage",))):
-            name = f"tutti-memory-{state}"
-            if state == "cold":
-                _demote_all(h, case, plan.seed)
-            check_tiers(h.store, case.keys, where, name)
-            for p in sorted(prefixes, reverse=True):
-                h.warm_up(case, p)
-                ideal, outs = [], []
-                for _ in range(plan.repeat):
-                    i = h.run("ideal", case, p)
-                    o = h.run("tutti", case, p, decode_steps=plan.decode_steps)
-                    if not hz.compare(i.out, o.out)["exact"]:
-                        raise BenchVerificationError(f"{name} at {n} tokens, prefix {p}: output differs from the "
-                                                     "resident run")
-                    ideal.append(i.ttft_s)
-                    outs.append(o)
-                    progress.step(f"{_k(n)} P={_k(p)} {name}")
-                ideal_s, ttft = _median(ideal), _median([o.ttft_s for o in outs])
-                prefix_gb = p * s.kv_bytes_per_token / 1e9
-                row: dict[str, Any] = {
-                    "input_tokens": n, "prefix_tokens": p, "hit_rate": round(p / n, 5), "system": name,
-                    "number": None, "ttft_s": round(ttft, 5), "ttft_runs_s": [round(o.ttft_s, 5) for o in outs],
-                    "ideal_s": round(ideal_s, 5), "bubble_s": round(ttft - ideal_s, 5),
-                    "x_ideal": round(ttft / ideal_s, 4), "matches_ideal": "bitwise", "rounds": len(outs),
-                    "cost_per_1m_tokens": round(hz.cost_per_million(
-                        plan.prices, ttft_s=ttft, itl_s=itl, output_tokens=plan.output_tokens,
-                        dram_gb=plan.cfg.staging_mb / 1024 + (prefix_gb if state == "hot" else 0.0),
-                        ssd_gb=prefix_gb), 4)}
-                if plan.decode_steps:
-                    row["itl_s"] = round(_median([o.extra["itl_s"] for o in outs]), 6)
-                rows.append(row)
-            check_tiers(h.store, case.keys, where, f"{name}, after its runs")  # promote_hits 0: nothing moved
-        return rows
-    finally:
-        h.release(case)
-
-
-def memory_tier_figures(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per input and prefix: the memory tier with no unit in memory against the store without one
-    (TTFT and ITL, target within 5 %), and with every unit in memory against the HBM ideal of its
-    own runs (target at most 1.02x)."""
-    by = {(r["input_tokens"], r["prefix_tokens"], r["system"]): r for r in rows}
-    out = []
-    for (n, p, system), cold in sorted(by.items()):
-        off, hot = by.get((n, p, "tutti")), by.get((n, p, "tutti-memory-hot"))
-        if system != "tutti-memory-cold" or off is None or hot is None:
-            continue
-        f: dict[str, Any] = {"input_tokens": n, "prefix_tokens": p, "ttft_off_s": off["ttft_s"],
-                             "ttft_cold_s": cold["ttft_s"], "ttft_cold_x_off": round(cold["ttft_s"] / off["ttft_s"], 4),
-                             "ttft_hot_s": hot["ttft_s"], "ideal_s": hot["ideal_s"], "ttft_hot_x_ideal": hot["x_ideal"]}
-        if "itl_s" in off and "itl_s" in cold:
-            f.update(itl_off_s=off["itl_s"], itl_cold_s=cold["itl_s"],
-                     itl_cold_x_off=round(cold["itl_s"] / off["itl_s"], 4))
-        f["met"] = {"cold_within_5pct": abs(f["ttft_cold_x_off"] - 1) <= 0.05 and
-                    abs(f.get("itl_cold_x_off", 1.0) - 1) <= 0.05, "hot_within_ideal_x1.02": hot["x_ideal"] <= 1.02}
-        out.append(f)
-    return out
-
-
 def _close(c: dict[str, Any]) -> bool:
     return bool(c) and c["finite"] and c["max_abs_diff"] <= hz.RECOMPUTE_RTOL * max(c["logit_scale"], 1.0)
 
@@ -720,12 +625,12 @@ def format_table(report: dict[str, Any]) -> str:
     for r in sorted(report["results"], key=lambda r: (r["input_tokens"], r["prefix_tokens"], order.get(r["system"], 99))):
         bubble = f"{r['bubble_s'] * 1e3:10.1f}" if "bubble_s" in r else f"{'':>10}"
         xi = f"{r['x_ideal']:8.3f}" if "x_ideal" in r else f"{'':>8}"
-        lines.append(f"{_k(r['input_tokens']):>7} {_k(r['prefix_tokens']):>8} {r['hit_rate'] * 100:6.1f} "
+        lines.append(f"{token_label(r['input_tokens']):>7} {token_label(r['prefix_tokens']):>8} {r['hit_rate'] * 100:6.1f} "
                      f"{r['system']:<17} {r['ttft_s']:9.4f} {xi} {bubble} {r['cost_per_1m_tokens']:9.3f}")
     for n, sm in report["summary"].items():
         cross = sm["crossover_hit_rate"]
         rec = "not run" if sm["recompute_s"] is None else f"{sm['recompute_s']:.3f} s"
-        lines.append(f"input {_k(int(n))}: recompute {rec}, ITL {sm['itl_s'] * 1e3:.2f} ms, "
+        lines.append(f"input {token_label(int(n))}: recompute {rec}, ITL {sm['itl_s'] * 1e3:.2f} ms, "
                      f"read {sm['read_gbps']} GB/s, crossover hit rate "
                      f"{'above the range measured' if cross is None else f'{cross * 100:.1f} %'}"
                      + ("" if sm.get("tutti_median_bubble_below_crossover_s") is None else
@@ -735,16 +640,10 @@ def format_table(report: dict[str, Any]) -> str:
             peak = "" if rk.get("peak_gpu_bytes") is None else f", peak GPU memory {rk['peak_gpu_bytes'] / GIB:.1f} GiB"
             lines.append(f"  rank {rk['rank']} ({rk['device']}): read {rk['read_gbps']} GB/s, write {rk['write_gbps']} "
                          f"GB/s, host CPU per layer {cpu}, staging {rk['staging_bytes'] >> 20} MiB{peak}")
-    for f in report.get("memory_tier", []):
-        itl = (f" ITL {f['itl_cold_s'] * 1e3:.2f} against {f['itl_off_s'] * 1e3:.2f} ms ({f['itl_cold_x_off']:.3f}x);"
-               if "itl_cold_x_off" in f else "")
-        lines.append(f"memory tier {_k(f['input_tokens'])}/{_k(f['prefix_tokens'])}: none in memory: TTFT "
-                     f"{f['ttft_cold_s']:.4f} against {f['ttft_off_s']:.4f} s with no memory tier "
-                     f"({f['ttft_cold_x_off']:.3f}x),{itl} all in memory: TTFT {f['ttft_hot_s']:.4f} against the "
-                     f"ideal's {f['ideal_s']:.4f} s ({f['ttft_hot_x_ideal']:.3f}x; target <= 1.02)")
+    lines += pipeline_tiers.figure_lines(report.get("memory_tier", []))
     for r in report["results"]:
         if r["system"] == "tutti-writeback":
-            lines.append(f"write-back {_k(r['input_tokens'])}/{_k(r['prefix_tokens'])}: TTFT {r['ttft_increase'] * 100:+.1f} %, "
+            lines.append(f"write-back {token_label(r['input_tokens'])}/{token_label(r['prefix_tokens'])}: TTFT {r['ttft_increase'] * 100:+.1f} %, "
                          f"ITL {(r['itl_increase'] or 0) * 100:+.1f} %; against tutti's decode: ITL "
                          f"{r['itl_vs_plain'] * 100:+.1f} %, steps with writes {r['write_steps']} "
                          f"{(r['write_steps_vs_plain'] or 0) * 100:+.1f} %, whole decode "
@@ -753,10 +652,6 @@ def format_table(report: dict[str, Any]) -> str:
                          f"(prefill {r['schedule']['writes_in_prefill']}, decode {r['schedule']['writes_in_decode']}, "
                          f"flushed {r['schedule']['writes_flushed']} layers)")
     return "\n".join(lines)
-
-
-def _k(tokens: int) -> str:
-    return f"{tokens // 1024}K" if tokens % 1024 == 0 and tokens else str(tokens)
 
 
 def _free_port() -> int:
@@ -846,7 +741,7 @@ def run_args(args: argparse.Namespace) -> int:
     tp = f", tensor-parallel over {plan.tp} ranks ({plan.tp_backend})" if plan.tp > 1 else ""
     print(f"tutti bench --pipeline: {s.name} ({s.layers} layers, {s.q_heads}/{s.kv_heads} heads of {s.head_dim}, "
           f"hidden {s.hidden}, FFN {s.ffn}, bf16) on {plan.device}{tp}, store on {', '.join(map(str, plan.dirs))}; "
-          f"inputs {', '.join(_k(n) for n in plan.inputs)}; systems {', '.join(plan.systems)}; "
+          f"inputs {', '.join(token_label(n) for n in plan.inputs)}; systems {', '.join(plan.systems)}; "
           f"{plan.repeat} round(s)")
     def write(report: dict[str, Any]) -> None:
         if args.json:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tutti_cluster.bench.options import token_label
+
 GIB = 1 << 30
 MIB = 1 << 20
 DEFAULT_PREFIXES = ("16K", "128K")
@@ -225,7 +227,7 @@ def hot_set(plan: FigurePlan, kv: Any, mem_work: list[Path], work: list[Path], s
                     if r >= 0:
                         stores.append(w)
                         reads.append(g)
-                        step(f"hot set {_k(tokens)} {system.name}")
+                        step(f"hot set {token_label(tokens)} {system.name}")
                 system.release()
                 rows.append({"system": system.name, "prefix_tokens": tokens, "bytes": nbytes,
                              "store_gbps": round(statistics.median(stores), 3),
@@ -290,7 +292,7 @@ def mixed_request(plan: FigurePlan, kv: Any, mem_work: list[Path], work: list[Pa
                         for u in us:  # unit u lands where it lies in the whole prefix
                             kv.check(out[u * ub:(u + 1) * ub], f"mixed request, {part}", kv.unit_offset(u))
                     if r >= 0:
-                        step(f"mixed {_k(tokens)}")
+                        step(f"mixed {token_label(tokens)}")
                 for part, want in where.items():  # promote_hits 0: the reads moved nothing
                     check_tiers(s, [keys[u] for u in parts[part]], want, f"mixed request, {part} half after reads")
         finally:
@@ -344,7 +346,7 @@ def stores_during_flush(plan: FigurePlan, kv: Any, mem_work: list[Path], work: l
                 keys += (k := new_keys())
                 timed.append(nbytes / _timed(s, kv, "store", k, ids, "store during flush") / 1e9)
                 backlog.append((before, int(s.stats()["flush_backlog"])))
-            step(f"stores during the flush, {_k(tokens)}")
+            step(f"stores during the flush, {token_label(tokens)}")
             if not s.flush(timeout_s=1800):
                 raise TimeoutError("the memory tier's flush did not end within 1800 s")
             flush_s = time.perf_counter() - t0
@@ -473,26 +475,22 @@ def figures(report: dict[str, Any]) -> list[dict[str, Any]]:
 def format_table(report: dict[str, Any]) -> str:
     lines = ["| figure | prefix | measured | against (same run) | ratio | target |", "| --- | --- | --- | --- | --- | --- |"]
     for r in report["figures"]:
-        size = "" if r["prefix_tokens"] is None else _k(r["prefix_tokens"])
+        size = "" if r["prefix_tokens"] is None else token_label(r["prefix_tokens"])
         lines.append(f"| {r['figure']} | {size} | {r['measured']} | {r['against']} | {r['ratio']:.3f} | "
                      f">= {r['target']:.2f}{'' if r['met'] else ' (not met)'} |")
     for r in report["hot_set"]:
-        lines.append(f"  {r['system']} {_k(r['prefix_tokens'])}: store {r['store_gbps']:.2f} GB/s, retrieve "
+        lines.append(f"  {r['system']} {token_label(r['prefix_tokens'])}: store {r['store_gbps']:.2f} GB/s, retrieve "
                      f"{r['retrieve_gbps']:.2f} GB/s")
     for note in report["config"]["notes"]:
         lines.append(f"note: {note}")
     return "\n".join(lines)
 
 
-def _k(tokens: int) -> str:
-    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
-
-
 def run_args(args: argparse.Namespace, cfg: Any, emit: Callable[[str], None] = print) -> int:
     """``tutti bench tiers --figures`` with its flags parsed and their config (``cfg``) loaded."""
     plan = make_plan(args, cfg)
     emit(f"tutti bench tiers --figures: device {plan.device}, storage {', '.join(map(str, plan.dirs))}, memory tier "
-         f"{', '.join(map(str, plan.memory_dirs))}, prefixes {', '.join(_k(p) for p in plan.prefixes)}, "
+         f"{', '.join(map(str, plan.memory_dirs))}, prefixes {', '.join(token_label(p) for p in plan.prefixes)}, "
          f"{plan.repeat} round(s), flush backlog {plan.flush_bytes / GIB:g} GiB")
     report = run(plan)
     emit(format_table(report))
