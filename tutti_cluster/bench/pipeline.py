@@ -38,7 +38,7 @@ from tutti_cluster.bench.options import (CPU_INPUTS, DEFAULT_INPUTS, parse_token
 from tutti_cluster.bench.prefill import harness as hz
 from tutti_cluster.bench.prefill.model import Decoder, ModelShape, PagedKV, TensorParallel, model_shape
 from tutti_cluster.bench.progress import Progress
-from tutti_cluster.bench.tutti_system import pool_bytes_per_path
+from tutti_cluster.bench.tutti_system import open_store, pool_bytes_per_path
 from tutti_cluster.errors import CapacityExceeded, ConfigError
 
 logger = logging.getLogger(__name__)
@@ -304,14 +304,10 @@ def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path], memory: list[
     promoted) and each path grown by its share of the memory tier (the demoting units' room). In a
     run with ``--memory-paths`` the store without one maps no file either, so that both stores read
     ``dirs`` alike (through io_uring: beside a memory tier only its files are mapped)."""
-    from tutti_cluster import TuttiStore
-    from tutti_cluster.config import load_config
-
     caps = plan.capacity_gb or [pool_bytes_per_path(pool_tokens(plan) * plan.local_shape.kv_bytes_per_token,
                                                     len(dirs)) / GIB]
     fields = plan.cfg.model_dump()
-    fields.update(paths=dirs, capacity_gb=caps, instance="pipeline",
-                  backend="cuda" if plan.device.type == "cuda" else "cpu", memory_paths=memory or [])
+    fields.update(paths=dirs, capacity_gb=caps, instance="pipeline", memory_paths=memory or [])
     if plan.memory_dirs and not memory:
         fields["map_memory_paths"] = False
     if memory:
@@ -320,17 +316,9 @@ def _open_store(plan: PipelinePlan, kv: PagedKV, dirs: list[Path], memory: list[
                       memory_capacity_gb=[c / GIB for c in mem], promote_hits=0, instance="pipeline-memory")
         for d in memory:
             d.mkdir(parents=True, exist_ok=True)
-    if plan.device.type == "cuda" and plan.device.index is not None:
-        fields["device"] = plan.device.index
     for d in dirs:
         d.mkdir(parents=True, exist_ok=True)
-    store = TuttiStore(load_config(**fields))
-    try:
-        store.register_kv_caches(kv.layers, block_tokens=kv.model.block_tokens, layout="kv_first")
-    except BaseException:
-        store.close()
-        raise
-    return store
+    return open_store(fields, kv, kv.model.block_tokens, layout="kv_first")
 
 
 def _median(xs: list[float]) -> float:

@@ -153,25 +153,15 @@ def _open(plan: FigurePlan, kv: Any, name: str, dirs: list[Path], caps_bytes: in
           write_policy: str = "write_back") -> Any:
     """A store on ``dirs`` (and a memory tier on ``memory``), ``caps_bytes`` per path in each tier,
     the KV registered; ``promote_hits`` 0: reads move nothing."""
-    from tutti_cluster import TuttiStore
-    from tutti_cluster.config import load_config
+    from tutti_cluster.bench.tutti_system import open_store
 
     for d in [*dirs, *(memory or [])]:
         d.mkdir(parents=True, exist_ok=True)
     fields = plan.cfg.model_dump()
     fields.update(paths=dirs, capacity_gb=[caps_bytes / GIB], memory_paths=memory or [],
                   memory_capacity_gb=[caps_bytes / GIB], write_policy=write_policy if memory else "write_back",
-                  promote_hits=0, instance=f"figures-{name}", map_memory_paths=True,
-                  backend="cuda" if kv.device.type == "cuda" else "cpu")
-    if kv.device.type == "cuda" and kv.device.index is not None:
-        fields["device"] = kv.device.index
-    store = TuttiStore(load_config(**fields))
-    try:
-        store.register_kv_caches(kv.layers, block_tokens=kv.shape.block_tokens)
-    except BaseException:
-        store.close()
-        raise
-    return store
+                  promote_hits=0, instance=f"figures-{name}", map_memory_paths=True)
+    return open_store(fields, kv, kv.shape.block_tokens)
 
 
 def _timed(store: Any, kv: Any, op: str, keys: list[int], ids: list[int], what: str) -> float:

@@ -259,8 +259,7 @@ def unit_key(unit: int) -> int:
 
 def _open_store(name: str, plan: Plan, kv: Any, dirs: list[Path], mem: list[Path]) -> Any:
     """The system's store on ``dirs`` (and, tiered, the memory tier on ``mem``), KV registered."""
-    from tutti_cluster import TuttiStore
-    from tutti_cluster.config import load_config
+    from tutti_cluster.bench.tutti_system import open_store
 
     fields = plan.cfg.model_dump()
     for d in [*dirs, *mem]:
@@ -272,16 +271,8 @@ def _open_store(name: str, plan: Plan, kv: Any, dirs: list[Path], mem: list[Path
         share = sum(plan.memory_caps) / len(dirs)
         fields.update(paths=dirs, capacity_gb=[(c + share) / GIB for c in plan.storage_caps], memory_paths=[],
                       write_policy="write_back")
-    fields.update(instance=f"bench-tiers-{name}", backend="cuda" if kv.device.type == "cuda" else "cpu")
-    if kv.device.type == "cuda" and kv.device.index is not None:
-        fields["device"] = kv.device.index
-    store = TuttiStore(load_config(**fields))
-    try:
-        store.register_kv_caches(kv.layers, block_tokens=kv.shape.block_tokens)
-    except BaseException:
-        store.close()
-        raise
-    return store
+    fields["instance"] = f"bench-tiers-{name}"
+    return open_store(fields, kv, kv.shape.block_tokens)
 
 
 @dataclass

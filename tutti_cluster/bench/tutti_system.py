@@ -17,12 +17,30 @@ from tutti_cluster.bench.common import OpTiming, Round
 from tutti_cluster.bench.errors import BenchVerificationError
 from tutti_cluster.bench.kvdata import KVData
 from tutti_cluster.config import TuttiConfig, load_config
+from tutti_cluster.kv_layout import Layout
 
 logger = logging.getLogger(__name__)
 
 # Room left in the pool beyond one prefix: headers, rounding to whole units per path.
 _POOL_SLACK = 1.10
 _POOL_EXTRA_BYTES = 256 << 20
+
+
+def open_store(fields: dict[str, Any], kv: Any, block_tokens: int, layout: Layout = "auto") -> Any:
+    """A store of the config ``fields`` for the KV cache ``kv`` (its ``layers``, on ``kv.device``,
+    whose type picks the backend), with the KV registered; closed again when that fails."""
+    from tutti_cluster import TuttiStore
+
+    fields = {**fields, "backend": "cuda" if kv.device.type == "cuda" else "cpu"}
+    if kv.device.type == "cuda" and kv.device.index is not None:
+        fields["device"] = kv.device.index
+    store = TuttiStore(load_config(**fields))
+    try:
+        store.register_kv_caches(kv.layers, block_tokens=block_tokens, layout=layout)
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 def pool_bytes_per_path(prefix_bytes: int, n_paths: int) -> int:
@@ -80,8 +98,6 @@ class TuttiSystem:
 
     def _open(self, n_blocks: int) -> None:
         """(Re)open a store sized for ``n_blocks``-block prefixes, with the KV tensors registered."""
-        from tutti_cluster import TuttiStore
-
         self._close_store()
         for d in [*self._dirs, *self._memory]:
             d.mkdir(parents=True, exist_ok=True)
@@ -94,23 +110,13 @@ class TuttiSystem:
             capacity_gb=caps,
             instance=f"bench{self._instances}",
             map_memory_paths=self._mapped or bool(self._memory),
-            backend="cuda" if self.kv.device.type == "cuda" else "cpu",
             memory_paths=self._memory,
             write_policy=self._write_policy,
         )
         if self._memory:
             mem = self._memory_capacity_gb or [pool_bytes_per_path(prefix_bytes, len(self._memory)) / (1 << 30)]
             fields.update(memory_capacity_gb=mem, promote_hits=0)
-        if self.kv.device.type == "cuda" and self.kv.device.index is not None:
-            fields["device"] = self.kv.device.index
-        cfg = load_config(**fields)
-        store = TuttiStore(cfg)
-        try:
-            store.register_kv_caches(self.kv.layers, block_tokens=self.kv.shape.block_tokens)
-        except BaseException:
-            store.close()
-            raise
-        self._store = store
+        self._store = open_store(fields, self.kv, self.kv.shape.block_tokens)
         self._n_blocks = n_blocks
 
     def _keys_for(self, rnd: Round) -> list[int]:
