@@ -553,31 +553,44 @@ def test_skipped_blocks_are_checked_and_left_alone(shm_dirs: list[Path], dirs: l
 
 
 @gpu
+@pytest.mark.parametrize("copy_mb", [0, 1, 512], ids=["loads", "part_staged", "staged"])
 @pytest.mark.parametrize("layout", ["kv_first", "block_first", "interleaved"])
-def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str) -> None:
-    """map_memory_paths: the I/O kernel loads and stores tmpfs pool pages over PCIe (no SQE, no
-    staging) while a disk path of the same store still goes through io_uring. Units move byte-exact
-    either way and across the two modes, and a corrupt mapped object is a miss."""
+def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str, copy_mb: int) -> None:
+    """map_memory_paths: retrieves take tmpfs pool pages through the copy engine into device memory
+    (copy_engine_mb; with 1 MiB half of each layer's units fit, the rest and all with 0 the I/O
+    kernel loads over PCIe itself) and stores write them with the kernel's stores (no SQE, no
+    staging), while a disk path of the same store still goes through io_uring. Units move
+    byte-exact either way and across the two modes, and a corrupt mapped object is a miss."""
     paths = [shm_dirs[0], dirs[0]]
-    kv = make_gpu_kv(layout, layers=3, blocks=128, seed=8)
+    kv = make_gpu_kv(layout, layers=3, blocks=128, block_shape=(16, 4, 64), seed=8)  # 64 KiB a unit-layer
     rng = np.random.default_rng(19)
-    keys = [int(k) for k in rng.integers(1, 1 << 62, 16)]
-    with open_gpu_store(paths, kv, layout, map_memory_paths=True) as s:
+    keys = [int(k) for k in rng.integers(1, 1 << 62, 24)]
+    with open_gpu_store(paths, kv, layout, map_memory_paths=True, copy_engine_mb=copy_mb) as s:
         assert s.stats()["mapped_files"] == len(list(shm_dirs[0].glob("tutti-*.pool")))  # the disk path: never
-        src = rng.permutation(128)[: 16 * s.unit_blocks]
+        src = rng.permutation(128)[: 24 * s.unit_blocks]
         res = s.store(keys, src)
-        assert res.ok and res.committed_units == list(range(16)), res
+        assert res.ok and res.committed_units == list(range(24)), res
     want = clone(kv)
     for mapped in (False, True):  # through io_uring, then through the mapping
         poison(kv)
-        with open_gpu_store(paths, kv, layout, map_memory_paths=mapped) as s:
-            dst = rng.permutation(128)[: 16 * s.unit_blocks]
+        with open_gpu_store(paths, kv, layout, map_memory_paths=mapped, copy_engine_mb=copy_mb) as s:
+            dst = rng.permutation(128)[: 24 * s.unit_blocks]
             res = s.retrieve(keys, dst)
             torch.cuda.synchronize()
             assert res.ok, res
             assert_moved(want, src, kv, dst, layout)
             s.read_unit(keys[0])  # the CPU verifies the checksums the GPU wrote into the mapping
-    with open_gpu_store(paths, kv, layout, map_memory_paths=True) as s:
+            # Bytes the copy engine staged: whole unit-layers (K and V), 8 a layer in the 512 KiB of
+            # a lane with 1 MiB, and with 512 MiB every unit of the tmpfs path (more than 8 of 24).
+            staged, unit_layer = s.stats()["copy_engine_bytes"], 2 * s.geometry()["obj_bytes"]
+            assert staged % unit_layer == 0
+            if not mapped or copy_mb == 0:
+                assert staged == 0
+            elif copy_mb == 1:
+                assert staged == 3 * 8 * unit_layer, staged
+            else:
+                assert 3 * 8 * unit_layer < staged < 3 * 24 * unit_layer, staged
+    with open_gpu_store(paths, kv, layout, map_memory_paths=True, copy_engine_mb=copy_mb) as s:
         g = s.geometry()
         pool = shm_dirs[0] / "tutti-gpu.pool"  # slot 0 of the first file: the first unit
         # The first object's last bytes: the kernel reads a mapped object in four pieces, and the
@@ -588,7 +601,7 @@ def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str
             b = f.read(4)
             f.seek(at)
             f.write(bytes(x ^ 0xFF for x in b))
-        res = s.retrieve(keys, rng.permutation(128)[: 16 * s.unit_blocks])
+        res = s.retrieve(keys, rng.permutation(128)[: 24 * s.unit_blocks])
         assert res.failed_units == [0], res
         assert s.lookup(keys[:1]) == 0
 

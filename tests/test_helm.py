@@ -347,7 +347,7 @@ SETTINGS: dict[str, Any] = {
     "direct_io": "off", "pool_files": 3, "prewrite_pool": False, "map_memory_paths": False,
     "write_policy": "write_through", "promote_hits": 3, "promote_window_s": 2.5, "unit_tokens": 512,
     "min_io_bytes": 1048576, "backend": "cpu", "device": 1, "queue_depth": 32, "iocb_depth": 2048,
-    "staging_mb": 256, "max_requests": 64, "io_sms": 16, "cuda_pair": True, "cuda_trace": True,
+    "staging_mb": 256, "max_requests": 64, "io_sms": 16, "cuda_pair": True, "cuda_trace": True, "copy_engine_mb": 1024,
     "etcd": ["etcd-a:2379", "etcd-b:2379"], "mooncake_master": "mc.example:50051", "node_id": "n1",
     "protocol": "rdma", "lease_ttl_s": 30, "advertise_host": "10.1.2.3", "stage_port": 7070,
     "transfer_ports": "20000-20100", "file_group": 2000,

@@ -43,6 +43,7 @@ class StoreOptions:
     backend: str
     device: int
     cuda_pair: bool
+    copy_engine_mb: int
     cuda_trace: bool
     read_only: bool
     map_memory_paths: bool
@@ -88,6 +89,7 @@ class StoreStats:
     agent_cpu_s: float
     kernel_cpu_s: float
     direct_ios: int
+    copy_engine_bytes: int
     extent_map_bytes: int
     request_map_peak_bytes: int
     staging_bytes: int

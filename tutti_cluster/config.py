@@ -38,8 +38,8 @@ _NATIVE = _native.StoreOptions()
 #: TuttiConfig fields that are native store options of the same name and meaning: their defaults are
 #: StoreOptions', and the store passes them on as they are (native_options, below).
 NATIVE_FIELDS = ("instance", "pool_files", "prewrite_pool", "queue_depth", "staging_mb", "max_requests", "io_sms",
-                 "min_io_bytes", "direct_io", "device", "cuda_pair", "cuda_trace", "map_memory_paths", "write_policy",
-                 "promote_hits", "promote_window_s")
+                 "min_io_bytes", "direct_io", "device", "cuda_pair", "cuda_trace", "copy_engine_mb", "map_memory_paths",
+                 "write_policy", "promote_hits", "promote_window_s")
 
 # Instance names become pool file names (``tutti-<instance>.pool``, ``tutti-<instance>.<n>.pool``)
 # and keys of the daemon's state: a short plain name, so that neither a file system nor a shell ever sees anything odd.
@@ -59,6 +59,7 @@ MAX_DEVICE = 1023                 # int; a CUDA ordinal on one node
 MAX_QUEUE_DEPTH = 32767           # uint32; io_uring takes at most 32768 entries (the agent adds one)
 MAX_IOCB_DEPTH = 1 << 20          # uint32; the table is allocated whole at registration
 MAX_STAGING_MB = 1 << 20          # uint64 bytes after << 20; 1 TiB of pinned host memory
+MAX_COPY_ENGINE_MB = 1 << 20      # uint64 bytes after << 20; 1 TiB of device memory
 MAX_REQUESTS = 1 << 16            # uint32; each request's state is allocated at registration
 MAX_IO_SMS = 1024                 # uint32; far above the SMs of any GPU
 MAX_PROMOTE_HITS = 1 << 20        # uint32; a hit count no window ever reaches
@@ -204,6 +205,13 @@ class TuttiConfig(BaseSettings):
                         description="SMs given to the I/O kernel (multiples of 8 on CUDA); at most 1024.")
     cuda_pair: bool = Field(_NATIVE.cuda_pair, description="CUDA: K and V of a unit-layer as one I/O (slower on the H200).")
     cuda_trace: bool = Field(_NATIVE.cuda_trace, description="CUDA: print the I/O kernel's counters when the store closes.")
+    copy_engine_mb: int = Field(
+        _NATIVE.copy_engine_mb, ge=0, le=MAX_COPY_ENGINE_MB,
+        description="CUDA: device memory in MiB where the copy engine stages a layer's objects of the memory tier "
+        "(mapped pool files) before the I/O kernel verifies and scatters them: host-to-GPU at the copy engine's "
+        "rate instead of the kernel's loads over PCIe. Split between the kernel's two lanes; one layer of a "
+        "prefix needs unit layers x 2 x object bytes (a 128K-token Llama-3-8B prefix: 1024 MiB); units past it, "
+        "or all with 0, the kernel loads itself. Allocated only when a pool file is mapped; at most 2^20.")
 
     # Cluster (all unset: single-node embedded default)
     etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port (https://host:port: TLS).")
@@ -403,7 +411,7 @@ CONFIG_GROUPS: dict[str, tuple[str, ...]] = {
                                                             "promote_hits", "promote_window_s"),
     "layout": ("unit_tokens", "min_io_bytes"),
     "data path": ("backend", "device", "queue_depth", "iocb_depth", "staging_mb", "max_requests", "io_sms",
-                  "cuda_pair", "cuda_trace"),
+                  "cuda_pair", "cuda_trace", "copy_engine_mb"),
     "cluster (etcd unset: single node, the embedded default)": ("etcd", "etcd_ca_file", "etcd_cert_file",
                                                                 "etcd_key_file", "etcd_user", "etcd_password_file",
                                                                 "mooncake_master", "node_id", "protocol",
@@ -520,8 +528,10 @@ def _fits(setting: str, value: int, most: int) -> int:
     return value
 
 
-# The most a native field holds where it is not a uint32 (staging_mb is shifted by 20 bits natively).
-_NATIVE_MOST = {"staging_mb": _U64_MAX >> 20, "min_io_bytes": _U64_MAX, "device": _INT_MAX}
+# The most a native field holds where it is not a uint32 (staging_mb and copy_engine_mb are shifted by
+# 20 bits natively).
+_NATIVE_MOST = {"staging_mb": _U64_MAX >> 20, "copy_engine_mb": _U64_MAX >> 20, "min_io_bytes": _U64_MAX,
+                "device": _INT_MAX}
 
 
 def native_options(config: TuttiConfig, *, backend: str, unit_blocks: int, read_only: bool = False) -> Any:

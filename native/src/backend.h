@@ -93,6 +93,8 @@ class Backend {
   virtual double kernel_cpu_seconds() const = 0;
   // I/Os that moved their objects straight between a pool file and the KV blocks (no staging).
   virtual uint64_t direct_ios() const { return 0; }
+  // Bytes of mapped objects the copy engine staged in device memory for retrieves (copy_engine_mb).
+  virtual uint64_t copy_engine_bytes() const { return 0; }
   // Kernel workers (SQ/CQ pairs served by the I/O kernel) for `io_workers` requested and `sms`
   // SMs: the host backend has one kernel thread (and helpers), a GPU one thread block per SM of its
   // partition.
@@ -136,7 +138,8 @@ class Backend {
 std::unique_ptr<Backend> make_host_backend();
 #ifdef TUTTI_WITH_CUDA
 // `pair_io`: K and V of a unit-layer as one I/O; `trace`: print the kernel's counters at stop.
-std::unique_ptr<Backend> make_cuda_backend(int device, bool pair_io, bool trace, Status* status);
+// `copy_bytes`: device memory for the copy engine's stage of mapped objects (copy_stage.h), 0: none.
+std::unique_ptr<Backend> make_cuda_backend(int device, bool pair_io, bool trace, uint64_t copy_bytes, Status* status);
 #endif
 
 }  // namespace tutti

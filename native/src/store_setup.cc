@@ -43,8 +43,10 @@ Status Store::init_queue(uint32_t depth) {
     backend_ = make_host_backend();
   } else if (opt_.backend == "cuda") {
 #ifdef TUTTI_WITH_CUDA
+    if (opt_.copy_engine_mb > (UINT64_MAX >> 20))
+      return {Code::kConfig, "copy_engine_mb (" + std::to_string(opt_.copy_engine_mb) + ") does not fit 64 bits of bytes"};
     Status st;
-    backend_ = make_cuda_backend(opt_.device, opt_.cuda_pair, opt_.cuda_trace, &st);
+    backend_ = make_cuda_backend(opt_.device, opt_.cuda_pair, opt_.cuda_trace, opt_.copy_engine_mb << 20, &st);
     if (!st.ok()) return st;
 #else
     return {Code::kDevice, "backend 'cuda' requested but this build has no CUDA support"};
@@ -189,6 +191,7 @@ StoreStats Store::stats() const {
   s.agent_cpu_s = agent_->cpu_seconds();
   s.kernel_cpu_s = backend_ ? backend_->kernel_cpu_seconds() : 0;
   s.direct_ios = backend_ ? backend_->direct_ios() : 0;
+  s.copy_engine_bytes = backend_ ? backend_->copy_engine_bytes() : 0;
   s.extent_map_bytes = extents_->memory_bytes() + request_map_peak_;
   s.request_map_peak_bytes = request_map_peak_;
   s.staging_bytes = staging_bytes_;

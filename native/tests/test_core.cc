@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "copy_stage.h"
 #include "extent.h"
 #include "header.h"
 #include "index.h"
@@ -268,6 +269,43 @@ static void test_extents() {
   CHECK(m.build(twice, 6, &out, true).ok());
   CHECK(m.check_distinct(out).code() == Code::kLayout);
   CHECK(m.addr(1, 1, 3) == reinterpret_cast<uint8_t*>(0x100000 + 3 * 64));
+}
+
+// The copy engine's plan (copy_stage.h): units in mapped files get slots in unit order, each slot's
+// source is its unit's layer-0 objects in the mapping, and an IOCTX range maps to its units' slots.
+static void test_copy_stage() {
+  const uint32_t opl = 2, units = 5;
+  std::vector<uint8_t> file0(1 << 16), file2(1 << 16);
+  const std::vector<uint8_t*> mapped = {file0.data(), nullptr, file2.data()};
+  const uint32_t paths[units] = {0, 1, 2, 0, 2};  // unit 1 on an unmapped file
+  std::vector<Ioctx> ctx;
+  for (uint32_t u = 0; u < units; ++u)
+    for (uint32_t o = 0; o < opl; ++o) {
+      Ioctx x{};
+      x.unit = u;
+      x.obj = o;
+      x.path = paths[u];
+      x.slot = u == 3 ? UINT32_MAX : u;  // unit 3: not in the pool (a miss)
+      x.file_offset = 4096ull * u;
+      ctx.push_back(x);
+    }
+  CopyStage c;
+  uint32_t slot[units];
+  c.plan(ctx.data(), units, opl, mapped, 512, slot);
+  CHECK(slot[0] == 0 && slot[1] == kNoCopy && slot[2] == 1 && slot[3] == kNoCopy && slot[4] == 2);
+  CHECK((c.units == std::vector<uint32_t>{0, 2, 4}));
+  CHECK(c.src[0] == reinterpret_cast<uint64_t>(file0.data()) + 512);
+  CHECK(c.src[1] == reinterpret_cast<uint64_t>(file2.data()) + 2 * 4096 + 512);
+  CHECK(c.src[2] == reinterpret_cast<uint64_t>(file2.data()) + 4 * 4096 + 512);
+  uint32_t lo = 0, hi = 0;
+  c.slots_of(0, units * opl, opl, &lo, &hi);  // the whole request
+  CHECK(lo == 0 && hi == 3);
+  c.slots_of(2, 6, opl, &lo, &hi);  // units 1-3
+  CHECK(lo == 1 && hi == 2);
+  c.slots_of(6, 2, opl, &lo, &hi);  // unit 3 alone: no slot
+  CHECK(lo == hi);
+  c.slots_of(8, 0, opl, &lo, &hi);
+  CHECK(lo == hi);
 }
 
 static void test_header_round_trip() {
@@ -545,6 +583,7 @@ int main() {
   run("index_lru_and_pins", test_index_lru_and_pins);
   run("index_tiers", test_index_tiers);
   run("extents", test_extents);
+  run("copy_stage", test_copy_stage);
   run("header_round_trip", test_header_round_trip);
   run("pool_round_robin", test_pool_round_robin);
   run("pool_slot_heads", test_pool_slot_heads);

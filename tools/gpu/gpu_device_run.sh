@@ -71,7 +71,7 @@ for step in "$@"; do
   case $step in
   tests)
     log "gpu tests"
-    TUTTI_CUDA_TRACE=1 timeout 150 python3 -m pytest -q -m gpu --timeout=90 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -6 ;;
+    TUTTI_CUDA_TRACE=1 timeout 240 python3 -m pytest -q -m gpu --timeout=90 tests/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -6 ;;
   memory)
     log "host memory copy bandwidth"
     timeout "$(left)" python3 tools/diag/host_copy_bandwidth.py --json "$OUT/copy.json"

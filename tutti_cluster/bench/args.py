@@ -13,7 +13,8 @@ MODEL_SHAPES = ("llama3-8b", "glm4-9b-1m", "tiny")
 # part in it, and the device is --device's.
 BENCH_CONFIG_FIELDS = ("paths", "capacity_gb", "data_dir", "direct_io", "pool_files", "prewrite_pool",
                        "map_memory_paths", "unit_tokens", "min_io_bytes", "queue_depth", "iocb_depth", "staging_mb",
-                       "max_requests", "io_sms", "cuda_pair", "cuda_trace", "memory_paths", "memory_capacity_gb")
+                       "max_requests", "io_sms", "cuda_pair", "cuda_trace", "copy_engine_mb", "memory_paths",
+                       "memory_capacity_gb")
 
 
 def build_parser(parser_class: type[argparse.ArgumentParser] = argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -425,7 +425,8 @@ def run(plan: FigurePlan) -> dict[str, Any]:
     config = {"device": plan.device.type, "layers": plan.shape.layers, "unit_tokens": plan.cfg.unit_tokens,
               "prefixes": plan.prefixes, "repeat": plan.repeat, "flush_bytes": plan.flush_bytes,
               "paths": [str(d) for d in plan.dirs], "memory_paths": [str(d) for d in plan.memory_dirs],
-              "io_sms": plan.cfg.io_sms, "staging_mb": plan.cfg.staging_mb, "notes": plan.notes}
+              "io_sms": plan.cfg.io_sms, "staging_mb": plan.cfg.staging_mb, "copy_engine_mb": plan.cfg.copy_engine_mb,
+              "notes": plan.notes}
     report = {"bench": "tiers-figures", "machine": info, "config": config, "limits": limits, "hot_set": hot,
               "mixed": mixed, "stores_during_flush": flush}
     report["figures"] = figures(report)

@@ -49,7 +49,7 @@ SYSTEMS = ("tiered", "single")
 # The store settings this bench takes from the command line.
 CONFIG_FIELDS = ("paths", "capacity_gb", "direct_io", "pool_files", "prewrite_pool", "memory_paths",
                  "memory_capacity_gb", "write_policy", "promote_hits", "promote_window_s", "unit_tokens",
-                 "queue_depth", "staging_mb", "map_memory_paths")
+                 "queue_depth", "staging_mb", "map_memory_paths", "copy_engine_mb")
 DEFAULT_STORAGE_GB = 2.0
 DEFAULT_MEMORY_ROOT = Path("/dev/shm")
 HOT_SHARE = 0.5  # the hot set: the most popular prefixes that draw this share of the requests

@@ -52,6 +52,11 @@ struct StoreOptions {
   int device = 0;
   bool cuda_pair = false;          // CUDA: K and V of a unit-layer as one I/O (slower on the H200 host)
   bool cuda_trace = false;         // CUDA: print the I/O kernel's counters when the store closes
+  // CUDA: device memory (MiB, split between the I/O kernel's two lanes) where the copy engine stages
+  // a layer's objects of mapped pool files (the memory tier) before the I/O kernel verifies and
+  // scatters them; objects past its room, or all with 0, the kernel loads over PCIe itself.
+  // Allocated only when a pool file is mapped.
+  uint64_t copy_engine_mb = 1024;
   bool read_only = false;          // open existing pools for reading only (no agent)
   // Map the pool files on memory file systems and move their objects with loads and stores
   // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
@@ -74,6 +79,7 @@ struct StoreStats {
   uint64_t bytes_read = 0, bytes_written = 0, agent_ops = 0;
   double agent_cpu_s = 0, kernel_cpu_s = 0;
   uint64_t direct_ios = 0;  // I/Os straight between a pool file and the KV blocks, no staging copy
+  uint64_t copy_engine_bytes = 0;  // bytes of mapped objects the copy engine staged for retrieves (CUDA)
   // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
   uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
   bool direct_io = false, fixed_buffers = false;

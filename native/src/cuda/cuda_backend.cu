@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "copy_stage.h"
 #include "tutti/crc32c.h"
 
 namespace tutti {
@@ -91,6 +92,11 @@ struct LaunchIocb {
   uint32_t* pieces;        // device, [unit][obj][2]: a split object's joined sums, pieces done (zeroed per request)
   uint64_t kv[2];          // the layer's object base pointers
   uint64_t block_stride;
+  // Retrieve: the copy engine staged the layer's objects of slots [copy_lo, copy_hi) (copy_stage.h)
+  // at copy_base before the launch; the kernel reads them there instead of from their mapping.
+  const uint32_t* copy_slot;  // device, [unit]: the unit's slot, or kNoCopy
+  uint8_t* copy_base;         // device: slot copy_lo's objects of this layer, then the next slot's
+  uint32_t copy_lo, copy_hi;
 };
 
 struct LaunchParams {
@@ -220,10 +226,16 @@ __device__ __forceinline__ void warp_zero(bool vec16, uint8_t* dst, uint64_t byt
 }
 
 // The object of IOCTX `x` in its mapped pool file (map_memory), or null when that file is not mapped.
-// Mapped objects need no SQE: the workers move them between the file's pages and the KV blocks.
+// Mapped objects need no SQE: the workers move them between the file's pages and the KV blocks, or,
+// where the copy engine staged them for this launch, between that device copy and the KV blocks.
 __device__ __forceinline__ uint8_t* mapped_object(const LaunchParams& p, const LaunchIocb& B, const Ioctx& x) {
   const uint64_t base = p.mapped ? p.mapped[x.path] : 0;
   if (!base) return nullptr;
+  if (B.copy_hi > B.copy_lo) {
+    const uint32_t s = B.copy_slot[x.unit];
+    if (s >= B.copy_lo && s < B.copy_hi)
+      return B.copy_base + (static_cast<uint64_t>(s - B.copy_lo) * p.objs_per_layer + x.obj) * p.obj_bytes;
+  }
   return reinterpret_cast<uint8_t*>(base + x.file_offset + p.header_bytes +
                                     (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
 }
@@ -720,13 +732,16 @@ struct RequestMem {
   uint64_t* sums_out = nullptr;    // host address
   uint8_t* failed_out = nullptr;   // host address
   uint32_t* pieces = nullptr;      // device: split objects' joined sums and pieces done
+  uint32_t* copy_slot = nullptr;   // device: CopyStage's slot of each unit
+  CopyStage copy;
   uint64_t nsums = 0;
   uint32_t units = 0;
 };
 
 class CudaBackend final : public Backend {
  public:
-  CudaBackend(int device, bool pair_io, bool trace) : device_(device), pair_io_(pair_io), print_trace_(trace) {}
+  CudaBackend(int device, bool pair_io, bool trace, uint64_t copy_bytes)
+      : device_(device), pair_io_(pair_io), print_trace_(trace), copy_bytes_(copy_bytes) {}
   ~CudaBackend() override {
     stop();
     for (void* m : registered_) cudaHostUnregister(m);  // a start() that failed half-way
@@ -744,6 +759,7 @@ class CudaBackend final : public Backend {
   }
   uint32_t num_queues(uint32_t workers) const override { return kLanes * workers; }
   uint64_t compute_stream() const override { return reinterpret_cast<uint64_t>(compute_stream_); }
+  uint64_t copy_engine_bytes() const override { return copied_; }
   Status start(KernelContext* ctx, uint32_t workers) override;
   Status launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) override;
   void stop() override;
@@ -827,6 +843,16 @@ class CudaBackend final : public Backend {
   std::vector<RequestMem> req_;
   bool vec16_ = false;
   uint32_t group_ = 1;  // IOCTXs per staging slot (2: K and V of a unit-layer as one I/O)
+  // The copy engine's stage (copy_stage.h): a device area per lane of copy_bytes_ / kLanes, holding
+  // copy_units_ units' objects of one layer; bytes staged so far; the batch being built.
+  uint64_t copy_bytes_ = 0;
+  uint8_t* copy_area_[kLanes] = {};
+  uint32_t copy_units_ = 0;
+  uint64_t copied_ = 0;
+  std::vector<void*> copy_dst_;
+  std::vector<const void*> copy_src_;
+  std::vector<size_t> copy_size_;
+  void stage_copies(LaunchParams& p, const uint32_t* ids, uint32_t lane, cudaStream_t stream);
   // Shared memory of one I/O block: 3 + pieces_ words (the ready ring takes one per piece) and one
   // state byte per staging chunk.
   size_t smem_bytes() const { return sizeof(uint32_t) * (3 + pieces_) * per_worker_ + (per_worker_ + 3) / 4 * 4; }
@@ -993,6 +1019,12 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
       return {Code::kDevice, cuda_msg("cudaHostGetDevicePointer (mapped pool file)", e)};
     maps[i] = reinterpret_cast<uint64_t>(d);
   }
+  const uint64_t stride = static_cast<uint64_t>(ctx->geom.objs_per_layer) * ctx->geom.obj_bytes;
+  copy_units_ = registered_.empty() || !stride ? 0 : static_cast<uint32_t>(std::min<uint64_t>(copy_bytes_ / kLanes / stride, UINT32_MAX));
+  for (uint32_t l = 0; l < kLanes && copy_units_; ++l)
+    if ((e = cudaMalloc(&copy_area_[l], copy_units_ * stride)) != cudaSuccess)
+      return {Code::kDevice, "copy_engine_mb (" + std::to_string(copy_bytes_ >> 20) + " MiB) of device memory for the copy " +
+                                 "engine's stage: " + cudaGetErrorString(e) + "; a smaller copy_engine_mb, or 0, avoids it"};
   if (!registered_.empty()) {
     if ((e = cudaMalloc(&dev_mapped_, sizeof(uint64_t) * maps.size())) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
     if ((e = cudaMemcpy(dev_mapped_, maps.data(), sizeof(uint64_t) * maps.size(), cudaMemcpyHostToDevice)) != cudaSuccess)
@@ -1090,7 +1122,8 @@ Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
   const uint64_t o_ext = al(nctx * sizeof(Ioctx));
   const uint64_t o_exp = o_ext + al(next * sizeof(Extent));
   const uint64_t o_fail = o_exp + al(nsums * 8);
-  const uint64_t o_pieces = o_fail + al(v->num_units);
+  const uint64_t o_copy = o_fail + al(v->num_units);
+  const uint64_t o_pieces = o_copy + al(v->num_units * 4ull);
   const uint64_t dev_bytes = o_pieces + al(nsums * 8) + 256;
   const uint64_t host_bytes = dev_bytes + al(nsums * 8) + al(v->num_units) + 256;
   cudaSetDevice(device_);
@@ -1120,11 +1153,13 @@ Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
   std::memcpy(up + o_ext, v->extents, next * sizeof(Extent));
   std::memcpy(up + o_exp, v->checksums, nsums * 8);
   std::memcpy(up + o_fail, v->unit_failed, v->num_units);
+  m.copy.plan(v->ctx, v->num_units, g.objs_per_layer, k_->mapped, g.header_bytes, reinterpret_cast<uint32_t*>(up + o_copy));
   m.ctx = reinterpret_cast<Ioctx*>(m.dev);
   m.extents = reinterpret_cast<Extent*>(m.dev + o_ext);
   m.expect = reinterpret_cast<uint64_t*>(m.dev + o_exp);
   m.failed = m.dev + o_fail;
   m.pieces = reinterpret_cast<uint32_t*>(m.dev + o_pieces);
+  m.copy_slot = reinterpret_cast<uint32_t*>(m.dev + o_copy);
   m.sums_out = reinterpret_cast<uint64_t*>(m.host + al(dev_bytes));
   m.failed_out = m.host + al(dev_bytes) + al(nsums * 8);
   m.nsums = nsums;
@@ -1133,7 +1168,7 @@ Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
   std::memcpy(m.sums_out, v->checksums, nsums * 8);
   std::memcpy(m.failed_out, v->unit_failed, v->num_units);
   push();
-  cudaError_t e = cudaMemcpyAsync(m.dev, up, o_fail + v->num_units, cudaMemcpyHostToDevice, io_streams_[0]);
+  cudaError_t e = cudaMemcpyAsync(m.dev, up, o_copy + v->num_units * 4ull, cudaMemcpyHostToDevice, io_streams_[0]);
   if (e == cudaSuccess && pieces_ > 1) e = cudaMemsetAsync(m.pieces, 0, nsums * 8, io_streams_[0]);
   if (e == cudaSuccess) e = cudaEventRecord(m.uploaded, io_streams_[0]);
   for (uint32_t l = 1; l < kLanes && e == cudaSuccess; ++l) e = cudaStreamWaitEvent(io_streams_[l], m.uploaded, 0);
@@ -1212,7 +1247,9 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
       L.kv[0] = l.ptr[0];
       L.kv[1] = l.ptr[1];
       L.block_stride = l.block_stride;
+      L.copy_slot = m.copy_slot;
     }
+    if (copy_units_) stage_copies(p, ids + first, lane, stream);
     const size_t smem = smem_bytes();
     io_kernel<<<grid, kThreads, smem, stream>>>(p);
     ++launches_;
@@ -1222,6 +1259,59 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
   pop();
   if (e != cudaSuccess) return {Code::kDevice, cuda_msg("I/O kernel launch", e)};
   return Status::Ok();
+}
+
+// Stages the memory objects of a launch's retrieves in the lane's device area with one batched copy
+// on the lane's stream, ahead of the kernel (which then reads them from device memory): the copy
+// engine moves host memory to the GPU at the host-to-GPU limit, which the kernel's loads over PCIe
+// do not reach (docs/CUDA.md, "The memory tier's path to the GPU"). Units past the area's room, and
+// every unit when the copy cannot be queued (then never again), stay with the kernel's loads.
+void CudaBackend::stage_copies(LaunchParams& p, const uint32_t* ids, uint32_t lane, cudaStream_t stream) {
+  const Geometry& g = k_->geom;
+  const uint64_t stride = static_cast<uint64_t>(g.objs_per_layer) * g.obj_bytes;
+  copy_dst_.clear();
+  copy_src_.clear();
+  uint32_t used = 0;  // units of the area taken by this launch
+  for (uint32_t i = 0; i < p.n; ++i) {
+    LaunchIocb& L = p.b[i];
+    const CopyStage& c = req_[k_->iocbs[ids[i]].request].copy;
+    if (L.op != static_cast<uint32_t>(IoOp::kRead) || c.units.empty()) continue;
+    uint32_t lo = 0, hi = 0;
+    c.slots_of(L.ctx_first, L.ctx_count, g.objs_per_layer, &lo, &hi);
+    hi = std::min(hi, lo + (copy_units_ - used));
+    L.copy_base = copy_area_[lane] + static_cast<uint64_t>(used) * stride;
+    L.copy_lo = lo;
+    L.copy_hi = hi;
+    for (uint32_t s = lo; s < hi; ++s, ++used) {
+      copy_src_.push_back(reinterpret_cast<const void*>(c.src[s] + L.layer * stride));
+      copy_dst_.push_back(copy_area_[lane] + static_cast<uint64_t>(used) * stride);
+    }
+  }
+  if (copy_dst_.empty()) return;
+  copy_size_.assign(copy_dst_.size(), stride);
+  cudaError_t e = cudaErrorNotSupported;
+#if CUDART_VERSION >= 12080
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+  e = cudaMemcpyBatchAsync(copy_dst_.data(), copy_src_.data(), copy_size_.data(), copy_dst_.size(), &attr, &attr_idx, 1,
+                           stream);
+#else
+  size_t fail = 0;
+  e = cudaMemcpyBatchAsync(copy_dst_.data(), const_cast<void**>(copy_src_.data()), copy_size_.data(), copy_dst_.size(),
+                           &attr, &attr_idx, 1, &fail, stream);
+#endif
+#endif
+  if (e == cudaSuccess) {
+    copied_ += copy_dst_.size() * stride;
+    return;
+  }
+  cudaGetLastError();
+  std::fprintf(stderr, "tutti: %s: the I/O kernel loads mapped objects itself from now on\n",
+               cuda_msg("cannot stage mapped objects with the copy engine", e).c_str());
+  copy_units_ = 0;
+  for (uint32_t i = 0; i < p.n; ++i) p.b[i].copy_lo = p.b[i].copy_hi = 0;
 }
 
 Status CudaBackend::record_on(uint64_t stream, uint64_t* event) {
@@ -1403,6 +1493,11 @@ void CudaBackend::stop() {
   if (dev_queues_) cudaFree(dev_queues_);
   if (counters_) cudaFree(counters_);
   if (dev_mapped_) cudaFree(dev_mapped_);
+  for (uint8_t*& a : copy_area_) {
+    if (a) cudaFree(a);
+    a = nullptr;
+  }
+  copy_units_ = 0;
   if (dev_crc_) cudaFree(dev_crc_);
   dev_crc_ = nullptr;
   dev_mapped_ = nullptr;
@@ -1423,8 +1518,8 @@ void CudaBackend::stop() {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cuda_backend(int device, bool pair_io, bool trace, Status* status) {
-  auto b = std::make_unique<CudaBackend>(device, pair_io, trace);
+std::unique_ptr<Backend> make_cuda_backend(int device, bool pair_io, bool trace, uint64_t copy_bytes, Status* status) {
+  auto b = std::make_unique<CudaBackend>(device, pair_io, trace, copy_bytes);
   *status = b->init();
   if (!status->ok()) return nullptr;
   return b;
