@@ -785,6 +785,7 @@ class CudaBackend final : public Backend {
     };
     for (cudaStream_t& s : io_streams_) destroy(s);
     destroy(scatter_stream_);
+    destroy(copy_stream_);
     destroy(compute_stream_);
   }
   void push() {
@@ -843,16 +844,21 @@ class CudaBackend final : public Backend {
   std::vector<RequestMem> req_;
   bool vec16_ = false;
   uint32_t group_ = 1;  // IOCTXs per staging slot (2: K and V of a unit-layer as one I/O)
-  // The copy engine's stage (copy_stage.h): a device area per lane of copy_bytes_ / kLanes, holding
-  // copy_units_ units' objects of one layer; bytes staged so far; the batch being built.
+  // The copy engine's stage (copy_stage.h): two device buffers of copy_bytes_ / 2, taken in turn by
+  // the launches that stage objects, each holding copy_units_ units' objects of one layer; the copy
+  // stream; per buffer, its copy done (recorded on the copy stream) and its kernel done (on the
+  // lane); bytes staged so far; the batch being built.
+  static constexpr uint32_t kCopyBufs = 2;
   uint64_t copy_bytes_ = 0;
-  uint8_t* copy_area_[kLanes] = {};
-  uint32_t copy_units_ = 0;
+  uint8_t* copy_buf_[kCopyBufs] = {};
+  cudaStream_t copy_stream_ = nullptr;
+  cudaEvent_t copied_ev_[kCopyBufs] = {}, read_ev_[kCopyBufs] = {};
+  uint32_t copy_units_ = 0, copy_next_ = 0;
   uint64_t copied_ = 0;
   std::vector<void*> copy_dst_;
   std::vector<const void*> copy_src_;
   std::vector<size_t> copy_size_;
-  void stage_copies(LaunchParams& p, const uint32_t* ids, uint32_t lane, cudaStream_t stream);
+  int stage_copies(LaunchParams& p, const uint32_t* ids, cudaStream_t lane);
   // Shared memory of one I/O block: 3 + pieces_ words (the ready ring takes one per piece) and one
   // state byte per staging chunk.
   size_t smem_bytes() const { return sizeof(uint32_t) * (3 + pieces_) * per_worker_ + (per_worker_ + 3) / 4 * 4; }
@@ -927,7 +933,7 @@ Status CudaBackend::make_partition(uint32_t sms) {
   if (drv_.GreenCtxCreate(&io_green_, d_io, dev, CU_GREEN_CTX_DEFAULT_STREAM) != CUDA_SUCCESS)
     return {Code::kDevice, "cuGreenCtxCreate (I/O partition) failed"};
   if (drv_.CtxFromGreenCtx(&io_ctx_, io_green_) != CUDA_SUCCESS) return {Code::kDevice, "cuCtxFromGreenCtx failed"};
-  for (cudaStream_t* io : {&io_streams_[0], &io_streams_[1], &scatter_stream_}) {
+  for (cudaStream_t* io : {&io_streams_[0], &io_streams_[1], &scatter_stream_, &copy_stream_}) {
     CUstream s = nullptr;
     if (drv_.GreenCtxStreamCreate(&s, io_green_, CU_STREAM_NON_BLOCKING, 0) != CUDA_SUCCESS)
       return {Code::kDevice, "cuGreenCtxStreamCreate (I/O) failed"};
@@ -965,7 +971,7 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     destroy_streams();  // any a failed partition made
     green_ = false;
     io_ctx_ = nullptr;
-    for (cudaStream_t* io : {&io_streams_[0], &io_streams_[1], &scatter_stream_}) {
+    for (cudaStream_t* io : {&io_streams_[0], &io_streams_[1], &scatter_stream_, &copy_stream_}) {
       cudaError_t e = cudaStreamCreateWithFlags(io, cudaStreamNonBlocking);
       if (e != cudaSuccess) return {Code::kDevice, cuda_msg("cudaStreamCreate", e)};
     }
@@ -1020,9 +1026,9 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     maps[i] = reinterpret_cast<uint64_t>(d);
   }
   const uint64_t stride = static_cast<uint64_t>(ctx->geom.objs_per_layer) * ctx->geom.obj_bytes;
-  copy_units_ = registered_.empty() || !stride ? 0 : static_cast<uint32_t>(std::min<uint64_t>(copy_bytes_ / kLanes / stride, UINT32_MAX));
-  for (uint32_t l = 0; l < kLanes && copy_units_; ++l)
-    if ((e = cudaMalloc(&copy_area_[l], copy_units_ * stride)) != cudaSuccess)
+  copy_units_ = registered_.empty() || !stride ? 0 : static_cast<uint32_t>(std::min<uint64_t>(copy_bytes_ / kCopyBufs / stride, UINT32_MAX));
+  for (uint32_t b = 0; b < kCopyBufs && copy_units_; ++b)
+    if ((e = cudaMalloc(&copy_buf_[b], copy_units_ * stride)) != cudaSuccess)
       return {Code::kDevice, "copy_engine_mb (" + std::to_string(copy_bytes_ >> 20) + " MiB) of device memory for the copy " +
                                  "engine's stage: " + cudaGetErrorString(e) + "; a smaller copy_engine_mb, or 0, avoids it"};
   if (!registered_.empty()) {
@@ -1064,6 +1070,12 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess) {
       pop();
       return {Code::kDevice, cuda_msg("cudaEventCreate", e)};
+    }
+  for (uint32_t b = 0; b < kCopyBufs && copy_units_; ++b)  // the I/O context: recorded on its streams
+    if ((e = cudaEventCreateWithFlags(&copied_ev_[b], cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&read_ev_[b], cudaEventDisableTiming)) != cudaSuccess) {
+      pop();
+      return {Code::kDevice, cuda_msg("cudaEventCreate (copy engine)", e)};
     }
   const size_t smem = smem_bytes();  // beside the kernel's static shared memory (the CRC tables)
   if (smem + 26 * 1024 > 48 * 1024 &&
@@ -1249,11 +1261,12 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
       L.block_stride = l.block_stride;
       L.copy_slot = m.copy_slot;
     }
-    if (copy_units_) stage_copies(p, ids + first, lane, stream);
+    const int buf = copy_units_ ? stage_copies(p, ids + first, stream) : -1;
     const size_t smem = smem_bytes();
     io_kernel<<<grid, kThreads, smem, stream>>>(p);
     ++launches_;
     e = cudaGetLastError();
+    if (e == cudaSuccess && buf >= 0) e = cudaEventRecord(read_ev_[buf], stream);  // the buffer is free again
     for (uint32_t i = 0; i < p.n && e == cudaSuccess; ++i) e = cudaEventRecord(events_[ids[first + i]], stream);
   }
   pop();
@@ -1261,17 +1274,21 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
   return Status::Ok();
 }
 
-// Stages the memory objects of a launch's retrieves in the lane's device area with one batched copy
-// on the lane's stream, ahead of the kernel (which then reads them from device memory): the copy
-// engine moves host memory to the GPU at the host-to-GPU limit, which the kernel's loads over PCIe
-// do not reach (docs/CUDA.md, "The memory tier's path to the GPU"). Units past the area's room, and
-// every unit when the copy cannot be queued (then never again), stay with the kernel's loads.
-void CudaBackend::stage_copies(LaunchParams& p, const uint32_t* ids, uint32_t lane, cudaStream_t stream) {
+// Stages the mapped objects of a launch's retrieves in the next copy buffer with one batched copy on
+// the copy stream, and makes the launch's lane wait for it: the copy engine moves host memory to
+// the GPU at the host-to-GPU limit, which the kernel's loads over PCIe do not reach (docs/CUDA.md,
+// "The memory tier's path to the GPU"). The copy waits only for the buffer's last kernel, not for
+// the caller's stream (it writes no KV block), so the next layer's copy runs while this layer's
+// kernel verifies and scatters. Returns the buffer, or -1 when nothing was staged. Units past the
+// buffer's room, and every unit when the copy cannot be queued (then never again), stay with the
+// kernel's loads.
+int CudaBackend::stage_copies(LaunchParams& p, const uint32_t* ids, cudaStream_t lane) {
   const Geometry& g = k_->geom;
   const uint64_t stride = static_cast<uint64_t>(g.objs_per_layer) * g.obj_bytes;
+  const uint32_t buf = copy_next_;
   copy_dst_.clear();
   copy_src_.clear();
-  uint32_t used = 0;  // units of the area taken by this launch
+  uint32_t used = 0;  // units of the buffer taken by this launch
   for (uint32_t i = 0; i < p.n; ++i) {
     LaunchIocb& L = p.b[i];
     const CopyStage& c = req_[k_->iocbs[ids[i]].request].copy;
@@ -1279,39 +1296,47 @@ void CudaBackend::stage_copies(LaunchParams& p, const uint32_t* ids, uint32_t la
     uint32_t lo = 0, hi = 0;
     c.slots_of(L.ctx_first, L.ctx_count, g.objs_per_layer, &lo, &hi);
     hi = std::min(hi, lo + (copy_units_ - used));
-    L.copy_base = copy_area_[lane] + static_cast<uint64_t>(used) * stride;
+    L.copy_base = copy_buf_[buf] + static_cast<uint64_t>(used) * stride;
     L.copy_lo = lo;
     L.copy_hi = hi;
     for (uint32_t s = lo; s < hi; ++s, ++used) {
       copy_src_.push_back(reinterpret_cast<const void*>(c.src[s] + L.layer * stride));
-      copy_dst_.push_back(copy_area_[lane] + static_cast<uint64_t>(used) * stride);
+      copy_dst_.push_back(copy_buf_[buf] + static_cast<uint64_t>(used) * stride);
     }
   }
-  if (copy_dst_.empty()) return;
+  if (copy_dst_.empty()) return -1;
   copy_size_.assign(copy_dst_.size(), stride);
-  cudaError_t e = cudaErrorNotSupported;
+  cudaError_t e = cudaStreamWaitEvent(copy_stream_, read_ev_[buf], 0);  // its last kernel is done with it
+  if (e == cudaSuccess) {
+    e = cudaErrorNotSupported;
 #if CUDART_VERSION >= 12080
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t attr_idx = 0;
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attr_idx = 0;
 #if CUDART_VERSION >= 13000
-  e = cudaMemcpyBatchAsync(copy_dst_.data(), copy_src_.data(), copy_size_.data(), copy_dst_.size(), &attr, &attr_idx, 1,
-                           stream);
+    e = cudaMemcpyBatchAsync(copy_dst_.data(), copy_src_.data(), copy_size_.data(), copy_dst_.size(), &attr, &attr_idx,
+                             1, copy_stream_);
 #else
-  size_t fail = 0;
-  e = cudaMemcpyBatchAsync(copy_dst_.data(), const_cast<void**>(copy_src_.data()), copy_size_.data(), copy_dst_.size(),
-                           &attr, &attr_idx, 1, &fail, stream);
+    size_t fail = 0;
+    e = cudaMemcpyBatchAsync(copy_dst_.data(), const_cast<void**>(copy_src_.data()), copy_size_.data(),
+                             copy_dst_.size(), &attr, &attr_idx, 1, &fail, copy_stream_);
 #endif
 #endif
+  }
+  if (e == cudaSuccess) e = cudaEventRecord(copied_ev_[buf], copy_stream_);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(lane, copied_ev_[buf], 0);
   if (e == cudaSuccess) {
     copied_ += copy_dst_.size() * stride;
-    return;
+    copy_next_ = (buf + 1) % kCopyBufs;
+    return static_cast<int>(buf);
   }
+  // Nothing the kernel waits for was queued: it loads every mapped object itself, as with 0.
   cudaGetLastError();
   std::fprintf(stderr, "tutti: %s: the I/O kernel loads mapped objects itself from now on\n",
                cuda_msg("cannot stage mapped objects with the copy engine", e).c_str());
   copy_units_ = 0;
   for (uint32_t i = 0; i < p.n; ++i) p.b[i].copy_lo = p.b[i].copy_hi = 0;
+  return -1;
 }
 
 Status CudaBackend::record_on(uint64_t stream, uint64_t* event) {
@@ -1450,9 +1475,15 @@ void CudaBackend::stop() {
   push();
   for (cudaStream_t io : io_streams_)
     if (io) cudaStreamSynchronize(io);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   for (auto& ev : events_)
     if (ev) cudaEventDestroy(ev);
   events_.clear();
+  for (uint32_t b = 0; b < kCopyBufs; ++b)
+    for (cudaEvent_t* ev : {&copied_ev_[b], &read_ev_[b]}) {
+      if (*ev) cudaEventDestroy(*ev);
+      *ev = nullptr;
+    }
   for (auto& m : req_) {
     if (m.uploaded) cudaEventDestroy(m.uploaded);
     if (m.dev) cudaFree(m.dev);
@@ -1493,9 +1524,9 @@ void CudaBackend::stop() {
   if (dev_queues_) cudaFree(dev_queues_);
   if (counters_) cudaFree(counters_);
   if (dev_mapped_) cudaFree(dev_mapped_);
-  for (uint8_t*& a : copy_area_) {
-    if (a) cudaFree(a);
-    a = nullptr;
+  for (uint8_t*& b : copy_buf_) {
+    if (b) cudaFree(b);
+    b = nullptr;
   }
   copy_units_ = 0;
   if (dev_crc_) cudaFree(dev_crc_);
