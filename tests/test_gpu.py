@@ -557,7 +557,7 @@ def test_skipped_blocks_are_checked_and_left_alone(shm_dirs: list[Path], dirs: l
 @pytest.mark.parametrize("layout", ["kv_first", "block_first", "interleaved"])
 def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str, copy_mb: int) -> None:
     """map_memory_paths: retrieves take tmpfs pool pages through the copy engine into device memory
-    (copy_engine_mb; with 1 MiB half of each layer's units fit, the rest and all with 0 the I/O
+    (copy_engine_mb; with 1 MiB 8 units of each layer fit, the rest and all with 0 the I/O
     kernel loads over PCIe itself) and stores write them with the kernel's stores (no SQE, no
     staging), while a disk path of the same store still goes through io_uring. Units move
     byte-exact either way and across the two modes, and a corrupt mapped object is a miss."""
@@ -580,9 +580,11 @@ def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str
             assert res.ok, res
             assert_moved(want, src, kv, dst, layout)
             s.read_unit(keys[0])  # the CPU verifies the checksums the GPU wrote into the mapping
-            # Bytes the copy engine staged: whole unit-layers (K and V), 8 a layer in the 512 KiB of
-            # a lane with 1 MiB, and with 512 MiB every unit of the tmpfs path (more than 8 of 24).
-            staged, unit_layer = s.stats()["copy_engine_bytes"], 2 * s.geometry()["obj_bytes"]
+            # Bytes the copy engine staged: whole unit-layers (a layer's objects of a unit, 64 KiB),
+            # 8 a layer in one of the two 512 KiB buffers of 1 MiB, and with 512 MiB every unit of
+            # the tmpfs path (more than 8 of 24).
+            g = s.geometry()
+            staged, unit_layer = s.stats()["copy_engine_bytes"], g["objs_per_layer"] * g["obj_bytes"]
             assert staged % unit_layer == 0
             if not mapped or copy_mb == 0:
                 assert staged == 0
