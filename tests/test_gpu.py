@@ -612,16 +612,16 @@ def test_mapped_memory_files(shm_dirs: list[Path], dirs: list[Path], layout: str
 @pytest.mark.parametrize("fs", ["tmpfs", "hugetlbfs"])
 def test_memory_tier_mixes_mapped_and_io_uring_units_in_one_request(fs: str, shm_dirs: list[Path], dirs: list[Path],
                                                                    request: pytest.FixtureRequest) -> None:
-    """The memory tier on tmpfs or hugetlbfs (mapped: the I/O kernel's loads and stores) in front
-    of a disk storage tier (io_uring): stores land in memory and the host flushes them to disk; a
-    retrieve whose units lie in both tiers moves each byte-exact from its fastest copy; a unit read
-    twice from disk is promoted and then read from memory."""
+    """The memory tier on tmpfs or hugetlbfs (mapped: the copy engine's stage for retrieves, the
+    I/O kernel's stores) in front of a disk storage tier (io_uring): stores land in memory and the
+    host flushes them to disk; a retrieve whose units lie in both tiers moves each byte-exact from
+    its fastest copy; a unit read twice from disk is promoted and then read from memory."""
     memory = shm_dirs[0] if fs == "tmpfs" else request.getfixturevalue("hugetlbfs")
     kv = make_gpu_kv("kv_first", layers=3, blocks=256, seed=12)
     rng = np.random.default_rng(23)
     keys = [int(k) for k in rng.integers(1, 1 << 62, 24)]
     with open_gpu_store(dirs, kv, "kv_first", map_memory_paths=True, memory_paths=[str(memory)],
-                        memory_capacity_gb=0.0008) as s:  # 8 GPU files of 100 KiB
+                        memory_capacity_gb=0.0008, copy_engine_mb=64) as s:  # 8 GPU files of 100 KiB
         mem_slots = s.stats()["memory_slots"]
         assert 4 <= mem_slots < 24
         src = rng.permutation(256)[: 24 * s.unit_blocks]
@@ -640,6 +640,7 @@ def test_memory_tier_mixes_mapped_and_io_uring_units_in_one_request(fs: str, shm
         assert_moved(want, src, kv, dst, "kv_first")
         st = s.stats()
         assert 0 < st["memory_bytes_read"] < st["bytes_read"]
+        assert st["copy_engine_bytes"] == st["memory_bytes_read"]
         cold = [k for k, t in zip(keys, tiers) if t == "storage"][:2]
         blocks = dst[: 2 * s.unit_blocks]
         assert s.retrieve(cold, blocks).ok  # the second hit of each: promoted after the read

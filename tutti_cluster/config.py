@@ -208,10 +208,10 @@ class TuttiConfig(BaseSettings):
     copy_engine_mb: int = Field(
         _NATIVE.copy_engine_mb, ge=0, le=MAX_COPY_ENGINE_MB,
         description="CUDA: device memory in MiB where the copy engine stages a layer's objects of the memory tier "
-        "(mapped pool files) before the I/O kernel verifies and scatters them: host-to-GPU at the copy engine's "
-        "rate instead of the kernel's loads over PCIe. Split between the kernel's two lanes; one layer of a "
-        "prefix needs unit layers x 2 x object bytes (a 128K-token Llama-3-8B prefix: 1024 MiB); units past it, "
-        "or all with 0, the kernel loads itself. Allocated only when a pool file is mapped; at most 2^20.")
+        "(mapped pool files) before the I/O kernel verifies and scatters them, instead of the kernel's loads over "
+        "PCIe; costs host CPU per unit and layer (docs/CUDA.md). Two buffers taken in turn; one buffer holding a "
+        "layer of a 128K-token Llama-3-8B prefix takes 512 MiB (1024 in all); units past it, or all with 0 (the "
+        "default), the kernel loads itself. Allocated only when a pool file is mapped; at most 2^20.")
 
     # Cluster (all unset: single-node embedded default)
     etcd: list[str] = Field(default_factory=list, description="etcd endpoints host:port (https://host:port: TLS).")

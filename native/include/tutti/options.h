@@ -52,11 +52,11 @@ struct StoreOptions {
   int device = 0;
   bool cuda_pair = false;          // CUDA: K and V of a unit-layer as one I/O (slower on the H200 host)
   bool cuda_trace = false;         // CUDA: print the I/O kernel's counters when the store closes
-  // CUDA: device memory (MiB, split between the I/O kernel's two lanes) where the copy engine stages
-  // a layer's objects of mapped pool files (the memory tier) before the I/O kernel verifies and
-  // scatters them; objects past its room, or all with 0, the kernel loads over PCIe itself.
-  // Allocated only when a pool file is mapped.
-  uint64_t copy_engine_mb = 1024;
+  // CUDA: device memory (MiB, two buffers taken in turn) where the copy engine stages a layer's
+  // objects of mapped pool files (the memory tier) before the I/O kernel verifies and scatters them;
+  // objects past its room, or all with 0 (the default), the kernel loads over PCIe itself.
+  // Allocated only when a pool file is mapped. See docs/CUDA.md, "The memory tier's path to the GPU".
+  uint64_t copy_engine_mb = 0;
   bool read_only = false;          // open existing pools for reading only (no agent)
   // Map the pool files on memory file systems and move their objects with loads and stores
   // instead of io_uring (byte-addressable storage); files elsewhere still go through the agent.
