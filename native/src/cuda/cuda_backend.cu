@@ -240,6 +240,21 @@ __device__ __forceinline__ uint8_t* mapped_object(const LaunchParams& p, const L
                                     (static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj) * p.obj_bytes);
 }
 
+// Where IOCTX x's object sits in the request's [unit][obj] arrays (expected and written checksums).
+__device__ __forceinline__ uint64_t object_at(const LaunchParams& p, const LaunchIocb& B, const Ioctx& x) {
+  return static_cast<uint64_t>(x.unit) * p.num_objs + static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj;
+}
+
+// A retrieved object whose CRC32C is not the one written is a miss: its unit is reported failed
+// and never counts as a hit. One lane calls it.
+__device__ __forceinline__ void check_object(const LaunchIocb& B, const Ioctx& x, uint64_t at, uint64_t sum,
+                                             uint32_t* errors) {
+  if (sum == B.expect[at]) return;
+  vstore<uint8_t>(&B.failed[x.unit], 2);
+  vstore<uint8_t>(&B.failed_out[x.unit], 2);
+  atomicAdd(errors, 1u);
+}
+
 // The piece `piece` of a mapped object that a retrieve reads whole (p.pieces > 1): its blocks move
 // and sum alone; the last piece to finish joins the pieces' sums, checks the object and releases it.
 template <typename Release>
@@ -259,20 +274,15 @@ __device__ void process_piece(const LaunchParams& p, const LaunchIocb& B, const 
   // The piece's raw register, shifted past the pieces after it; xor joins them (crc32c.h).
   const uint32_t mine = crc32c_multmodp(p.piece_shift[p.pieces - 1 - piece],
                                         warp_crc(p.vec16, crc_shift, crc_shift + 32, acc, 0, lane));
-  const uint64_t at = static_cast<uint64_t>(x.unit) * p.num_objs + static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj;
-  uint32_t last = 0, sum = 0;
+  const uint64_t at = object_at(p, B, x);
+  uint32_t last = 0;
   if (lane == 0) {
     atomicXor(&B.pieces[2 * at], mine);
     __threadfence();  // this piece's sum is in before it counts as done
     last = atomicAdd(&B.pieces[2 * at + 1], 1u) == p.pieces - 1;
     if (last) {
       __threadfence();
-      sum = atomicXor(&B.pieces[2 * at], 0u) ^ p.crc_xor;
-      if (static_cast<uint64_t>(sum) != B.expect[at]) {
-        vstore<uint8_t>(&B.failed[x.unit], 2);  // a corrupt object is a miss, as in process_object
-        vstore<uint8_t>(&B.failed_out[x.unit], 2);
-        atomicAdd(errors, 1u);
-      }
+      check_object(B, x, at, atomicXor(&B.pieces[2 * at], 0u) ^ p.crc_xor, errors);
     }
   }
   if (!__shfl_sync(0xffffffffu, last, 0)) return;  // the last piece hands the object back
@@ -344,18 +354,10 @@ __device__ void process_object(const LaunchParams& p, const LaunchIocb& B, uint3
     else warp_zero(p.vec16, chunk + payload, p.obj_bytes - payload, payload, t, acc, lane);
   }
   const uint64_t sum = warp_crc(p.vec16, crc_shift, crc_shift + 32, acc, p.crc_xor, lane);
-  const uint64_t at = static_cast<uint64_t>(x.unit) * p.num_objs + static_cast<uint64_t>(B.layer) * p.objs_per_layer + x.obj;
+  const uint64_t at = object_at(p, B, x);
   if (lane == 0) {
-    if (read) {
-      if (sum != B.expect[at]) {
-        // A corrupt object is a miss: the unit is reported failed and never counts as a hit.
-        vstore<uint8_t>(&B.failed[x.unit], 2);
-        vstore<uint8_t>(&B.failed_out[x.unit], 2);
-        atomicAdd(errors, 1u);
-      }
-    } else {
-      vstore<uint64_t>(&B.sums_out[at], sum);
-    }
+    if (read) check_object(B, x, at, sum, errors);
+    else vstore<uint64_t>(&B.sums_out[at], sum);
   }
   // Staging writes (store) and result words must reach the host before the chunk is handed on.
   __threadfence_system();
