@@ -36,6 +36,9 @@
 # memory tier and no unit in memory against no memory tier, and with every unit in memory against the
 # HBM ideal, its storage tier on /dev/shm, read through io_uring beside a memory tier; TIER_PIPE_INPUTS 32K, TIER_PIPE_PREFIXES 50%,-1u, TIER_PIPE_REPEAT 3, ideal and tutti
 # only); JSON in $OUT. About 210 s on an H100.
+# copyab: a hot set in memory (`tutti-mapped` on /dev/shm, AB_PREFIXES default 16K,128K) through the
+# kernel's loads against the copy engine's stage, alternating copy_engine_mb 0 and 1024 at each of
+# AB_SMS (default "8 16") I/O SMs, AB_ROUNDS rounds (default 2); about 30 s a cell on an H100.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -195,6 +198,15 @@ for step in "$@"; do
       --prefix-tokens=${TIER_PIPE_PREFIXES:-50%,-1u} --systems ideal tutti --no-writeback \
       --repeat ${TIER_PIPE_REPEAT:-3} --json "$OUT/pipeline_tiers.json" | grep -v "step/s\]" | tail -16
     rm -rf /dev/shm/tutti-tmem /dev/shm/tutti-tsto /var/tmp/tutti-tiers ;;
+  copyab)
+    for r in $(seq ${AB_ROUNDS:-2}); do for sms in ${AB_SMS:-8 16}; do for mb in 0 1024; do
+      log "copy engine A/B: round $r, $sms I/O SMs, copy_engine_mb $mb"
+      mkdir -p $SHM
+      TUTTI_IO_SMS=$sms TUTTI_COPY_ENGINE_MB=$mb TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} \
+        bench --paths $SHM --systems tutti-mapped --prefix-tokens ${AB_PREFIXES:-16K,128K} --repeat 2 \
+        --limit-gb 2 --json "$OUT/copyab_r${r}_s${sms}_m${mb}.json" | grep -E "retrieve|host-to-GPU"
+      rm -rf $SHM
+    done; done; done ;;
   memcheck)
     log "compute-sanitizer memcheck: GPU tests -k '${MEMCHECK_K:-skipped or scatter}'"
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
