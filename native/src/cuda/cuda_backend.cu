@@ -1167,7 +1167,10 @@ Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
   std::memcpy(up + o_ext, v->extents, next * sizeof(Extent));
   std::memcpy(up + o_exp, v->checksums, nsums * 8);
   std::memcpy(up + o_fail, v->unit_failed, v->num_units);
-  m.copy.plan(v->ctx, v->num_units, g.objs_per_layer, k_->mapped, g.header_bytes, reinterpret_cast<uint32_t*>(up + o_copy));
+  if (copy_units_)  // the stage's slots; without it (the default) the kernel never reads copy_slot
+    m.copy.plan(v->ctx, v->num_units, g.objs_per_layer, k_->mapped, g.header_bytes, reinterpret_cast<uint32_t*>(up + o_copy));
+  else
+    m.copy = CopyStage{};
   m.ctx = reinterpret_cast<Ioctx*>(m.dev);
   m.extents = reinterpret_cast<Extent*>(m.dev + o_ext);
   m.expect = reinterpret_cast<uint64_t*>(m.dev + o_exp);
