@@ -293,11 +293,13 @@ NATIVE_LIMITS = {  # setting -> (its documented cap, the native field's width)
     "io_sms": (1024, 2**32 - 1),
     "device": (1023, 2**31 - 1),
     "staging_mb": (2**20, 2**44 - 1),  # staging_bytes = staging_mb << 20, a uint64
+    "copy_engine_mb": (2**20, 2**44 - 1),  # shifted by 20 bits like staging_mb
     "min_io_bytes": (2**30, 2**64 - 1),
     "unit_tokens": (2**20, 2**32 - 1),  # blocks per unit, a uint32, are at most unit_tokens
 }
 ATTACK = [("queue_depth", 2**32), ("iocb_depth", 2**32), ("max_requests", 2**32), ("max_requests", 10**9),
-          ("io_sms", 2**32), ("device", 2**31), ("staging_mb", 2**44), ("min_io_bytes", 2**64),
+          ("io_sms", 2**32), ("device", 2**31), ("staging_mb", 2**44), ("copy_engine_mb", 2**44),
+          ("copy_engine_mb", -1), ("min_io_bytes", 2**64),
           ("unit_tokens", 16 * 2**32), ("unit_tokens", 2**32)]
 
 
