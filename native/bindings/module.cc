@@ -255,6 +255,7 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("kernel_cpu_s", &StoreStats::kernel_cpu_s)
       .def_readonly("direct_ios", &StoreStats::direct_ios)
       .def_readonly("copy_engine_bytes", &StoreStats::copy_engine_bytes)
+      .def_readonly("copy_engine_copies", &StoreStats::copy_engine_copies)
       .def_readonly("extent_map_bytes", &StoreStats::extent_map_bytes)
       .def_readonly("request_map_peak_bytes", &StoreStats::request_map_peak_bytes)
       .def_readonly("staging_bytes", &StoreStats::staging_bytes)
@@ -271,7 +272,7 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("error", &UnitFailure::error)
       .def_readonly("pool_file", &UnitFailure::pool_file)
       .def_property_readonly("slot", [](const UnitFailure& f) -> py::object {
-        if (f.slot == UnitFailure::kNoSlot) return py::none();
+        if (f.slot == tutti::kNoSlot) return py::none();
         return py::int_(f.slot);
       })
       .def_readonly("offset", &UnitFailure::offset);

@@ -25,7 +25,7 @@ struct Ioctx {
   uint64_t file_offset;   // slot start in its pool file
   uint32_t path;          // pool path index (registered file index)
   uint32_t unit;          // unit index inside the request
-  uint32_t slot;
+  uint32_t slot;          // or kNoSlot
   uint32_t obj;           // object index inside the layer (K = 0, V = 1)
   uint32_t extent_first;  // into the request's extent array
   uint32_t extent_count;

@@ -179,7 +179,7 @@ class HostBackend final : public Backend {
     for (uint32_t e = 0; e < x.extent_count; ++e) blocks += r.extents[x.extent_first + e].num_blocks;
     return blocks * k_->geom.block_bytes;
   }
-  bool mapped(const Ioctx& x) const { return x.slot != UINT32_MAX && x.path < k_->mapped.size() && k_->mapped[x.path]; }
+  bool mapped(const Ioctx& x) const { return x.slot != kNoSlot && x.path < k_->mapped.size() && k_->mapped[x.path]; }
   // The checksum the commit header carries for object `x` of `layer`.
   uint64_t& object_sum(RequestView& r, uint32_t layer, const Ioctx& x) const {
     const Geometry& g = k_->geom;
@@ -375,7 +375,7 @@ bool HostBackend::post(uint32_t id, SpscRing<Sqe>& sq) {
       finish_ctx(id);
       continue;
     }
-    if (x.slot == UINT32_MAX || r.unit_failed[unit]) {
+    if (x.slot == kNoSlot || r.unit_failed[unit]) {
       posted_[id] += n;
       for (uint32_t k = 0; k < n; ++k) finish_ctx(id);
       continue;

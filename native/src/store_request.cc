@@ -13,12 +13,6 @@
 
 namespace tutti {
 
-namespace {
-
-constexpr uint32_t kNoSlot = UINT32_MAX;
-
-}  // namespace
-
 const char* unit_fail_cause_name(UnitFailCause c) {
   switch (c) {
     case UnitFailCause::kChecksum: return "checksum";

@@ -43,7 +43,6 @@ const char* unit_fail_cause_name(UnitFailCause c);
 
 // One failed unit of a request: why, and where it lay (a unit without a slot: pool_file empty).
 struct UnitFailure {
-  static constexpr uint32_t kNoSlot = UINT32_MAX;
   uint32_t unit = 0;  // index in the request
   uint64_t key = 0;
   UnitFailCause cause = UnitFailCause::kIoError;
