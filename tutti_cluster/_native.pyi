@@ -90,7 +90,6 @@ class StoreStats:
     kernel_cpu_s: float
     direct_ios: int
     copy_engine_bytes: int
-    copy_engine_copies: int
     extent_map_bytes: int
     request_map_peak_bytes: int
     staging_bytes: int

@@ -255,7 +255,6 @@ PYBIND11_MODULE(_native, m) {
       .def_readonly("kernel_cpu_s", &StoreStats::kernel_cpu_s)
       .def_readonly("direct_ios", &StoreStats::direct_ios)
       .def_readonly("copy_engine_bytes", &StoreStats::copy_engine_bytes)
-      .def_readonly("copy_engine_copies", &StoreStats::copy_engine_copies)
       .def_readonly("extent_map_bytes", &StoreStats::extent_map_bytes)
       .def_readonly("request_map_peak_bytes", &StoreStats::request_map_peak_bytes)
       .def_readonly("staging_bytes", &StoreStats::staging_bytes)

@@ -95,7 +95,6 @@ class Backend {
   virtual uint64_t direct_ios() const { return 0; }
   // Bytes of mapped objects the copy engine staged in device memory for retrieves (copy_engine_mb).
   virtual uint64_t copy_engine_bytes() const { return 0; }
-  virtual uint64_t copy_engine_copies() const { return 0; }
   // Kernel workers (SQ/CQ pairs served by the I/O kernel) for `io_workers` requested and `sms`
   // SMs: the host backend has one kernel thread (and helpers), a GPU one thread block per SM of its
   // partition.

@@ -192,7 +192,6 @@ StoreStats Store::stats() const {
   s.kernel_cpu_s = backend_ ? backend_->kernel_cpu_seconds() : 0;
   s.direct_ios = backend_ ? backend_->direct_ios() : 0;
   s.copy_engine_bytes = backend_ ? backend_->copy_engine_bytes() : 0;
-  s.copy_engine_copies = backend_ ? backend_->copy_engine_copies() : 0;
   s.extent_map_bytes = extents_->memory_bytes() + request_map_peak_;
   s.request_map_peak_bytes = request_map_peak_;
   s.staging_bytes = staging_bytes_;

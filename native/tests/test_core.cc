@@ -308,71 +308,6 @@ static void test_copy_stage() {
   CHECK(lo == hi);
 }
 
-// The copies of a launch (CopyStage::runs): every row exactly once, from its slot's objects to its
-// unit of the area, and units striped over the files in consecutive slots as one copy per file.
-static void check_rows(const CopyStage& c, uint32_t lo, uint32_t hi, uint64_t off, uint32_t at, uint64_t width,
-                       const std::vector<CopyRun>& runs) {
-  std::vector<int> seen(hi - lo, 0);
-  for (const CopyRun& r : runs) {
-    CHECK(r.count >= 1);
-    if (r.count > 1) CHECK(r.src_step >= width && r.dst_step >= 1);
-    for (uint32_t i = 0; i < r.count; ++i) {
-      const uint32_t dst = r.dst + i * r.dst_step;
-      CHECK(dst >= at && dst < at + (hi - lo));
-      const uint32_t s = lo + (dst - at);
-      CHECK(r.src + i * r.src_step == c.src[s] + off);
-      ++seen[dst - at];
-    }
-  }
-  for (int n : seen) CHECK(n == 1);
-}
-
-static void test_copy_runs() {
-  const uint32_t files = 4, units = 48, opl = 2;
-  const uint64_t slot_bytes = 1 << 14, width = 4096;
-  std::vector<std::vector<uint8_t>> mem(files, std::vector<uint8_t>(slot_bytes * units));
-  std::vector<uint8_t*> mapped;
-  for (auto& m : mem) mapped.push_back(m.data());
-  std::mt19937 rng(7);
-  for (int round = 0; round < 200; ++round) {
-    // Round 0: round-robin over the files, consecutive slots in each. Later rounds: some units missing,
-    // some slots out of order, some in an unmapped file.
-    std::vector<uint32_t> next(files, 0);
-    std::vector<Ioctx> ctx;
-    for (uint32_t u = 0; u < units; ++u) {
-      const uint32_t f = round ? rng() % (files + 1) : u % files;
-      uint32_t slot = f < files ? next[f]++ : 0;
-      if (round && rng() % 8 == 0) slot = rng() % units;
-      for (uint32_t o = 0; o < opl; ++o) {
-        Ioctx x{};
-        x.unit = u;
-        x.obj = o;
-        x.path = f;  // file `files`: not mapped
-        x.slot = round && rng() % 16 == 0 ? kNoSlot : slot;
-        x.file_offset = slot * slot_bytes;
-        ctx.push_back(x);
-      }
-    }
-    mapped.resize(files + 1, nullptr);
-    CopyStage c;
-    std::vector<uint32_t> slot_of(units);
-    c.plan(ctx.data(), units, opl, mapped, 512, slot_of.data());
-    const uint32_t n = static_cast<uint32_t>(c.units.size());
-    const uint32_t lo = round ? rng() % (n + 1) : 0, hi = round ? lo + rng() % (n - lo + 1) : n;
-    const uint32_t at = round % 3;
-    std::vector<CopyRun> runs;
-    std::vector<uint32_t> open;
-    c.runs(lo, hi, 3 * width, at, width, round % 5 != 4 ? UINT64_MAX : slot_bytes - 1, &runs, &open);
-    check_rows(c, lo, hi, 3 * width, at, width, runs);
-    if (round == 0) {  // one copy per file, a slot apart in it and `files` units apart in the area
-      CHECK(runs.size() == files);
-      for (const CopyRun& r : runs) CHECK(r.count == units / files && r.src_step == slot_bytes && r.dst_step == files);
-    }
-    if (round % 5 == 4)  // steps past max_step: every row alone
-      for (const CopyRun& r : runs) CHECK(r.count == 1);
-  }
-}
-
 static void test_header_round_trip() {
   LayerKV l;
   l.nptr = 2;
@@ -649,7 +584,6 @@ int main() {
   run("index_tiers", test_index_tiers);
   run("extents", test_extents);
   run("copy_stage", test_copy_stage);
-  run("copy_runs", test_copy_runs);
   run("header_round_trip", test_header_round_trip);
   run("pool_round_robin", test_pool_round_robin);
   run("pool_slot_heads", test_pool_slot_heads);

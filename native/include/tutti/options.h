@@ -80,7 +80,6 @@ struct StoreStats {
   double agent_cpu_s = 0, kernel_cpu_s = 0;
   uint64_t direct_ios = 0;  // I/Os straight between a pool file and the KV blocks, no staging copy
   uint64_t copy_engine_bytes = 0;  // bytes of mapped objects the copy engine staged for retrieves (CUDA)
-  uint64_t copy_engine_copies = 0;  // copies queued for them (2D copies and batch entries): the host's work
   // Extent map: per-layer descriptors plus the largest request's extents and IOCTXs so far.
   uint64_t extent_map_bytes = 0, request_map_peak_bytes = 0, staging_bytes = 0, slot_bytes = 0, obj_bytes = 0;
   bool direct_io = false, fixed_buffers = false;

@@ -123,7 +123,6 @@ class CudaBackend final : public Backend {
   uint32_t num_queues(uint32_t workers) const override { return kLanes * workers; }
   uint64_t compute_stream() const override { return reinterpret_cast<uint64_t>(compute_stream_); }
   uint64_t copy_engine_bytes() const override { return copied_; }
-  uint64_t copy_engine_copies() const override { return copy_calls_; }
   Status start(KernelContext* ctx, uint32_t workers) override;
   Status launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) override;
   void stop() override;
@@ -219,10 +218,6 @@ class CudaBackend final : public Backend {
   cudaEvent_t copied_ev_[kCopyBufs] = {}, read_ev_[kCopyBufs] = {};
   uint32_t copy_units_ = 0, copy_next_ = 0;
   uint64_t copied_ = 0;
-  uint64_t copy_calls_ = 0;  // copies queued: 2D copies and batch entries
-  uint64_t max_pitch_ = 0;   // the device's largest pitch of a 2D copy
-  std::vector<CopyRun> copy_runs_;
-  std::vector<uint32_t> copy_open_;
   std::vector<void*> copy_dst_;
   std::vector<const void*> copy_src_;
   std::vector<size_t> copy_size_;
@@ -247,9 +242,6 @@ Status CudaBackend::init() {
   cudaDeviceGetAttribute(&uva, cudaDevAttrUnifiedAddressing, device_);
   if (!mapped || !uva) return {Code::kDevice, "device cannot map pinned host memory with unified addressing"};
   cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_);
-  int pitch = 0;
-  cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, device_);
-  max_pitch_ = static_cast<uint64_t>(std::max(pitch, 0));
   std::string missing;
   green_ = drv_.load(&missing);
   if (!green_ && (!drv_.CtxPushCurrent || !drv_.CtxPopCurrent)) drv_ = Driver{};
@@ -657,13 +649,20 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
 // runs while this layer's kernel verifies and scatters. Returns the buffer, or -1 when nothing was
 // staged. Units past the buffer's room, and every unit when a copy cannot be queued (then never
 // again), stay with the kernel's loads.
-constexpr bool kHasBatchCopy = CUDART_VERSION >= 12080;  // cudaMemcpyBatchAsync; else a 2D copy per unit
-
+// Stages the mapped objects of a launch's retrieves in the next copy buffer with one batched copy on
+// the copy stream, and makes the launch's lane wait for it: the copy engine moves host memory to
+// the GPU at the host-to-GPU limit, which the kernel's loads over PCIe do not reach (docs/CUDA.md,
+// "The memory tier's path to the GPU"). The copy waits only for the buffer's last kernel, not for
+// the caller's stream (it writes no KV block), so the next layer's copy runs while this layer's
+// kernel verifies and scatters. Returns the buffer, or -1 when nothing was staged. Units past the
+// buffer's room, and every unit when the copy cannot be queued (then never again), stay with the
+// kernel's loads.
 int CudaBackend::stage_copies(LaunchParams& p, const uint32_t* ids, cudaStream_t lane) {
   const Geometry& g = k_->geom;
   const uint64_t stride = static_cast<uint64_t>(g.objs_per_layer) * g.obj_bytes;
   const uint32_t buf = copy_next_;
-  copy_runs_.clear();
+  copy_dst_.clear();
+  copy_src_.clear();
   uint32_t used = 0;  // units of the buffer taken by this launch
   for (uint32_t i = 0; i < p.n; ++i) {
     LaunchIocb& L = p.b[i];
@@ -675,25 +674,16 @@ int CudaBackend::stage_copies(LaunchParams& p, const uint32_t* ids, cudaStream_t
     L.copy_base = copy_buf_[buf] + static_cast<uint64_t>(used) * stride;
     L.copy_lo = lo;
     L.copy_hi = hi;
-    c.runs(lo, hi, L.layer * stride, used, stride, max_pitch_, &copy_runs_, &copy_open_);
-    used += hi - lo;
-  }
-  if (!used) return -1;
-  copy_dst_.clear();
-  copy_src_.clear();
-  cudaError_t e = cudaStreamWaitEvent(copy_stream_, read_ev_[buf], 0);  // its last kernel is done with it
-  for (const CopyRun& r : copy_runs_) {
-    uint8_t* dst = copy_buf_[buf] + r.dst * stride;
-    if (r.count == 1 && kHasBatchCopy) {
-      copy_dst_.push_back(dst);
-      copy_src_.push_back(reinterpret_cast<const void*>(r.src));
-    } else if (e == cudaSuccess) {
-      e = cudaMemcpy2DAsync(dst, r.dst_step * stride, reinterpret_cast<const void*>(r.src), r.src_step, stride, r.count,
-                            cudaMemcpyHostToDevice, copy_stream_);
+    for (uint32_t s = lo; s < hi; ++s, ++used) {
+      copy_src_.push_back(reinterpret_cast<const void*>(c.src[s] + L.layer * stride));
+      copy_dst_.push_back(copy_buf_[buf] + static_cast<uint64_t>(used) * stride);
     }
   }
-  if (e == cudaSuccess && !copy_dst_.empty()) {
-    copy_size_.assign(copy_dst_.size(), stride);
+  if (copy_dst_.empty()) return -1;
+  copy_size_.assign(copy_dst_.size(), stride);
+  cudaError_t e = cudaStreamWaitEvent(copy_stream_, read_ev_[buf], 0);  // its last kernel is done with it
+  if (e == cudaSuccess) {
+    e = cudaErrorNotSupported;
 #if CUDART_VERSION >= 12080
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -711,13 +701,11 @@ int CudaBackend::stage_copies(LaunchParams& p, const uint32_t* ids, cudaStream_t
   if (e == cudaSuccess) e = cudaEventRecord(copied_ev_[buf], copy_stream_);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(lane, copied_ev_[buf], 0);
   if (e == cudaSuccess) {
-    copied_ += used * stride;
-    copy_calls_ += copy_runs_.size();
+    copied_ += copy_dst_.size() * stride;
     copy_next_ = (buf + 1) % kCopyBufs;
     return static_cast<int>(buf);
   }
-  // The kernel waits for none of it and loads every mapped object itself, as with 0; copies already
-  // queued land in a buffer that nothing reads again.
+  // Nothing the kernel waits for was queued: it loads every mapped object itself, as with 0.
   cudaGetLastError();
   std::fprintf(stderr, "tutti: %s: the I/O kernel loads mapped objects itself from now on\n",
                cuda_msg("cannot stage mapped objects with the copy engine", e).c_str());
