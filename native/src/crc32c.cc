@@ -192,14 +192,25 @@ __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) inline __m5
   return _mm512_set_epi64(b, a, b, a, b, a, b, a);
 }
 
-template <bool kCopy>
+template <bool kStream>
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) inline void store512(uint8_t* d, __m512i v) {
+  if (kStream)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), v);
+  else
+    _mm512_storeu_si512(d, v);
+}
+
+// kStream: the copy's stores are non-temporal (the destination 64-byte aligned): written around
+// the caches, without first reading each destination line in (read for ownership); the caller
+// fences.
+template <bool kCopy, bool kStream = false>
 __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) uint32_t raw_vpclmul(uint32_t r, uint8_t* d,
                                                                                           const uint8_t* s, size_t n) {
   static const FoldKey k256(256), k192(192), k128(128), k64(64), k48(48), k32(32), k16(16);
   __m512i x[4];
   for (int i = 0; i < 4; ++i) {
     x[i] = _mm512_loadu_si512(s + 64 * i);
-    if (kCopy) _mm512_storeu_si512(d + 64 * i, x[i]);
+    if (kCopy) store512<kStream>(d + 64 * i, x[i]);
   }
   x[0] = _mm512_xor_si512(x[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(r))));
   s += 256;
@@ -209,7 +220,7 @@ __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.2"))) uint32_t ra
   for (; n >= 256; n -= 256, s += 256) {
     for (int i = 0; i < 4; ++i) {
       const __m512i y = _mm512_loadu_si512(s + 64 * i);
-      if (kCopy) _mm512_storeu_si512(d + 64 * i, y);
+      if (kCopy) store512<kStream>(d + 64 * i, y);
       x[i] = fold512(x[i], key, y);
     }
     if (kCopy) d += 256;
@@ -245,6 +256,17 @@ uint32_t raw_copy(uint32_t r, void* dst, const void* src, size_t n) {
   return raw_copy_portable(r, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
 }
 
+uint32_t raw_copy_stream(uint32_t r, void* dst, const void* src, size_t n) {
+#if defined(__x86_64__)
+  if (n >= 512 && reinterpret_cast<uintptr_t>(dst) % 64 == 0 && has_vpclmul()) {
+    r = raw_vpclmul<true, true>(r, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n);
+    _mm_sfence();  // the streamed stores are ordered before whatever publishes the copy
+    return r;
+  }
+#endif
+  return raw_copy(r, dst, src, n);
+}
+
 }  // namespace
 
 uint32_t crc32c_x8n(uint64_t n) { return x_pow(8 * n); }
@@ -264,5 +286,9 @@ void crc32c_lane_tables(CrcLaneTables* out) {
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n) { return ~raw_update(~crc, data, n); }
 
 uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n) { return ~raw_copy(~crc, dst, src, n); }
+
+uint32_t crc32c_copy_stream(uint32_t crc, void* dst, const void* src, size_t n) {
+  return ~raw_copy_stream(~crc, dst, src, n);
+}
 
 }  // namespace tutti

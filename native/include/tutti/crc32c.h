@@ -106,5 +106,11 @@ TUTTI_HD uint32_t crc_lane_skip4(Rows t, uint32_t acc) { return crc_lane_shift(t
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t n);
 // Copies `n` bytes from `src` to `dst` and extends `crc` over them, in one pass.
 uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n);
+// The same with streaming (non-temporal) stores where the CPU and the destination allow (AVX-512,
+// `dst` 64-byte aligned, n >= 512; else as crc32c_copy), for a destination that is not read again
+// soon (KV blocks being restored, a pool file's mapping): the copy skips reading each destination
+// line in before writing it and leaves the caches to the caller's other work. The stores are
+// fenced before it returns.
+uint32_t crc32c_copy_stream(uint32_t crc, void* dst, const void* src, size_t n);
 
 }  // namespace tutti
