@@ -334,10 +334,15 @@ def test_layer_calls_are_stream_ordered(dirs: list[Path], caller_stream: str) ->
 
 
 @gpu
-def test_concurrent_requests(shm_dirs: list[Path]) -> None:
+@pytest.mark.parametrize("copy_mb", [None, 1], ids=["io_uring", "copy_engine"])
+def test_concurrent_requests(shm_dirs: list[Path], copy_mb: int | None) -> None:
+    """Four requests in flight, their layer calls interleaved: through io_uring, and through the
+    mapping with the copy engine's stage (two buffers of 512 KiB, taken in turn by the four
+    requests' launches, each staging the 16 units of its 32 that fit and loading the rest)."""
     kv = make_gpu_kv("kv_first", layers=8, blocks=1024, seed=5)
     rng = np.random.default_rng(5)
-    with open_gpu_store(shm_dirs, kv, "kv_first", capacity_gb=1.0, staging_mb=16) as s:
+    mode = {} if copy_mb is None else dict(map_memory_paths=True, copy_engine_mb=copy_mb)
+    with open_gpu_store(shm_dirs, kv, "kv_first", capacity_gb=1.0, staging_mb=16, **mode) as s:
         ub = s.unit_blocks
         groups = [[int(k) for k in rng.integers(1, 1 << 62, 32)] for _ in range(4)]
         srcs = [rng.permutation(1024)[: 32 * ub] for _ in groups]
@@ -359,6 +364,13 @@ def test_concurrent_requests(shm_dirs: list[Path]) -> None:
         assert all(r.ok for r in results), results
         for src, dst in zip(srcs, dsts):
             assert_moved(want, src, kv, dst, "kv_first")
+        g, staged = s.geometry(), s.stats()["copy_engine_bytes"]
+        unit_layer = g["objs_per_layer"] * g["obj_bytes"]
+        if copy_mb is None:
+            assert staged == 0
+        else:  # a buffer's whole unit-layers per launch (one a request and layer), 4 requests x 8 layers
+            per_launch = min((copy_mb << 20) // 2 // unit_layer, 32)
+            assert 0 < per_launch < 32 and staged == 4 * 8 * per_launch * unit_layer, (staged, unit_layer)
 
 
 @gpu
