@@ -764,8 +764,8 @@ void CudaBackend::stop() {
   started_ = false;
   cudaSetDevice(device_);
   __atomic_store_n(abort_, 1, __ATOMIC_RELEASE);
-  copy_.stop();  // the copies lanes wait for are queued before the lanes are waited for
   push();
+  copy_.stop();  // the copies lanes wait for are queued before the lanes are waited for
   for (cudaStream_t io : io_streams_)
     if (io) cudaStreamSynchronize(io);
   for (auto& ev : events_)
