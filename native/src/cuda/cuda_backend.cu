@@ -25,7 +25,6 @@
 
 #include "backend.h"
 #include "copy_stage.h"
-#include "copy_engine.cuh"
 #include "io_kernel.cuh"
 #include "tutti/crc32c.h"
 
@@ -97,7 +96,7 @@ struct RequestMem {
   uint8_t* failed_out = nullptr;   // host address
   uint32_t* pieces = nullptr;      // device: split objects' joined sums and pieces done
   uint32_t* copy_slot = nullptr;   // device: CopyStage's slot of each unit
-  std::shared_ptr<const CopyStage> copy;  // null without the copy engine's stage
+  CopyStage copy;
   uint64_t nsums = 0;
   uint32_t units = 0;
 };
@@ -123,7 +122,7 @@ class CudaBackend final : public Backend {
   }
   uint32_t num_queues(uint32_t workers) const override { return kLanes * workers; }
   uint64_t compute_stream() const override { return reinterpret_cast<uint64_t>(compute_stream_); }
-  uint64_t copy_engine_bytes() const override { return copy_.bytes_staged(); }
+  uint64_t copy_engine_bytes() const override { return copied_; }
   Status start(KernelContext* ctx, uint32_t workers) override;
   Status launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64_t event) override;
   void stop() override;
@@ -208,11 +207,21 @@ class CudaBackend final : public Backend {
   std::vector<RequestMem> req_;
   bool vec16_ = false;
   uint32_t group_ = 1;  // IOCTXs per staging slot (2: K and V of a unit-layer as one I/O)
-  // The copy engine's stage (copy_engine.cuh): copy_engine_mb, its stream memory operations.
+  // The copy engine's stage (copy_stage.h): two device buffers of copy_bytes_ / 2, taken in turn by
+  // the launches that stage objects, each holding copy_units_ units' objects of one layer; the copy
+  // stream; per buffer, its copy done (recorded on the copy stream) and its kernel done (on the
+  // lane); bytes staged so far; the batch being built.
+  static constexpr uint32_t kCopyBufs = 2;
   uint64_t copy_bytes_ = 0;
-  CopyEngine::MemOps memops_;
+  uint8_t* copy_buf_[kCopyBufs] = {};
   cudaStream_t copy_stream_ = nullptr;
-  CopyEngine copy_;
+  cudaEvent_t copied_ev_[kCopyBufs] = {}, read_ev_[kCopyBufs] = {};
+  uint32_t copy_units_ = 0, copy_next_ = 0;
+  uint64_t copied_ = 0;
+  std::vector<void*> copy_dst_;
+  std::vector<const void*> copy_src_;
+  std::vector<size_t> copy_size_;
+  int stage_copies(LaunchParams& p, const uint32_t* ids, cudaStream_t lane);
   // Shared memory of one I/O block: 3 + pieces_ words (the ready ring takes one per piece) and one
   // state byte per staging chunk.
   size_t smem_bytes() const { return sizeof(uint32_t) * (3 + pieces_) * per_worker_ + (per_worker_ + 3) / 4 * 4; }
@@ -235,8 +244,6 @@ Status CudaBackend::init() {
   cudaDeviceGetAttribute(&num_sms_, cudaDevAttrMultiProcessorCount, device_);
   std::string missing;
   green_ = drv_.load(&missing);
-  Driver::get("cuStreamWaitValue64", 11070, &memops_.wait);  // the copy engine's stage, not the partition
-  Driver::get("cuStreamWriteValue64", 11070, &memops_.write);
   if (!green_ && (!drv_.CtxPushCurrent || !drv_.CtxPopCurrent)) drv_ = Driver{};
   return Status::Ok();
 }
@@ -381,11 +388,12 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
       return {Code::kDevice, cuda_msg("cudaHostGetDevicePointer (mapped pool file)", e)};
     maps[i] = reinterpret_cast<uint64_t>(d);
   }
-  if (!registered_.empty()) {
-    const std::string why = copy_.start(copy_bytes_, static_cast<uint64_t>(ctx->geom.objs_per_layer) * ctx->geom.obj_bytes,
-                                        device_, copy_stream_, memops_, io_ctx_, drv_.CtxPushCurrent);
-    if (!why.empty()) return {Code::kDevice, why};
-  }
+  const uint64_t stride = static_cast<uint64_t>(ctx->geom.objs_per_layer) * ctx->geom.obj_bytes;
+  copy_units_ = registered_.empty() || !stride ? 0 : static_cast<uint32_t>(std::min<uint64_t>(copy_bytes_ / kCopyBufs / stride, UINT32_MAX));
+  for (uint32_t b = 0; b < kCopyBufs && copy_units_; ++b)
+    if ((e = cudaMalloc(&copy_buf_[b], copy_units_ * stride)) != cudaSuccess)
+      return {Code::kDevice, "copy_engine_mb (" + std::to_string(copy_bytes_ >> 20) + " MiB) of device memory for the copy " +
+                                 "engine's stage: " + cudaGetErrorString(e) + "; a smaller copy_engine_mb, or 0, avoids it"};
   if (!registered_.empty()) {
     if ((e = cudaMalloc(&dev_mapped_, sizeof(uint64_t) * maps.size())) != cudaSuccess) return {Code::kDevice, cuda_msg("cudaMalloc", e)};
     if ((e = cudaMemcpy(dev_mapped_, maps.data(), sizeof(uint64_t) * maps.size(), cudaMemcpyHostToDevice)) != cudaSuccess)
@@ -425,6 +433,12 @@ Status CudaBackend::start(KernelContext* ctx, uint32_t workers) {
     if ((e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming)) != cudaSuccess) {
       pop();
       return {Code::kDevice, cuda_msg("cudaEventCreate", e)};
+    }
+  for (uint32_t b = 0; b < kCopyBufs && copy_units_; ++b)  // the I/O context: recorded on its streams
+    if ((e = cudaEventCreateWithFlags(&copied_ev_[b], cudaEventDisableTiming)) != cudaSuccess ||
+        (e = cudaEventCreateWithFlags(&read_ev_[b], cudaEventDisableTiming)) != cudaSuccess) {
+      pop();
+      return {Code::kDevice, cuda_msg("cudaEventCreate (copy engine)", e)};
     }
   const size_t smem = smem_bytes();  // beside the kernel's static shared memory (the CRC tables)
   if (smem + 26 * 1024 > 48 * 1024 &&
@@ -514,12 +528,10 @@ Status CudaBackend::begin_request(uint32_t id, RequestView* v) {
   std::memcpy(up + o_ext, v->extents, next * sizeof(Extent));
   std::memcpy(up + o_exp, v->checksums, nsums * 8);
   std::memcpy(up + o_fail, v->unit_failed, v->num_units);
-  m.copy.reset();
-  if (copy_.units()) {  // the stage's slots; without it (the default) the kernel never reads copy_slot
-    auto c = std::make_shared<CopyStage>();  // a plan of its own: the copy thread may still read the last one
-    c->plan(v->ctx, v->num_units, g.objs_per_layer, k_->mapped, g.header_bytes, reinterpret_cast<uint32_t*>(up + o_copy));
-    m.copy = std::move(c);
-  }
+  if (copy_units_)  // the stage's slots; without it (the default) the kernel never reads copy_slot
+    m.copy.plan(v->ctx, v->num_units, g.objs_per_layer, k_->mapped, g.header_bytes, reinterpret_cast<uint32_t*>(up + o_copy));
+  else
+    m.copy = CopyStage{};
   m.ctx = reinterpret_cast<Ioctx*>(m.dev);
   m.extents = reinterpret_cast<Extent*>(m.dev + o_ext);
   m.expect = reinterpret_cast<uint64_t*>(m.dev + o_exp);
@@ -615,20 +627,91 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
       L.block_stride = l.block_stride;
       L.copy_slot = m.copy_slot;
     }
-    const uint64_t job = copy_.stage(p, stream, [&](uint32_t i) { return req_[k_->iocbs[ids[first + i]].request].copy; });
+    const int buf = copy_units_ ? stage_copies(p, ids + first, stream) : -1;
     const size_t smem = smem_bytes();
     io_kernel<<<grid, kThreads, smem, stream>>>(p);
     ++launches_;
     e = cudaGetLastError();
-    if (job) {  // even after a failed launch: the copy stream waits for it to reuse the buffer
-      const cudaError_t d = copy_.done(stream, job);
-      if (e == cudaSuccess) e = d;
-    }
+    if (e == cudaSuccess && buf >= 0) e = cudaEventRecord(read_ev_[buf], stream);  // the buffer is free again
     for (uint32_t i = 0; i < p.n && e == cudaSuccess; ++i) e = cudaEventRecord(events_[ids[first + i]], stream);
   }
   pop();
   if (e != cudaSuccess) return {Code::kDevice, cuda_msg("I/O kernel launch", e)};
   return Status::Ok();
+}
+
+// Stages the mapped objects of a launch's retrieves in the next copy buffer on the copy stream, and
+// makes the launch's lane wait for it: the copy engine moves host memory to the GPU at the
+// host-to-GPU limit, which the kernel's loads over PCIe do not reach (docs/CUDA.md, "The memory
+// tier's path to the GPU"). Units at constant steps in their pool file and in the buffer go as one
+// 2D copy each run, the single ones in one batched copy (copy_stage.h). The copy waits only for the
+// buffer's last kernel, not for the caller's stream (it writes no KV block), so the next layer's copy
+// runs while this layer's kernel verifies and scatters. Returns the buffer, or -1 when nothing was
+// staged. Units past the buffer's room, and every unit when a copy cannot be queued (then never
+// again), stay with the kernel's loads.
+// Stages the mapped objects of a launch's retrieves in the next copy buffer with one batched copy on
+// the copy stream, and makes the launch's lane wait for it: the copy engine moves host memory to
+// the GPU at the host-to-GPU limit, which the kernel's loads over PCIe do not reach (docs/CUDA.md,
+// "The memory tier's path to the GPU"). The copy waits only for the buffer's last kernel, not for
+// the caller's stream (it writes no KV block), so the next layer's copy runs while this layer's
+// kernel verifies and scatters. Returns the buffer, or -1 when nothing was staged. Units past the
+// buffer's room, and every unit when the copy cannot be queued (then never again), stay with the
+// kernel's loads.
+int CudaBackend::stage_copies(LaunchParams& p, const uint32_t* ids, cudaStream_t lane) {
+  const Geometry& g = k_->geom;
+  const uint64_t stride = static_cast<uint64_t>(g.objs_per_layer) * g.obj_bytes;
+  const uint32_t buf = copy_next_;
+  copy_dst_.clear();
+  copy_src_.clear();
+  uint32_t used = 0;  // units of the buffer taken by this launch
+  for (uint32_t i = 0; i < p.n; ++i) {
+    LaunchIocb& L = p.b[i];
+    const CopyStage& c = req_[k_->iocbs[ids[i]].request].copy;
+    if (L.op != static_cast<uint32_t>(IoOp::kRead) || c.units.empty()) continue;
+    uint32_t lo = 0, hi = 0;
+    c.slots_of(L.ctx_first, L.ctx_count, g.objs_per_layer, &lo, &hi);
+    hi = std::min(hi, lo + (copy_units_ - used));
+    L.copy_base = copy_buf_[buf] + static_cast<uint64_t>(used) * stride;
+    L.copy_lo = lo;
+    L.copy_hi = hi;
+    for (uint32_t s = lo; s < hi; ++s, ++used) {
+      copy_src_.push_back(reinterpret_cast<const void*>(c.src[s] + L.layer * stride));
+      copy_dst_.push_back(copy_buf_[buf] + static_cast<uint64_t>(used) * stride);
+    }
+  }
+  if (copy_dst_.empty()) return -1;
+  copy_size_.assign(copy_dst_.size(), stride);
+  cudaError_t e = cudaStreamWaitEvent(copy_stream_, read_ev_[buf], 0);  // its last kernel is done with it
+  if (e == cudaSuccess) {
+    e = cudaErrorNotSupported;
+#if CUDART_VERSION >= 12080
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attr_idx = 0;
+#if CUDART_VERSION >= 13000
+    e = cudaMemcpyBatchAsync(copy_dst_.data(), copy_src_.data(), copy_size_.data(), copy_dst_.size(), &attr, &attr_idx,
+                             1, copy_stream_);
+#else
+    size_t fail = 0;
+    e = cudaMemcpyBatchAsync(copy_dst_.data(), const_cast<void**>(copy_src_.data()), copy_size_.data(),
+                             copy_dst_.size(), &attr, &attr_idx, 1, &fail, copy_stream_);
+#endif
+#endif
+  }
+  if (e == cudaSuccess) e = cudaEventRecord(copied_ev_[buf], copy_stream_);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(lane, copied_ev_[buf], 0);
+  if (e == cudaSuccess) {
+    copied_ += copy_dst_.size() * stride;
+    copy_next_ = (buf + 1) % kCopyBufs;
+    return static_cast<int>(buf);
+  }
+  // Nothing the kernel waits for was queued: it loads every mapped object itself, as with 0.
+  cudaGetLastError();
+  std::fprintf(stderr, "tutti: %s: the I/O kernel loads mapped objects itself from now on\n",
+               cuda_msg("cannot stage mapped objects with the copy engine", e).c_str());
+  copy_units_ = 0;
+  for (uint32_t i = 0; i < p.n; ++i) p.b[i].copy_lo = p.b[i].copy_hi = 0;
+  return -1;
 }
 
 Status CudaBackend::record_on(uint64_t stream, uint64_t* event) {
@@ -765,12 +848,17 @@ void CudaBackend::stop() {
   cudaSetDevice(device_);
   __atomic_store_n(abort_, 1, __ATOMIC_RELEASE);
   push();
-  copy_.stop();  // the copies lanes wait for are queued before the lanes are waited for
   for (cudaStream_t io : io_streams_)
     if (io) cudaStreamSynchronize(io);
+  if (copy_stream_) cudaStreamSynchronize(copy_stream_);
   for (auto& ev : events_)
     if (ev) cudaEventDestroy(ev);
   events_.clear();
+  for (uint32_t b = 0; b < kCopyBufs; ++b)
+    for (cudaEvent_t* ev : {&copied_ev_[b], &read_ev_[b]}) {
+      if (*ev) cudaEventDestroy(*ev);
+      *ev = nullptr;
+    }
   for (auto& m : req_) {
     if (m.uploaded) cudaEventDestroy(m.uploaded);
     if (m.dev) cudaFree(m.dev);
@@ -811,7 +899,11 @@ void CudaBackend::stop() {
   if (dev_queues_) cudaFree(dev_queues_);
   if (counters_) cudaFree(counters_);
   if (dev_mapped_) cudaFree(dev_mapped_);
-  copy_.release();
+  for (uint8_t*& b : copy_buf_) {
+    if (b) cudaFree(b);
+    b = nullptr;
+  }
+  copy_units_ = 0;
   if (dev_crc_) cudaFree(dev_crc_);
   dev_crc_ = nullptr;
   dev_mapped_ = nullptr;

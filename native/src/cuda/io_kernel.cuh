@@ -105,10 +105,6 @@ struct LaunchParams {
   uint32_t crc_xor;           // raw register -> CRC32C of one object (crc32c_zeros_xor(obj_bytes))
   uint32_t pieces;            // pieces per mapped object a retrieve reads whole: kPieces, or 1 (no split)
   uint32_t piece_shift[kPieces];  // x^(8 k piece_bytes) mod P: joins piece kPieces - 1 - k's sum
-  // The copy engine's job for this launch (copy_engine.cuh): its staged copies are there only when
-  // *copy_ok == copy_seq (the copy stream sets it once their copy was queued).
-  const uint64_t* copy_ok;
-  uint64_t copy_seq;
   LaunchIocb b[kMaxLaunchIocbs];
 };
 
@@ -222,7 +218,7 @@ __device__ __forceinline__ void warp_zero(bool vec16, uint8_t* dst, uint64_t byt
 __device__ __forceinline__ uint8_t* mapped_object(const LaunchParams& p, const LaunchIocb& B, const Ioctx& x) {
   const uint64_t base = p.mapped ? p.mapped[x.path] : 0;
   if (!base) return nullptr;
-  if (B.copy_hi > B.copy_lo && vload(p.copy_ok) == p.copy_seq) {
+  if (B.copy_hi > B.copy_lo) {
     const uint32_t s = B.copy_slot[x.unit];
     if (s >= B.copy_lo && s < B.copy_hi)
       return B.copy_base + (static_cast<uint64_t>(s - B.copy_lo) * p.objs_per_layer + x.obj) * p.obj_bytes;
