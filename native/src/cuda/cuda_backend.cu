@@ -640,15 +640,6 @@ Status CudaBackend::launch(const uint32_t* ids, uint32_t n, uint32_t sms, uint64
   return Status::Ok();
 }
 
-// Stages the mapped objects of a launch's retrieves in the next copy buffer on the copy stream, and
-// makes the launch's lane wait for it: the copy engine moves host memory to the GPU at the
-// host-to-GPU limit, which the kernel's loads over PCIe do not reach (docs/CUDA.md, "The memory
-// tier's path to the GPU"). Units at constant steps in their pool file and in the buffer go as one
-// 2D copy each run, the single ones in one batched copy (copy_stage.h). The copy waits only for the
-// buffer's last kernel, not for the caller's stream (it writes no KV block), so the next layer's copy
-// runs while this layer's kernel verifies and scatters. Returns the buffer, or -1 when nothing was
-// staged. Units past the buffer's room, and every unit when a copy cannot be queued (then never
-// again), stay with the kernel's loads.
 // Stages the mapped objects of a launch's retrieves in the next copy buffer with one batched copy on
 // the copy stream, and makes the launch's lane wait for it: the copy engine moves host memory to
 // the GPU at the host-to-GPU limit, which the kernel's loads over PCIe do not reach (docs/CUDA.md,
