@@ -5,9 +5,12 @@ tokens: 32 MiB each) into a memory tier on ``--memory-path`` in front of ``--pat
 ``write_policy=memory_only`` (nothing flushed yet), reopens the store with ``write_back`` (the open
 finds every unit in memory only and queues its flush) and times ``flush()``; then the storage write
 limit on the same path (O_DIRECT, 1 MiB requests, the best of 1, 2, 4 and 8 threads) over as many
-bytes. Run as root to drop the page cache before each phase:
+bytes. ``--rounds N`` repeats the flush N times, each between two write passes (the sweep's best
+thread count, as many bytes), and compares it with their mean: a shared virtual disk's write rate
+drifts within minutes, and only passes beside the flush cancel that. Run as root to drop the page
+cache before each phase:
 
-    python tools/diag/flush_bandwidth.py --path /var/tmp/fb --memory-path /dev/shm/fb --units 48
+    python tools/diag/flush_bandwidth.py --path /var/tmp/fb --memory-path /dev/shm/fb --units 48 [--rounds 3]
 """
 
 from __future__ import annotations
@@ -38,20 +41,9 @@ def open_store(args: argparse.Namespace, kv: list, policy: str) -> TuttiStore:
     return s
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--path", type=Path, required=True)
-    p.add_argument("--memory-path", type=Path, required=True)
-    p.add_argument("--units", type=int, default=48)
-    p.add_argument("--json", type=Path)
-    args = p.parse_args()
-    for d in (args.path, args.memory_path):
-        d.mkdir(parents=True, exist_ok=True)
-    blocks = args.units * UNIT_BLOCKS
-    rng = np.random.default_rng(1)
-    kv = [torch.from_numpy(rng.integers(0, 1 << 15, (2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD), dtype=np.int16))
-          .view(torch.bfloat16) for _ in range(LAYERS)]
-    keys = list(range(1, args.units + 1))
+def flush_once(args: argparse.Namespace, kv: list, keys: list[int], blocks: int) -> tuple[float, float, int]:
+    """Stores the units into memory only, reopens with write_back and times the flush; returns
+    (seconds to open, seconds to flush, slot bytes). Leaves no pool files."""
     with open_store(args, kv, "memory_only") as s:
         assert s.store(keys, np.arange(blocks)).ok
         slot = s.stats()["slot_bytes"]
@@ -64,23 +56,54 @@ def main() -> None:
         flush_s = time.perf_counter() - t1
         st = s.stats()
         assert st["flushes"] == args.units and s.unit_tiers(keys) == ["both"] * args.units, st
+    for f in (*args.path.glob("tutti-flush-diag*.pool"), *args.memory_path.glob("tutti-flush-diag*.pool")):
+        f.unlink()
+    return opened, flush_s, slot
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--path", type=Path, required=True)
+    p.add_argument("--memory-path", type=Path, required=True)
+    p.add_argument("--units", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=0,
+                   help="flushes between write passes after the first flush and the sweep [default: 0]")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    for d in (args.path, args.memory_path):
+        d.mkdir(parents=True, exist_ok=True)
+    blocks = args.units * UNIT_BLOCKS
+    gen = torch.Generator().manual_seed(1)
+    kv = [torch.randint(-(1 << 15), 1 << 15, (2, blocks, BLOCK_TOKENS, KV_HEADS, HEAD), dtype=torch.int16,
+                        generator=gen).view(torch.bfloat16) for _ in range(LAYERS)]
+    keys = list(range(1, args.units + 1))
+    opened, flush_s, slot = flush_once(args, kv, keys, blocks)
     nbytes = args.units * slot
     fsutil.drop_caches()
     direct = {args.path: fsutil.probe_direct_io(args.path)}
     probe = limits.StorageProbe([args.path], direct, nbytes, 64 << 20, torch.device("cpu"))
+    rounds = []
     try:
         lim = probe.sweep([1, 2, 4, 8], nbytes)
+        for r in range(args.rounds):
+            before = probe.write_pass(nbytes)
+            _, f_s, _ = flush_once(args, kv, keys, blocks)
+            after = probe.write_pass(nbytes)
+            gbps = nbytes / f_s / 1e9
+            rounds.append({"write_before_gbps": round(before, 3), "flush_gbps": round(gbps, 3),
+                           "write_after_gbps": round(after, 3), "x_mean_beside": round(2 * gbps / (before + after), 3)})
+            print(f"round {r}: write {before:.2f} GB/s, flush {gbps:.2f}, write {after:.2f}: "
+                  f"{rounds[-1]['x_mean_beside']:.2f}x the passes beside", flush=True)
     finally:
         probe.close()
     out = {"units": args.units, "bytes": nbytes, "open_s": round(opened, 3), "flush_s": round(flush_s, 3),
            "flush_gbps": round(nbytes / flush_s / 1e9, 3), "write_limit_gbps": round(lim.storage_write_gbps, 3),
            "write_by_threads": {k: round(v, 3) for k, v in lim.write_by_threads.items()},
-           "x_write_limit": round(nbytes / flush_s / 1e9 / lim.storage_write_gbps, 3), "direct_io": direct[args.path]}
+           "x_write_limit": round(nbytes / flush_s / 1e9 / lim.storage_write_gbps, 3), "direct_io": direct[args.path],
+           "rounds": rounds}
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
-    for f in (*args.path.glob("tutti-flush-diag*.pool"), *args.memory_path.glob("tutti-flush-diag*.pool")):
-        f.unlink()
     shutil.rmtree(args.memory_path, ignore_errors=True)
 
 

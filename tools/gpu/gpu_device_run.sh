@@ -41,6 +41,10 @@
 # kernel's loads against the copy engine's stage, alternating copy_engine_mb 0 and 1024 at each of
 # AB_SMS (default "8 16") I/O SMs, AB_ROUNDS rounds (default 2); AB_MBS: the copy_engine_mb values
 # (default "0 1024"); about 30 s a cell on an H100.
+# hotdiag: where a hot set in memory loses time against host-to-GPU (tools/diag/hot_set_timeline.py:
+# each layer's arrival on the GPU, for each of HOT_VARIANTS, default "copy_engine_mb=1024
+# copy_engine_mb=0"), then the flush against write passes beside it (tools/diag/flush_bandwidth.py,
+# FLUSH_UNITS 32 MiB units, default 128, FLUSH_ROUNDS, default 3, on /var/tmp).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -214,6 +218,16 @@ for step in "$@"; do
         --limit-gb 2 --json "$OUT/copyab_r${r}_s${sms}_m${mb}.json" | grep -E "retrieve|host-to-GPU"
       rm -rf $SHM
     done; done; done ;;
+  hotdiag)
+    log "hot set timeline: ${HOT_VARIANTS:-copy_engine_mb=1024 copy_engine_mb=0}"
+    V=""; for v in ${HOT_VARIANTS:-copy_engine_mb=1024 copy_engine_mb=0}; do V="$V --variant $v"; done
+    timeout "$(left)" python3 tools/diag/hot_set_timeline.py --paths $SHM --prefix-tokens ${HOT_PREFIXES:-16K 128K} \
+      --rounds ${HOT_ROUNDS:-5} $V --json "$OUT/hot_timeline.json" 2>&1 | grep -v "it/s\]"
+    rm -rf $SHM
+    log "flush against the write passes beside it"
+    timeout "$(left)" python3 tools/diag/flush_bandwidth.py --path /var/tmp/fb --memory-path /dev/shm/fb \
+      --units ${FLUSH_UNITS:-128} --rounds ${FLUSH_ROUNDS:-3} --json "$OUT/flush.json" 2>&1 | grep -E "round|x_write|flush_gbps|write_limit"
+    rm -rf /var/tmp/fb /dev/shm/fb ;;
   memcheck)
     log "compute-sanitizer memcheck: GPU tests -k '${MEMCHECK_K:-skipped or scatter}'"
     CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
