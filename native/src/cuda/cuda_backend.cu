@@ -678,9 +678,6 @@ int CudaBackend::stage_copies(LaunchParams& p, const uint32_t* ids, cudaStream_t
 #if CUDART_VERSION >= 12080
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-#ifdef TUTTI_COPY_OVERLAP  // experiment: the copies overlap the I/O kernels
-    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-#endif
     size_t attr_idx = 0;
 #if CUDART_VERSION >= 13000
     e = cudaMemcpyBatchAsync(copy_dst_.data(), copy_src_.data(), copy_size_.data(), copy_dst_.size(), &attr, &attr_idx,
