@@ -36,7 +36,8 @@
 # memory tier and no unit in memory against no memory tier, and with every unit in memory against the
 # HBM ideal, its storage tier on /dev/shm, read through io_uring beside a memory tier; TIER_PIPE_INPUTS 32K, TIER_PIPE_PREFIXES 50%,-1u, TIER_PIPE_REPEAT 3, ideal and tutti
 # only; once per copy_engine_mb in TIER_PIPE_COPY_MB, default 0); JSON in $OUT. About 210 s on an H100.
-# TIER_FIGURES=0 skips the figures and runs only the pipeline.
+# TIER_FIGURES=0 skips the figures, TIER_PIPE=0 the pipeline; TIER_COPY_MB: the figures'
+# copy_engine_mb (default 0).
 # copyab: a hot set in memory (`tutti-mapped` on /dev/shm, AB_PREFIXES default 16K,128K) through the
 # kernel's loads against the copy engine's stage, alternating copy_engine_mb 0 and 1024 at each of
 # AB_SMS (default "8 16") I/O SMs, AB_ROUNDS rounds (default 2); AB_MBS: the copy_engine_mb values
@@ -193,13 +194,14 @@ for step in "$@"; do
     mkdir -p /dev/shm/tutti-tmem /var/tmp/tutti-tiers
     if [ "${TIER_FIGURES:-1}" = 1 ]; then
       log "memory-tier figures: memory tier on /dev/shm, storage on /var/tmp (O_DIRECT)"
-      TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} timeout "$(left)" python3 -c \
+      TUTTI_COPY_ENGINE_MB=${TIER_COPY_MB:-0} TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} \
+        timeout "$(left)" python3 -c \
         'import sys; from tutti_cluster.bench.tiers import main; sys.exit(main(sys.argv[1:]))' --figures \
         --device cuda --paths /var/tmp/tutti-tiers --memory-paths /dev/shm/tutti-tmem \
         --prefix-tokens ${TIER_PREFIXES:-16K,128K} --repeat ${TIER_REPEAT:-2} --flush-gb ${TIER_FLUSH_GB:-4} \
         --limit-gb 2 --json "$OUT/tiers_figures.json" 2>&1 | grep -v "it/s\]\|step/s\]" | tail -20
     fi
-    for mb in ${TIER_PIPE_COPY_MB:-0}; do
+    [ "${TIER_PIPE:-1}" = 1 ] && for mb in ${TIER_PIPE_COPY_MB:-0}; do
       log "bench --pipeline ${PIPE_MODEL:-llama3-8b} with the memory tier (copy_engine_mb $mb): storage on /dev/shm (a stand-in for NVMe, read through io_uring), memory tier on /dev/shm"
       mkdir -p /dev/shm/tutti-tsto /dev/shm/tutti-tmem
       TUTTI_COPY_ENGINE_MB=$mb TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline \

@@ -81,18 +81,19 @@ def timed_threads(n: int, work: Callable[[int], None]) -> float:
     return elapsed
 
 
-def _run_pass(fds: Sequence[int], nbytes: int, buf: memoryview, threads: int, write: bool) -> float:
-    """One pass of ``nbytes`` (whole 1 MiB requests) over the files with ``threads`` threads;
-    returns GB/s."""
-    total = max(1, nbytes // REQUEST_BYTES)
-    slots = len(buf) // REQUEST_BYTES
+def _run_pass(fds: Sequence[int], nbytes: int, buf: memoryview, threads: int, write: bool,
+              request: int = REQUEST_BYTES) -> float:
+    """One pass of ``nbytes`` (whole requests of ``request`` bytes) over the files with ``threads``
+    threads; returns GB/s."""
+    total = max(1, nbytes // request)
+    slots = len(buf) // request
 
     def worker(t: int) -> None:
         for k in range(t, total, threads):
-            # Request k: file k % n at offset (k // n) MiB, so the files are walked in step.
+            # Request k: file k % n at offset (k // n) requests, so the files are walked in step.
             fd = fds[k % len(fds)]
-            off = (k // len(fds)) * REQUEST_BYTES
-            slot = buf[(k % slots) * REQUEST_BYTES : (k % slots + 1) * REQUEST_BYTES]
+            off = (k // len(fds)) * request
+            slot = buf[(k % slots) * request : (k % slots + 1) * request]
             if write:
                 fsutil.write_all(fd, slot, off)
             else:
@@ -104,7 +105,7 @@ def _run_pass(fds: Sequence[int], nbytes: int, buf: memoryview, threads: int, wr
         for fd in fds:
             os.fdatasync(fd)
         elapsed += time.perf_counter() - t0
-    return total * REQUEST_BYTES / elapsed / 1e9
+    return total * request / elapsed / 1e9
 
 
 class StorageProbe:
@@ -120,6 +121,9 @@ class StorageProbe:
     ``total_bytes`` (at least the largest pass) is spread over ``FILES_PER_PATH`` files per
     directory, which ``close`` removes.  Writes go to files that were fully written once already,
     so that no pass pays for first allocation of extents (on memory file systems, also read once).
+    Passes move 1 MiB requests; ``write_pass``/``read_pass`` take larger ones, up to
+    ``max_request_bytes``, for a system that moves larger ones (a limit must be measured with the
+    requests the system under test may use).
     """
 
     def __init__(
@@ -129,11 +133,13 @@ class StorageProbe:
         total_bytes: int,
         buffer_bytes: int,
         device: torch.device,
+        max_request_bytes: int = REQUEST_BYTES,
     ) -> None:
         n_files = len(dirs) * FILES_PER_PATH
-        per_file = max(REQUEST_BYTES, total_bytes // n_files // REQUEST_BYTES * REQUEST_BYTES)
+        rq = self._max_request = max(REQUEST_BYTES, max_request_bytes) // REQUEST_BYTES * REQUEST_BYTES
+        per_file = max(rq, total_bytes // n_files // rq * rq)
         self.device = device
-        self._buf = fsutil.aligned_buffer(max(buffer_bytes, 64 * REQUEST_BYTES))
+        self._buf = fsutil.aligned_buffer(max(buffer_bytes, 64 * REQUEST_BYTES, 16 * rq))
         self._pinned = fsutil.PinnedRegion(self._buf) if device.type == "cuda" else None
         # Incompressible, non-zero contents for the write passes.
         self._view = memoryview(self._buf)
@@ -154,21 +160,23 @@ class StorageProbe:
                 fd = os.open(p, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct_io[d] else 0), 0o600)
                 self._fds.append(fd)
                 os.posix_fallocate(fd, 0, per_file)
-            _run_pass(self._fds, self.limits.file_bytes, self._view, 16, write=True)
+            _run_pass(self._fds, self.limits.file_bytes, self._view, 16, write=True, request=rq)
             if any(fsutil.fs_type(d) in fsutil.MEMORY_FS for d in dirs):
                 # On tmpfs, pages written only once are slow to pass over again: on the H200 host
                 # a 16 GiB pass, of which the sweep had touched only 4 GiB, wrote and read at
                 # 21 GB/s against 33 in later rounds. So every page is read once too.
-                _run_pass(self._fds, self.limits.file_bytes, self._view, 16, write=False)
+                _run_pass(self._fds, self.limits.file_bytes, self._view, 16, write=False, request=rq)
         except BaseException:
             self.close()
             raise
 
-    def _pass(self, threads: int, write: bool, nbytes: int) -> float:
+    def _pass(self, threads: int, write: bool, nbytes: int, request: int = REQUEST_BYTES) -> float:
+        if request % REQUEST_BYTES or not REQUEST_BYTES <= request <= self._max_request:
+            raise ValueError(f"request of {request} bytes: whole MiB up to {self._max_request}")
         if not write:
             # Buffered paths other than tmpfs would be read from the page cache: evict first.
             fsutil.evict(p for d, p in zip(self._owners, self._paths) if not self._direct[d])
-        return _run_pass(self._fds, min(nbytes, self.limits.file_bytes), self._view, threads, write)
+        return _run_pass(self._fds, min(nbytes, self.limits.file_bytes), self._view, threads, write, request)
 
     def sweep(
         self, thread_counts: Sequence[int], nbytes: int, on_step: Callable[[str], None] = lambda _s: None
@@ -188,10 +196,10 @@ class StorageProbe:
             lim.h2d_gbps = _measure_h2d(self._buf, self.device)
         return lim
 
-    def write_pass(self, nbytes: int) -> float:
-        """One write pass of ``nbytes`` with the sweep's best thread count (GB/s)."""
+    def write_pass(self, nbytes: int, threads: int | None = None, request: int = REQUEST_BYTES) -> float:
+        """One write pass of ``nbytes`` (GB/s), with the sweep's best thread count unless given."""
         by = self.limits.write_by_threads
-        return self._pass(max(by, key=by.__getitem__), True, nbytes)
+        return self._pass(threads or max(by, key=by.__getitem__), True, nbytes, request)
 
     def read_pass(self, nbytes: int) -> float:
         """One read pass of ``nbytes`` with the sweep's best thread count (GB/s)."""
