@@ -406,6 +406,11 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
       uint64_t sq_head = vload(&q.sq_ctl->head);  // own word: the last kernel left it here
       uint64_t cq_tail = vload(&q.cq_ctl->tail);  // own word
       uint32_t fh = 0, done = 0, k = 0, grp = blockIdx.x, nap = 32;
+      // SQEs posted whose CQEs have not come back. Only then does the manager read the CQ's head
+      // and the abort word, both in host memory: with none in flight (mapped or staged objects,
+      // gathers before a write) it polls shared memory alone, and no read of the block crosses
+      // PCIe beside the copy engine's or the workers' own.
+      uint32_t in_flight = 0;
       unsigned long long idle_ns = 0;
       auto groups = [&](uint32_t kk) { return (p.b[kk].ctx_count + G - 1) / G; };
       // Puts one SQE for `objs` objects starting at the IOCTX of chunk `c` (manager-owned words).
@@ -422,6 +427,7 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
                                                                      (static_cast<uint64_t>(x.path) << 32) |
                                                                      (static_cast<uint64_t>(op) << 48));
         ++sq_head;
+        ++in_flight;
       };
       // slot_state[s]: bits 0-1 chunks of the slot still in use, bits 2-3 gathers a paired store
       // still waits for, bit 4 paired, bit 5 its objects go through the agent (it counts towards
@@ -461,10 +467,10 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
           }
         }
         // (b) Completions from the agent.
-        const uint64_t h = load_acquire_sys(&q.cq_ctl->head);
+        const uint64_t h = in_flight ? load_acquire_sys(&q.cq_ctl->head) : cq_tail;
         if (h != cq_tail) {
           progress = true;
-          for (; cq_tail < h; ++cq_tail) {
+          for (; cq_tail < h; ++cq_tail, --in_flight) {
             const Cqe* ce = &q.cq[cq_tail % q.depth];
             const uint64_t tag = vload(&ce->tag);
             const uint32_t c = static_cast<uint32_t>(tag), objs = static_cast<uint32_t>(tag >> 32);
@@ -544,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, kLanes) io_kernel(const __grid_const
         if (progress) {
           nap = 32;
         } else {
-          if (vload(p.abort) != 0) {
+          if (in_flight && vload(p.abort) != 0) {
             for (uint32_t i = 0; i < p.n; ++i) atomicAdd(&errors[i], 1u);  // the store is closing: give up
             break;
           }
