@@ -45,7 +45,7 @@
 # hotdiag: where a hot set in memory loses time against host-to-GPU (tools/diag/hot_set_timeline.py:
 # each layer's arrival on the GPU, for each of HOT_VARIANTS, default "copy_engine_mb=1024
 # copy_engine_mb=0"), then the flush against write passes beside it (tools/diag/flush_bandwidth.py,
-# FLUSH_UNITS 32 MiB units, default 128, FLUSH_ROUNDS, default 3, on /var/tmp).
+# FLUSH_UNITS 32 MiB units, default 128, FLUSH_ROUNDS, default 3, on /var/tmp; HOT_FLUSH=0 skips it).
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -226,8 +226,7 @@ for step in "$@"; do
     timeout "$(left)" python3 tools/diag/hot_set_timeline.py --paths $SHM --prefix-tokens ${HOT_PREFIXES:-16K 128K} \
       --rounds ${HOT_ROUNDS:-5} $V --json "$OUT/hot_timeline.json" 2>&1 | grep -v "it/s\]"
     rm -rf $SHM
-    log "flush against the write passes beside it"
-    timeout "$(left)" python3 tools/diag/flush_bandwidth.py --path /var/tmp/fb --memory-path /dev/shm/fb \
+    [ "${HOT_FLUSH:-1}" = 1 ] && log "flush against the write passes beside it" && timeout "$(left)" python3 tools/diag/flush_bandwidth.py --path /var/tmp/fb --memory-path /dev/shm/fb \
       --units ${FLUSH_UNITS:-128} --rounds ${FLUSH_ROUNDS:-3} --json "$OUT/flush.json" 2>&1 | grep -E "round|x_write|flush_gbps|write_limit"
     rm -rf /var/tmp/fb /dev/shm/fb ;;
   memcheck)
