@@ -4,7 +4,8 @@
 Stores one prefix (Llama-3-8B shape) into mapped pool files on ``--paths`` (the ``tutti-mapped``
 system of ``tutti bench``), then retrieves it ``--rounds`` times. Each layer's arrival is taken on
 the GPU: an event on a side stream before ``begin_retrieve``, and after each ``wait_layer`` (that
-stream waits for the layer's I/O) another, so the host's own waiting adds nothing. Beside it, in
+stream waits for the layer's I/O) another, so the host's own waiting adds nothing; every retrieve
+must finish with every checksum matching. Beside it, in
 the same run: the bench's host-to-GPU limit (1 GiB copies from pinned memory) and the same bytes as
 one copy per layer, timed the same way. Each ``--variant`` (config fields, comma separated) opens a
 store of its own:
@@ -107,6 +108,11 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     shape = KVShape()
+    cap = pool_bytes_per_path(sum(shape.prefix_bytes(t) for t in a.prefix_tokens), len(a.paths)) / (1 << 30)
+    # Every variant's config first: a bad one fails before anything is measured.
+    cfgs = [(fields, load_config(paths=a.paths, capacity_gb=[cap], instance="timeline", backend="cuda",
+                                 map_memory_paths=True, **{"staging_mb": 2048, "queue_depth": 64, **fields}))
+            for fields in a.variant or [{}]]
     largest = max(a.prefix_tokens) // shape.block_tokens
     kv = KVData(shape, largest, torch.device("cuda:0"), seed=1)
     buf = fsutil.aligned_buffer(1 << 30)
@@ -121,10 +127,7 @@ def main() -> None:
         print(f"{n_tokens // 1024}K one copy per layer: total {min(lc['total_ms']):.2f}-{max(lc['total_ms']):.2f} ms, "
               f"step p50 {statistics.median(lc['step_ms']):.3f} ms "
               f"({shape.prefix_bytes(n_tokens) / min(lc['total_ms']) / 1e6:.1f} GB/s)", flush=True)
-    for fields in a.variant or [{}]:
-        cap = pool_bytes_per_path(sum(shape.prefix_bytes(t) for t in a.prefix_tokens), len(a.paths)) / (1 << 30)
-        cfg = load_config(paths=a.paths, capacity_gb=[cap], instance="timeline", backend="cuda", map_memory_paths=True,
-                          **{"staging_mb": 2048, "queue_depth": 64, **fields})
+    for fields, cfg in cfgs:
         for d in a.paths:
             d.mkdir(parents=True, exist_ok=True)
         rng = np.random.default_rng(0)

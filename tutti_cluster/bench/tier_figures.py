@@ -14,11 +14,10 @@ figures measured in this run on this device.
   front of ``--paths``, then ``--repeat`` timed stores of the smallest prefix while the flusher
   copies that backlog to storage; the stores against ``tutti-mapped``'s store of the same prefix,
   and the flush (its bytes over the time from the first backlog store to ``flush()``'s return and
-  a ``syncfs`` of the storage paths)
-  against the storage write limit of the same run: the best of several thread counts of 1 MiB
-  writes (O_DIRECT where the file system accepts it) right before, and of a pass right after in the
-  flusher's own shape (16 writes in flight of a quarter unit each), whichever is faster; one more
-  1 MiB pass right after is shown ("after the flush").
+  a ``syncfs`` of the storage paths) against the storage write limit of the same run: the faster of
+  the best of several thread counts of 1 MiB writes (O_DIRECT where the file system accepts it)
+  right before and a pass right after in the flusher's own shape (16 writes in flight of a quarter
+  unit each); one more 1 MiB pass right after is shown ("after the flush").
 
 With a memory tier only its files are mapped, so storage paths on tmpfs (a stand-in for NVMe) are
 read and written through io_uring, as a disk's are.
