@@ -11,7 +11,8 @@ one copy per layer, timed the same way. Each ``--variant`` (config fields, comma
 store of its own:
 
     python tools/diag/hot_set_timeline.py --paths /dev/shm/ht0 /dev/shm/ht1 /dev/shm/ht2 /dev/shm/ht3 \\
-        --prefix-tokens 16K 128K --variant copy_engine_mb=1024 --variant copy_engine_mb=0
+        --prefix-tokens 16K 128K --variant copy_engine_mb=1024 --variant copy_engine_mb=0 --json t.json --plot t.png
+    python tools/diag/hot_set_timeline.py --replot t.json --plot t.png
 """
 
 from __future__ import annotations
@@ -98,15 +99,53 @@ def retrieve_rounds(s: TuttiStore, keys: list[int], ids: list[int], layers: int,
     return out
 
 
+def plot(report: dict, path: Path) -> None:
+    """Each layer's arrival (the median round of each variant) against one plain copy per layer,
+    a panel per prefix."""
+    from tutti_cluster.bench.plot import _save, _subplots
+
+    prefixes = sorted({c["prefix_tokens"] for c in report["cells"]})
+    fig, axes = _subplots(1, len(prefixes), (5.5 * len(prefixes), 4.2))
+    for ax, n_tokens in zip(axes[0], prefixes):
+        for c in (c for c in report["cells"] if c["prefix_tokens"] == n_tokens):
+            if c["system"] == "copy per layer":
+                step = statistics.median(c["step_ms"])
+                layers = len(report["cells"][-1]["rounds"][0]["steps_ms"]) + 1
+                ax.plot(range(1, layers + 1), [step * (i + 1) for i in range(layers)], "k--",
+                        label="one plain copy per layer")
+                continue
+            r = sorted(c["rounds"], key=lambda x: x["last_layer_ms"])[len(c["rounds"]) // 2]
+            arrivals = [r["first_layer_ms"]]
+            for d in r["steps_ms"]:
+                arrivals.append(arrivals[-1] + d)
+            label = ", ".join(f"{k} {v}" for k, v in c["fields"].items()) or "defaults"
+            ax.plot(range(1, len(arrivals) + 1), arrivals, marker=".", label=label)
+        ax.set_title(f"{n_tokens // 1024}K-token prefix")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("lands after (ms, GPU events)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    _save(fig, path, f"a hot set in memory, layer by layer ({report['gpu']}, host-to-GPU {report['h2d_gbps']} GB/s)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--paths", type=Path, nargs="+", required=True)
+    p.add_argument("--replot", type=Path, metavar="JSON", help="draw --plot from an earlier --json report, and stop")
+    p.add_argument("--plot", type=Path, metavar="PNG")
+    p.add_argument("--paths", type=Path, nargs="+")
     p.add_argument("--prefix-tokens", type=tokens, nargs="+", default=[16384, 131072])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--variant", type=variant, action="append", default=None,
                    help="config fields of one store, e.g. copy_engine_mb=1024,io_sms=8 (repeatable)")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    if a.replot:
+        if not a.plot:
+            p.error("--replot needs --plot")
+        plot(json.loads(a.replot.read_text()), a.plot)
+        return
+    if not a.paths:
+        p.error("--paths is required")
     shape = KVShape()
     cap = pool_bytes_per_path(sum(shape.prefix_bytes(t) for t in a.prefix_tokens), len(a.paths)) / (1 << 30)
     # Every variant's config first: a bad one fails before anything is measured.
@@ -156,6 +195,8 @@ def main() -> None:
                 shutil.rmtree(d, ignore_errors=True)
     if a.json:
         a.json.write_text(json.dumps(report, indent=1))
+    if a.plot:
+        plot(report, a.plot)
 
 
 if __name__ == "__main__":
