@@ -354,6 +354,10 @@ class TuttiStore:
             )
         log.info("store %s: %d layers, %s, %d blocks/unit, GPU file %d bytes, backend %s",
                  self.config.instance, len(layers), desc, unit_blocks, nat.geometry().slot_bytes, backend)
+        if backend == "cuda" and self.config.memory_paths and not self.config.copy_engine_mb:
+            log.info("store %s: the I/O kernel loads the memory tier's units over PCIe itself; copy_engine_mb=1024 "
+                     "moves them with the copy engine instead, nearer the host-to-GPU limit, for host CPU per unit "
+                     "in each layer call and that much GPU memory (docs/CUDA.md)", self.config.instance)
 
     def open_pools(self, *, num_layers: int, objs_per_layer: int, block_bytes: int, block_tokens: int,
                    dtype: str = "", block_shape: Sequence[int] = ()) -> None:
