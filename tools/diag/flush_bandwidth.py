@@ -3,9 +3,9 @@
 Stores ``--units`` GPU files of Llama-3-8B's KV shape (32 layers, K and V of 16 blocks of 16
 tokens: 32 MiB each) into a memory tier on ``--memory-path`` in front of ``--path`` with
 ``write_policy=memory_only`` (nothing flushed yet), reopens the store with ``write_back`` (the open
-finds every unit in memory only and queues its flush) and times ``flush()``; then the storage write
-limit on the same path (O_DIRECT, 1 MiB requests, the best of 1, 2, 4 and 8 threads) over as many
-bytes, and a pass in the flusher's own shape (16 writes of 8 MiB in flight). ``--rounds N`` repeats
+finds every unit in memory only and queues its flush) and times the flush, from the open to
+``flush()``'s return and a ``syncfs`` of ``--path``; then the storage write limit on the same path
+(O_DIRECT, 1 MiB requests, the best of 1, 2, 4, 8 and 16 threads) over as many bytes, and a pass in the flusher's own shape (16 writes of 8 MiB in flight). ``--rounds N`` repeats
 the flush N times, each between write passes (the faster of the sweep's best and the flusher's
 shape, as many bytes), and compares it with their mean: a shared virtual disk's write rate drifts
 within minutes, and only passes beside the flush cancel that. Run as root to drop the page

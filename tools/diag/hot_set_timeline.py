@@ -110,7 +110,7 @@ def plot(report: dict, path: Path) -> None:
         for c in (c for c in report["cells"] if c["prefix_tokens"] == n_tokens):
             if c["system"] == "copy per layer":
                 step = statistics.median(c["step_ms"])
-                layers = len(report["cells"][-1]["rounds"][0]["steps_ms"]) + 1
+                layers = report["layers"]
                 ax.plot(range(1, layers + 1), [step * (i + 1) for i in range(layers)], "k--",
                         label="one plain copy per layer")
                 continue
@@ -158,7 +158,7 @@ def main() -> None:
     buf.write(b"\x01" * len(buf))
     with contextlib.closing(fsutil.PinnedRegion(buf)):
         h2d = _measure_h2d(buf, torch.device("cuda:0"))
-    report = {"gpu": torch.cuda.get_device_name(0), "h2d_gbps": round(h2d, 2), "cells": []}
+    report = {"gpu": torch.cuda.get_device_name(0), "h2d_gbps": round(h2d, 2), "layers": shape.layers, "cells": []}
     print(f"host-to-GPU limit {h2d:.1f} GB/s ({report['gpu']})", flush=True)
     for n_tokens in a.prefix_tokens:
         lc = layer_copies(shape.prefix_bytes(n_tokens) // shape.layers, shape.layers, a.rounds)
