@@ -8,6 +8,8 @@ import numpy.typing as npt
 
 has_cuda: bool
 MAX_IOCTX_PER_IOCB: int
+FLUSH_COPIERS: int
+FLUSH_PARTS: int
 
 def crc32c(data: Any, crc: int = 0) -> int: ...
 

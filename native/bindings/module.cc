@@ -133,6 +133,8 @@ PYBIND11_MODULE(_native, m) {
   m.attr("has_cuda") = false;
 #endif
   m.attr("MAX_IOCTX_PER_IOCB") = kMaxIoctxPerIocb;
+  m.attr("FLUSH_COPIERS") = kFlushCopiers;
+  m.attr("FLUSH_PARTS") = kFlushParts;
 
   m.def("crc32c", [](py::buffer b, uint32_t crc) {
     py::buffer_info i = b.request();

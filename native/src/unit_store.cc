@@ -518,16 +518,14 @@ static double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Copies at a time: one unit's own steps (mapping, verifying, the header's write) overlap the
-// others' object writes, and the disk sees more writes in flight. Each copier takes its next unit
-// as soon as its last one is done (batches of four, each waiting for its slowest, left the disk
-// with fewer writes at the end of every batch).
-static constexpr size_t kCopiers = 4;
-
+// kFlushCopiers copies at a time: one unit's own steps (mapping, verifying, the header's write)
+// overlap the others' object writes, and the disk sees more writes in flight. Each copier takes its
+// next unit as soon as its last one is done (batches of four, each waiting for its slowest, left
+// the disk with fewer writes at the end of every batch).
 void UnitStore::start_flusher() {
   if (opt_.read_only || !flushers_.empty()) return;
   stop_ = false;
-  for (size_t i = 0; i < kCopiers; ++i) flushers_.emplace_back([this] { flusher_loop(); });
+  for (uint32_t i = 0; i < kFlushCopiers; ++i) flushers_.emplace_back([this] { flusher_loop(); });
 }
 
 void UnitStore::stop_flusher() {
@@ -543,10 +541,10 @@ void UnitStore::stop_flusher() {
 }
 
 // One copier. Flushes go first: a unit in memory only is one crash of the host away from being
-// lost. Up to kCopiers copies run at once, one beside the engine's retrieves (whose reads keep the
-// disk). Copies go in the storage tier's slack: while retrieves are in flight a copier waits, 50 ms
-// at a time, unless the memory tier is under pressure (under an eighth of it free). Copies that
-// failed (storage full of pinned units, a write error) are tried again each second.
+// lost. Up to kFlushCopiers copies run at once, one beside the engine's retrieves (whose reads keep
+// the disk). Copies go in the storage tier's slack: while retrieves are in flight a copier waits,
+// 50 ms at a time, unless the memory tier is under pressure (under an eighth of it free). Copies
+// that failed (storage full of pinned units, a write error) are tried again each second.
 void UnitStore::flusher_loop() {
   std::unique_lock<std::mutex> lk(mu_);
   bool waited = false;  // for the retrieves in flight, once before this copy
@@ -556,7 +554,7 @@ void UnitStore::flusher_loop() {
       retry_.clear();
     }
     const bool work = !flush_q_.empty() || !promote_q_.empty();
-    if (!work || batch_.size() >= (reading_ > 0 ? 1 : kCopiers)) {
+    if (!work || batch_.size() >= (reading_ > 0 ? 1 : kFlushCopiers)) {
       if (retry_.empty()) work_cv_.wait(lk);
       else work_cv_.wait_for(lk, std::chrono::duration<double>(std::max(0.0, retry_at_ - now_s())));
       continue;
@@ -661,10 +659,9 @@ static Status copy_slot(FilePool& pool, const Geometry& g, uint32_t from, uint32
     st = data ? pool.pread_all(from, 0, buf->data(), g.slot_bytes) : Status{Code::kCapacityExceeded, "out of memory"};
   }
   if (st.ok()) {
-    // Four writes in flight: one synchronous stream of 32 MiB writes moved 0.65-0.8x of what four
+    // kFlushParts writes in flight: one synchronous stream of 32 MiB writes moved 0.65-0.8x of what four
     // streams of 8 MiB did on the 2-core VM's disk (tools/diag/flush_bandwidth.py measures the flush).
-    constexpr uint64_t kParts = 4;
-    const uint64_t body = g.slot_bytes - g.header_bytes, part = (body / kParts + kAlign - 1) / kAlign * kAlign;
+    const uint64_t body = g.slot_bytes - g.header_bytes, part = (body / kFlushParts + kAlign - 1) / kAlign * kAlign;
     std::vector<std::future<Status>> writes;
     for (uint64_t off = 0; off < body; off += part) {
       const uint64_t n = std::min(part, body - off);

@@ -5,11 +5,12 @@ tokens: 32 MiB each) into a memory tier on ``--memory-path`` in front of ``--pat
 ``write_policy=memory_only`` (nothing flushed yet), reopens the store with ``write_back`` (the open
 finds every unit in memory only and queues its flush) and times the flush, from the open to
 ``flush()``'s return and a ``syncfs`` of ``--path``; then the storage write limit on the same path
-(O_DIRECT, 1 MiB requests, the best of 1, 2, 4, 8 and 16 threads) over as many bytes, and a pass in the flusher's own shape (16 writes of 8 MiB in flight). ``--rounds N`` repeats
-the flush N times, each between write passes (the faster of the sweep's best and the flusher's
-shape, as many bytes), and compares it with their mean: a shared virtual disk's write rate drifts
-within minutes, and only passes beside the flush cancel that. Run as root to drop the page
-cache before each phase:
+(O_DIRECT, 1 MiB requests, the best of 1, 2, 4, 8 and 16 threads) over as many bytes, and a pass
+in the flusher's own shape (``limits.flush_shape``: 16 writes of 8 MiB in flight here).
+``--rounds N`` repeats the flush N times, each between write passes (the faster of the sweep's
+best and the flusher's shape, as many bytes), and compares it with their mean: a shared virtual
+disk's write rate drifts within minutes, and only passes beside the flush cancel that. Run as root
+to drop the page cache before each phase:
 
     python tools/diag/flush_bandwidth.py --path /var/tmp/fb --memory-path /dev/shm/fb --units 48 [--rounds 3]
 """
@@ -30,7 +31,6 @@ from tutti_cluster.bench import fsutil, limits
 
 LAYERS, BLOCK_TOKENS, KV_HEADS, HEAD = 32, 16, 8, 128
 UNIT_BLOCKS = 16
-SHAPE_REQUEST = 8 << 20  # the flusher's writes: a quarter of a unit's 32 MiB of objects, four units at once
 
 
 def open_store(args: argparse.Namespace, kv: list, policy: str) -> TuttiStore:
@@ -84,15 +84,16 @@ def main() -> None:
     nbytes = args.units * slot
     fsutil.drop_caches()
     direct = {args.path: fsutil.probe_direct_io(args.path)}
-    probe = limits.StorageProbe([args.path], direct, nbytes, 64 << 20, torch.device("cpu"), max_request_bytes=SHAPE_REQUEST)
+    threads, request = limits.flush_shape(slot)  # the flusher's writes in flight and their size
+    probe = limits.StorageProbe([args.path], direct, nbytes, 64 << 20, torch.device("cpu"), max_request_bytes=request)
 
     def best_pass() -> float:
-        return max(probe.write_pass(nbytes), probe.write_pass(nbytes, threads=16, request=SHAPE_REQUEST))
+        return max(probe.write_pass(nbytes), probe.write_pass(nbytes, threads=threads, request=request))
 
     rounds = []
     try:
-        lim = probe.sweep([1, 2, 4, 8, 16], nbytes)
-        shaped = probe.write_pass(nbytes, threads=16, request=SHAPE_REQUEST)
+        lim = probe.sweep(sorted({1, 2, 4, 8, threads}), nbytes)
+        shaped = probe.write_pass(nbytes, threads=threads, request=request)
         for r in range(args.rounds):
             before = best_pass()
             _, f_s, _ = flush_once(args, kv, keys, blocks)

@@ -31,7 +31,7 @@ import torch
 from tutti_cluster import TuttiStore
 from tutti_cluster.bench import fsutil
 from tutti_cluster.bench.kvdata import KVData, KVShape
-from tutti_cluster.bench.limits import _measure_h2d
+from tutti_cluster.bench.limits import measure_h2d
 from tutti_cluster.bench.tutti_system import pool_bytes_per_path
 from tutti_cluster.config import load_config
 
@@ -102,10 +102,10 @@ def retrieve_rounds(s: TuttiStore, keys: list[int], ids: list[int], layers: int,
 def plot(report: dict, path: Path) -> None:
     """Each layer's arrival (the median round of each variant) against one plain copy per layer,
     a panel per prefix."""
-    from tutti_cluster.bench.plot import _save, _subplots
+    from tutti_cluster.bench.plot import save_figure, subplots
 
     prefixes = sorted({c["prefix_tokens"] for c in report["cells"]})
-    fig, axes = _subplots(1, len(prefixes), (5.5 * len(prefixes), 4.2))
+    fig, axes = subplots(1, len(prefixes), (5.5 * len(prefixes), 4.2))
     for ax, n_tokens in zip(axes[0], prefixes):
         for c in (c for c in report["cells"] if c["prefix_tokens"] == n_tokens):
             if c["system"] == "copy per layer":
@@ -125,7 +125,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("lands after (ms, GPU events)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    _save(fig, path, f"a hot set in memory, layer by layer ({report['gpu']}, host-to-GPU {report['h2d_gbps']} GB/s)")
+    save_figure(fig, path, f"a hot set in memory, layer by layer ({report['gpu']}, host-to-GPU {report['h2d_gbps']} GB/s)")
 
 
 def main() -> None:
@@ -157,7 +157,7 @@ def main() -> None:
     buf = fsutil.aligned_buffer(1 << 30)
     buf.write(b"\x01" * len(buf))
     with contextlib.closing(fsutil.PinnedRegion(buf)):
-        h2d = _measure_h2d(buf, torch.device("cuda:0"))
+        h2d = measure_h2d(buf, torch.device("cuda:0"))
     report = {"gpu": torch.cuda.get_device_name(0), "h2d_gbps": round(h2d, 2), "layers": shape.layers, "cells": []}
     print(f"host-to-GPU limit {h2d:.1f} GB/s ({report['gpu']})", flush=True)
     for n_tokens in a.prefix_tokens:

@@ -193,7 +193,7 @@ class StorageProbe:
         lim.storage_read_gbps = max(lim.read_by_threads.values())
         if self.device.type == "cuda":
             on_step("host-to-GPU limit")
-            lim.h2d_gbps = _measure_h2d(self._buf, self.device)
+            lim.h2d_gbps = measure_h2d(self._buf, self.device)
         return lim
 
     def write_pass(self, nbytes: int, threads: int | None = None, request: int = REQUEST_BYTES) -> float:
@@ -219,7 +219,17 @@ class StorageProbe:
         self._buf.close()
 
 
-def _measure_h2d(buf: mmap.mmap, device: torch.device, repeats: int = 5) -> float:
+def flush_shape(unit_bytes: int) -> tuple[int, int]:
+    """The memory tier's flush as the disk sees it (``kFlushCopiers`` units at once, each one's
+    objects in ``kFlushParts`` writes: unit_store.h): the writes in flight, and the bytes of each in
+    whole MiB."""
+    from tutti_cluster import _native
+
+    part = max(REQUEST_BYTES, unit_bytes // _native.FLUSH_PARTS // REQUEST_BYTES * REQUEST_BYTES)
+    return _native.FLUSH_COPIERS * _native.FLUSH_PARTS, part
+
+
+def measure_h2d(buf: mmap.mmap, device: torch.device, repeats: int = 5) -> float:
     """Bulk copies from the pinned buffer to GPU memory (up to 1 GiB each); returns GB/s."""
     nbytes = min(len(buf), 1 << 30)
     src = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)

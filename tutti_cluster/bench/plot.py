@@ -13,7 +13,7 @@ _LIMIT_LINES = {
 }
 
 
-def _subplots(rows: int, cols: int, figsize: tuple[float, float]) -> Any:
+def subplots(rows: int, cols: int, figsize: tuple[float, float]) -> Any:
     """A figure of rows x cols panels (always a 2-D array of axes), drawn off screen."""
     import matplotlib
 
@@ -23,7 +23,8 @@ def _subplots(rows: int, cols: int, figsize: tuple[float, float]) -> Any:
     return plt.subplots(rows, cols, figsize=figsize, squeeze=False)
 
 
-def _save(fig: Any, path: Path, title: str) -> None:
+def save_figure(fig: Any, path: Path, title: str) -> None:
+    """Writes ``fig`` as a PNG at ``path``, under ``title`` when one is given, and closes it."""
     import matplotlib.pyplot as plt
 
     if title:
@@ -38,7 +39,7 @@ def plot(report: Mapping[str, Any], path: Path, title: str = "") -> None:
     results: Sequence[Mapping[str, Any]] = report["results"]
     limits: Mapping[str, float] = report["limits"]
     ops = [op for op in ("retrieve", "store") if any(r["op"] == op for r in results)]
-    fig, axes = _subplots(1, max(1, len(ops)), figsize=(6.5 * max(1, len(ops)), 4.5))
+    fig, axes = subplots(1, max(1, len(ops)), figsize=(6.5 * max(1, len(ops)), 4.5))
     for ax, op in zip(axes[0], ops):
         systems = sorted({r["system"] for r in results if r["op"] == op}, key=lambda s: (s != "tutti", s))
         top = 0.0
@@ -66,7 +67,7 @@ def plot(report: Mapping[str, Any], path: Path, title: str = "") -> None:
         ax.set_title(op)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    _save(fig, path, title)
+    save_figure(fig, path, title)
 
 
 _PIPELINE_COLORS = {"ideal": "k", "tutti": "C2", "tutti-writeback": "C4", "naive": "C0", "load-all": "C1",
@@ -78,7 +79,7 @@ def plot_pipeline(report: Mapping[str, Any], path: Path, title: str = "") -> Non
     (recompute dashed), and the latency breakdown against hit rate (compute, bubble, load phase)."""
     results: Sequence[Mapping[str, Any]] = report["results"]
     inputs = sorted({r["input_tokens"] for r in results})
-    fig, axes = _subplots(len(inputs), 2, figsize=(13, 4.5 * len(inputs)))
+    fig, axes = subplots(len(inputs), 2, figsize=(13, 4.5 * len(inputs)))
     for (ax, bx), n in zip(axes, inputs):
         rows = [r for r in results if r["input_tokens"] == n]
         systems = [s for s in _PIPELINE_COLORS if any(r["system"] == s and r["prefix_tokens"] for r in rows)]
@@ -122,7 +123,7 @@ def plot_pipeline(report: Mapping[str, Any], path: Path, title: str = "") -> Non
         bx.set_title("latency breakdown")
         bx.grid(True, axis="y", alpha=0.3)
         bx.legend(fontsize="small")
-    _save(fig, path, title)
+    save_figure(fig, path, title)
 
 
 def plot_tiers(report: Mapping[str, Any], path: Path, title: str = "") -> None:
@@ -130,7 +131,7 @@ def plot_tiers(report: Mapping[str, Any], path: Path, title: str = "") -> None:
     per tier (stacked)."""
     rows = report["results"]
     names = [r["system"] for r in rows]
-    fig, axes = _subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = subplots(1, 2, figsize=(12, 4.5))
     ax, bx = axes[0]
     width = 0.25
     for k, (stat, color) in enumerate((("mean", "C2"), ("p50", "C0"), ("p99", "C3"))):
@@ -153,4 +154,4 @@ def plot_tiers(report: Mapping[str, Any], path: Path, title: str = "") -> None:
     bx.set_title("hits per tier")
     bx.grid(True, axis="y", alpha=0.3)
     bx.legend(fontsize="small")
-    _save(fig, path, title)
+    save_figure(fig, path, title)

@@ -43,7 +43,6 @@ MIB = 1 << 20
 DEFAULT_PREFIXES = ("16K", "128K")
 CPU_PREFIXES = ("4K", "16K")
 TARGETS = {"hot": 0.90, "mixed": 0.95, "store_during_flush": 0.90, "flush": 0.90}
-WRITE_THREADS = (1, 4, 16)  # the flusher writes up to four units at once, four writes each
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -301,10 +300,11 @@ def mixed_request(plan: FigurePlan, kv: Any, mem_work: list[Path], work: list[Pa
     return rows
 
 
-def flush_request(plan: FigurePlan) -> int:
-    """The flusher's write size, in whole MiB: a quarter of a unit's objects (copy_slot in
-    unit_store.cc)."""
-    return max(MIB, plan.shape.prefix_bytes(plan.cfg.unit_tokens) // 4 // MIB * MIB)
+def flush_shape(plan: FigurePlan) -> tuple[int, int]:
+    """The flusher's writes in flight and the bytes of each (``limits.flush_shape``)."""
+    from tutti_cluster.bench import limits
+
+    return limits.flush_shape(plan.shape.prefix_bytes(plan.cfg.unit_tokens))
 
 
 def stores_during_flush(plan: FigurePlan, kv: Any, mem_work: list[Path], work: list[Path], probe: Any,
@@ -356,8 +356,9 @@ def stores_during_flush(plan: FigurePlan, kv: Any, mem_work: list[Path], work: l
         step("flush done")
         flushed = int(st["flush_bytes"])
         beside = probe.write_pass(flushed)
-        # The flusher's own shape: its 16 writes in flight of a quarter unit each.
-        shaped = probe.write_pass(flushed, threads=max(WRITE_THREADS), request=flush_request(plan))
+        # The flusher's own shape: its writes in flight, a part of a unit each.
+        threads, request = flush_shape(plan)
+        shaped = probe.write_pass(flushed, threads=threads, request=request)
     finally:
         for d in [*dirs, *mem]:
             shutil.rmtree(d, ignore_errors=True)
@@ -368,7 +369,7 @@ def stores_during_flush(plan: FigurePlan, kv: Any, mem_work: list[Path], work: l
             "flushes": int(st["flushes"]), "flush_errors": int(st["flush_errors"]), "flush_bytes": flushed,
             "flush_s": round(flush_s, 4), "flush_gbps": round(flushed / flush_s / 1e9, 3),
             "write_gbps_beside": round(beside, 3), "write_gbps_flush_shaped": round(shaped, 3),
-            "flush_request_bytes": flush_request(plan)}
+            "flush_request_bytes": request}
 
 
 def run(plan: FigurePlan) -> dict[str, Any]:
@@ -416,9 +417,11 @@ def run(plan: FigurePlan) -> dict[str, Any]:
         progress.note(f"limit: {ref['name']} {ref['gbps']:.2f} GB/s")
         hot = hot_set(plan, kv, mem_work, work, progress.step)
         mixed = mixed_request(plan, kv, mem_work, work, progress.step)
+        threads, request = flush_shape(plan)
         probe = limits_mod.StorageProbe(work, direct, max(plan.limit_bytes, plan.flush_bytes),
-                                        plan.cfg.staging_mb * MIB, plan.device, max_request_bytes=flush_request(plan))
-        disk = probe.sweep(WRITE_THREADS, min(plan.limit_bytes, plan.flush_bytes))
+                                        plan.cfg.staging_mb * MIB, plan.device, max_request_bytes=request)
+        # One writer, four, and as many as the flusher keeps in flight.
+        disk = probe.sweep(sorted({1, 4, threads}), min(plan.limit_bytes, plan.flush_bytes))
         progress.step("storage limits")
         progress.note(f"limit: storage write {disk.storage_write_gbps:.2f} GB/s, read {disk.storage_read_gbps:.2f} GB/s")
         flush = stores_during_flush(plan, kv, mem_work, work, probe, progress.step)

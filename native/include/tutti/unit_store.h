@@ -21,6 +21,11 @@
 
 namespace tutti {
 
+// The memory tier's flush: copies of this many units at once, each unit's objects in this many
+// writes in flight (the benches time the disk's write limit in the same shape).
+inline constexpr uint32_t kFlushCopiers = 4;
+inline constexpr uint32_t kFlushParts = 4;
+
 // The pool and the index are the core's own (native/src/pool.h, index.h).
 class FilePool;
 class Index;
