@@ -11,6 +11,43 @@
 namespace tutti {
 namespace gpu {
 
+namespace {
+
+template <typename F>
+bool entry_point(const char* name, unsigned version, F* fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  if (cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess || p == nullptr)
+    return false;
+  *fn = reinterpret_cast<F>(p);
+  return true;
+}
+
+}  // namespace
+
+bool Driver::load(std::string* missing) {
+  bool ok = true;
+  auto need = [&](bool got, const char* name) {
+    if (!got) {
+      ok = false;
+      *missing += std::string(missing->empty() ? "" : ", ") + name;
+    }
+  };
+  need(entry_point("cuDeviceGet", 2000, &DeviceGet), "cuDeviceGet");
+  need(entry_point("cuDeviceGetDevResource", 12040, &DeviceGetDevResource), "cuDeviceGetDevResource");
+  need(entry_point("cuDevSmResourceSplitByCount", 12040, &DevSmResourceSplitByCount), "cuDevSmResourceSplitByCount");
+  need(entry_point("cuDevResourceGenerateDesc", 12040, &DevResourceGenerateDesc), "cuDevResourceGenerateDesc");
+  need(entry_point("cuGreenCtxCreate", 12040, &GreenCtxCreate), "cuGreenCtxCreate");
+  need(entry_point("cuGreenCtxDestroy", 12040, &GreenCtxDestroy), "cuGreenCtxDestroy");
+  need(entry_point("cuCtxFromGreenCtx", 12040, &CtxFromGreenCtx), "cuCtxFromGreenCtx");
+  need(entry_point("cuGreenCtxStreamCreate", 12050, &GreenCtxStreamCreate), "cuGreenCtxStreamCreate");
+  need(entry_point("cuCtxPushCurrent", 4000, &CtxPushCurrent), "cuCtxPushCurrent");
+  need(entry_point("cuCtxPopCurrent", 4000, &CtxPopCurrent), "cuCtxPopCurrent");
+  need(entry_point("cuStreamDestroy", 4000, &StreamDestroy), "cuStreamDestroy");
+  return ok;
+}
+
 Status CudaBackend::init() {
   int count = 0;
   cudaError_t e = cudaGetDeviceCount(&count);

@@ -44,37 +44,8 @@ struct Driver {
   PFN_cuCtxPopCurrent_v4000 CtxPopCurrent = nullptr;
   PFN_cuStreamDestroy_v4000 StreamDestroy = nullptr;
 
-  template <typename F>
-  static bool get(const char* name, unsigned version, F* fn) {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-    if (cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess || p == nullptr)
-      return false;
-    *fn = reinterpret_cast<F>(p);
-    return true;
-  }
-  bool load(std::string* missing) {
-    bool ok = true;
-    auto need = [&](bool got, const char* name) {
-      if (!got) {
-        ok = false;
-        *missing += std::string(missing->empty() ? "" : ", ") + name;
-      }
-    };
-    need(get("cuDeviceGet", 2000, &DeviceGet), "cuDeviceGet");
-    need(get("cuDeviceGetDevResource", 12040, &DeviceGetDevResource), "cuDeviceGetDevResource");
-    need(get("cuDevSmResourceSplitByCount", 12040, &DevSmResourceSplitByCount), "cuDevSmResourceSplitByCount");
-    need(get("cuDevResourceGenerateDesc", 12040, &DevResourceGenerateDesc), "cuDevResourceGenerateDesc");
-    need(get("cuGreenCtxCreate", 12040, &GreenCtxCreate), "cuGreenCtxCreate");
-    need(get("cuGreenCtxDestroy", 12040, &GreenCtxDestroy), "cuGreenCtxDestroy");
-    need(get("cuCtxFromGreenCtx", 12040, &CtxFromGreenCtx), "cuCtxFromGreenCtx");
-    need(get("cuGreenCtxStreamCreate", 12050, &GreenCtxStreamCreate), "cuGreenCtxStreamCreate");
-    need(get("cuCtxPushCurrent", 4000, &CtxPushCurrent), "cuCtxPushCurrent");
-    need(get("cuCtxPopCurrent", 4000, &CtxPopCurrent), "cuCtxPopCurrent");
-    need(get("cuStreamDestroy", 4000, &StreamDestroy), "cuStreamDestroy");
-    return ok;
-  }
+  // Resolves every entry point; false when one is missing (their names in `missing`).
+  bool load(std::string* missing);
 };
 
 // Device and mapped host arrays of one request slot, grown on demand and reused.
