@@ -125,7 +125,8 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("lands after (ms, GPU events)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    save_figure(fig, path, f"a hot set in memory, layer by layer ({report['gpu']}, host-to-GPU {report['h2d_gbps']} GB/s)")
+    title = f"a hot set in memory, layer by layer ({report['gpu']}, host-to-GPU {report['h2d_gbps']} GB/s)"
+    save_figure(fig, path, title)
 
 
 def main() -> None:
