@@ -5,9 +5,9 @@ Stores one prefix (Llama-3-8B shape) into mapped pool files on ``--paths`` (the 
 system of ``tutti bench``), then retrieves it ``--rounds`` times. Each layer's arrival is taken on
 the GPU: an event on a side stream before ``begin_retrieve``, and after each ``wait_layer`` (that
 stream waits for the layer's I/O) another, so the host's own waiting adds nothing; every retrieve
-must finish with every checksum matching. Beside it, in
-the same run: the bench's host-to-GPU limit (1 GiB copies from pinned memory) and the same bytes as
-one copy per layer, timed the same way. Each ``--variant`` (config fields, comma separated) opens a
+must finish with every checksum matching. Beside it, in the same run: the bench's host-to-GPU
+limit (1 GiB copies from pinned memory) and the same bytes as one copy per layer, timed the same
+way. Each ``--variant`` (config fields, comma separated) opens a
 store of its own:
 
     python tools/diag/hot_set_timeline.py --paths /dev/shm/ht0 /dev/shm/ht1 /dev/shm/ht2 /dev/shm/ht3 \\

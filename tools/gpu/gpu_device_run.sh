@@ -201,15 +201,17 @@ for step in "$@"; do
         --prefix-tokens ${TIER_PREFIXES:-16K,128K} --repeat ${TIER_REPEAT:-2} --flush-gb ${TIER_FLUSH_GB:-4} \
         --limit-gb 2 --json "$OUT/tiers_figures.json" 2>&1 | grep -v "it/s\]\|step/s\]" | tail -20
     fi
-    [ "${TIER_PIPE:-1}" = 1 ] && for mb in ${TIER_PIPE_COPY_MB:-0}; do
-      log "bench --pipeline ${PIPE_MODEL:-llama3-8b} with the memory tier (copy_engine_mb $mb): storage on /dev/shm (a stand-in for NVMe, read through io_uring), memory tier on /dev/shm"
-      mkdir -p /dev/shm/tutti-tsto /dev/shm/tutti-tmem
-      TUTTI_COPY_ENGINE_MB=$mb TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline \
-        --paths /dev/shm/tutti-tsto --memory-paths /dev/shm/tutti-tmem --model ${PIPE_MODEL:-llama3-8b} \
-        --inputs ${TIER_PIPE_INPUTS:-32K} --prefix-tokens=${TIER_PIPE_PREFIXES:-50%,-1u} --systems ideal tutti \
-        --no-writeback --repeat ${TIER_PIPE_REPEAT:-3} --json "$OUT/pipeline_tiers_m$mb.json" | grep -v "step/s\]" | tail -16
-      rm -rf /dev/shm/tutti-tsto /dev/shm/tutti-tmem
-    done
+    if [ "${TIER_PIPE:-1}" = 1 ]; then
+      for mb in ${TIER_PIPE_COPY_MB:-0}; do
+        log "bench --pipeline ${PIPE_MODEL:-llama3-8b} with the memory tier (copy_engine_mb $mb): storage on /dev/shm (a stand-in for NVMe, read through io_uring), memory tier on /dev/shm"
+        mkdir -p /dev/shm/tutti-tsto /dev/shm/tutti-tmem
+        TUTTI_COPY_ENGINE_MB=$mb TUTTI_STAGING_MB=${STAGING_MB:-2048} TUTTI_QUEUE_DEPTH=${QD:-64} bench --pipeline \
+          --paths /dev/shm/tutti-tsto --memory-paths /dev/shm/tutti-tmem --model ${PIPE_MODEL:-llama3-8b} \
+          --inputs ${TIER_PIPE_INPUTS:-32K} --prefix-tokens=${TIER_PIPE_PREFIXES:-50%,-1u} --systems ideal tutti \
+          --no-writeback --repeat ${TIER_PIPE_REPEAT:-3} --json "$OUT/pipeline_tiers_m$mb.json" | grep -v "step/s\]" | tail -16
+        rm -rf /dev/shm/tutti-tsto /dev/shm/tutti-tmem
+      done
+    fi
     rm -rf /dev/shm/tutti-tmem /dev/shm/tutti-tsto /var/tmp/tutti-tiers ;;
   copyab)
     for r in $(seq ${AB_ROUNDS:-2}); do for sms in ${AB_SMS:-8 16}; do for mb in ${AB_MBS:-0 1024}; do
@@ -226,8 +228,11 @@ for step in "$@"; do
     timeout "$(left)" python3 tools/diag/hot_set_timeline.py --paths $SHM --prefix-tokens ${HOT_PREFIXES:-16K 128K} \
       --rounds ${HOT_ROUNDS:-5} $V --json "$OUT/hot_timeline.json" 2>&1 | grep -v "it/s\]"
     rm -rf $SHM
-    [ "${HOT_FLUSH:-1}" = 1 ] && log "flush against the write passes beside it" && timeout "$(left)" python3 tools/diag/flush_bandwidth.py --path /var/tmp/fb --memory-path /dev/shm/fb \
-      --units ${FLUSH_UNITS:-128} --rounds ${FLUSH_ROUNDS:-3} --json "$OUT/flush.json" 2>&1 | grep -E "round|x_write|flush_gbps|write_limit"
+    if [ "${HOT_FLUSH:-1}" = 1 ]; then
+      log "flush against the write passes beside it"
+      timeout "$(left)" python3 tools/diag/flush_bandwidth.py --path /var/tmp/fb --memory-path /dev/shm/fb \
+        --units ${FLUSH_UNITS:-128} --rounds ${FLUSH_ROUNDS:-3} --json "$OUT/flush.json" 2>&1 | grep -E "round|x_write|flush_gbps|write_limit"
+    fi
     rm -rf /var/tmp/fb /dev/shm/fb ;;
   memcheck)
     log "compute-sanitizer memcheck: GPU tests -k '${MEMCHECK_K:-skipped or scatter}'"

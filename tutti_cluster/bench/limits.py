@@ -121,9 +121,9 @@ class StorageProbe:
     ``total_bytes`` (at least the largest pass) is spread over ``FILES_PER_PATH`` files per
     directory, which ``close`` removes.  Writes go to files that were fully written once already,
     so that no pass pays for first allocation of extents (on memory file systems, also read once).
-    Passes move 1 MiB requests; ``write_pass``/``read_pass`` take larger ones, up to
-    ``max_request_bytes``, for a system that moves larger ones (a limit must be measured with the
-    requests the system under test may use).
+    Passes move 1 MiB requests; ``write_pass`` takes larger ones, up to ``max_request_bytes``, for a
+    system that writes larger ones (a limit must be measured with the requests the system under test
+    may use).
     """
 
     def __init__(

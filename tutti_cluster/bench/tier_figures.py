@@ -16,8 +16,8 @@ figures measured in this run on this device.
   and the flush (its bytes over the time from the first backlog store to ``flush()``'s return and
   a ``syncfs`` of the storage paths) against the storage write limit of the same run: the faster of
   the best of several thread counts of 1 MiB writes (O_DIRECT where the file system accepts it)
-  right before and a pass right after in the flusher's own shape (16 writes in flight of a quarter
-  unit each); one more 1 MiB pass right after is shown ("after the flush").
+  right before and a pass right after in the flusher's own shape (its writes in flight and their
+  size: ``limits.flush_shape``); one more 1 MiB pass right after is shown ("after the flush").
 
 With a memory tier only its files are mapped, so storage paths on tmpfs (a stand-in for NVMe) are
 read and written through io_uring, as a disk's are.
@@ -300,16 +300,10 @@ def mixed_request(plan: FigurePlan, kv: Any, mem_work: list[Path], work: list[Pa
     return rows
 
 
-def flush_shape(plan: FigurePlan) -> tuple[int, int]:
-    """The flusher's writes in flight and the bytes of each (``limits.flush_shape``)."""
-    from tutti_cluster.bench import limits
-
-    return limits.flush_shape(plan.shape.prefix_bytes(plan.cfg.unit_tokens))
-
-
 def stores_during_flush(plan: FigurePlan, kv: Any, mem_work: list[Path], work: list[Path], probe: Any,
-                        step: Callable[[str], None]) -> dict[str, Any]:
-    """The backlog, then the timed stores while the flusher copies it, then the flush's end."""
+                        flush_writes: tuple[int, int], step: Callable[[str], None]) -> dict[str, Any]:
+    """The backlog, then the timed stores while the flusher copies it, then the flush's end; then a
+    write pass in ``flush_writes``, the flusher's shape (writes in flight, bytes each)."""
     import numpy as np
 
     from tutti_cluster.bench import fsutil
@@ -356,8 +350,7 @@ def stores_during_flush(plan: FigurePlan, kv: Any, mem_work: list[Path], work: l
         step("flush done")
         flushed = int(st["flush_bytes"])
         beside = probe.write_pass(flushed)
-        # The flusher's own shape: its writes in flight, a part of a unit each.
-        threads, request = flush_shape(plan)
+        threads, request = flush_writes
         shaped = probe.write_pass(flushed, threads=threads, request=request)
     finally:
         for d in [*dirs, *mem]:
@@ -417,14 +410,15 @@ def run(plan: FigurePlan) -> dict[str, Any]:
         progress.note(f"limit: {ref['name']} {ref['gbps']:.2f} GB/s")
         hot = hot_set(plan, kv, mem_work, work, progress.step)
         mixed = mixed_request(plan, kv, mem_work, work, progress.step)
-        threads, request = flush_shape(plan)
+        flush_writes = limits_mod.flush_shape(plan.shape.prefix_bytes(plan.cfg.unit_tokens))
+        threads, request = flush_writes
         probe = limits_mod.StorageProbe(work, direct, max(plan.limit_bytes, plan.flush_bytes),
                                         plan.cfg.staging_mb * MIB, plan.device, max_request_bytes=request)
         # One writer, four, and as many as the flusher keeps in flight.
         disk = probe.sweep(sorted({1, 4, threads}), min(plan.limit_bytes, plan.flush_bytes))
         progress.step("storage limits")
         progress.note(f"limit: storage write {disk.storage_write_gbps:.2f} GB/s, read {disk.storage_read_gbps:.2f} GB/s")
-        flush = stores_during_flush(plan, kv, mem_work, work, probe, progress.step)
+        flush = stores_during_flush(plan, kv, mem_work, work, probe, flush_writes, progress.step)
     finally:
         if progress is not None:
             progress.close()
