@@ -1,9 +1,6 @@
 // The CUDA backend (cuda_backend.h): the device, its partition and everything start() makes and
 // stop() releases.
-#include <sys/mman.h>
-
 #include <cstdio>
-#include <cstring>
 #include <memory>
 
 #include "cuda_backend.h"
