@@ -203,9 +203,26 @@ def _max_model_len(args: argparse.Namespace) -> int:
     return -(-n // args.block_size) * args.block_size
 
 
-def kv_bytes(args: argparse.Namespace) -> int:
+def token_kv_bytes(args: argparse.Namespace) -> int:
+    """One token's KV over every layer (keys and values)."""
     s = MODEL_SHAPES[args.model]
-    return args.layers * _max_model_len(args) * 2 * s["num_key_value_heads"] * s["head_dim"] * DTYPES[args.dtype]
+    return args.layers * 2 * s["num_key_value_heads"] * s["head_dim"] * DTYPES[args.dtype]
+
+
+def kv_bytes(args: argparse.Namespace) -> int:
+    return _max_model_len(args) * token_kv_bytes(args)
+
+
+def host_copy_limit(nbytes: int) -> dict[str, Any]:
+    """The host's memory copy bandwidth for ``nbytes`` (a restore's bytes), the best of one thread
+    and every core, each thread copying its share between buffers of its own (GB/s, each byte read
+    once and written once): what a restore from the memory tier cannot beat, since the forward
+    reads the KV from the engine's own blocks and every restored byte must be copied there."""
+    from tutti_cluster.bench import limits  # numpy and torch: not at this module's import
+
+    cores = os.cpu_count() or 1
+    by = {t: limits.host_copy_gbps(t, max(1 << 20, nbytes // t), rounds=3) for t in sorted({1, cores})}
+    return {"gbps": max(by.values()), "by_threads": by}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -441,6 +458,11 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
     total = sum(args.repeat if s in RUN_ONLY else 1 + args.repeat for s, _ in plan)
     n = 0
     rows: list[dict[str, Any]] = [{"system": system, "unit_tokens": unit, "runs": []} for system, unit in plan]
+    # The memory tier's floor over `cached`: copying the prefix's KV at the host's copy bandwidth,
+    # measured after each round (the engines gone), so that it follows a drifting host.
+    copy_runs: list[dict[str, Any]] = []
+    copy_bytes = token_kv_bytes(args) * min(args.prefix_tokens, args.prompt_tokens)
+    measure_copy = "tutti-memory" in systems and "cached" in systems
     reference: list[int] | None = None
     split = args.split_engine
 
@@ -541,6 +563,9 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
                      f"{i + 1}/{args.repeat}{note}: TTFT {r['ttft_s']:.3f} s ({r['ttft_source']}){hit}, "
                      f"engine start {r['engine_start_s']:.1f} s, outputs "
                      f"{'equal' if r['outputs_equal'] else 'differ at token ' + str(r['first_diff'])}")
+            if measure_copy:
+                copy_runs.append(host_copy_limit(copy_bytes))
+                emit(f"host memory copy of {copy_bytes / 1e6:.0f} MB: {copy_runs[-1]['gbps']:.1f} GB/s")
             partial()
         for row in rows:
             ttfts = [r["ttft_s"] for r in row["runs"]]
@@ -587,6 +612,19 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         mem_units = [x["metrics"].get("vllm:tutti_memory_units") for x in row["runs"]]
         row["memory_units"] = (mem_units if row["system"] == "tutti-memory" and None not in mem_units
                                else None)
+    copy_limit = None
+    if copy_runs:
+        copy_limit = {"gbps": _summary([c["gbps"] for c in copy_runs]),
+                      "by_threads": [c["by_threads"] for c in copy_runs], "bytes": copy_bytes}
+        assert cached is not None
+        for row in rows:
+            if row["system"] != "tutti-memory" or row["hit_tokens"] is None:
+                continue
+            # cached + the copy of the restored bytes at the round's median copy bandwidth.
+            c = cached["ttft_s"]["median"]
+            row["copy_floor_s"] = row["hit_tokens"] * token_kv_bytes(args) / (copy_limit["gbps"]["median"] * 1e9)
+            row["floor_x_cached"] = (c + row["copy_floor_s"]) / c
+            row["x_floor"] = row["ttft_s"]["median"] / (c + row["copy_floor_s"])
     return {
         "bench": "vllm_restore",
         "config": {
@@ -604,6 +642,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         },
         "reference_outputs": reference,
         "rows": rows,
+        "copy_limit": copy_limit,
         "failures": failures,
     }
 
@@ -676,6 +715,12 @@ def format_table(report: dict[str, Any]) -> str:
         if r.get("over_cached_s") is not None:
             lines.append(f"{name}: {r['over_cached_s'] * 1e3:+.0f} ms ({r['x_cached']:.2f}x) over vLLM's own prefix "
                          "cache in a warm engine (cached)")
+        if r.get("copy_floor_s") is not None:
+            g = report["copy_limit"]["gbps"]
+            lines.append(f"{name}: its floor, cached + the copy of the {r['hit_tokens']} tokens' KV at the host's "
+                         f"copy bandwidth ({g['median']:.1f} GB/s, {g['min']:.1f}-{g['max']:.1f}, measured after "
+                         f"each round): {r['copy_floor_s'] * 1e3:+.1f} ms = {r['floor_x_cached']:.3f}x cached; "
+                         f"measured {r['x_floor']:.3f}x that floor")
         if r.get("memory_units") is not None:
             lines.append(f"{name}: units in the memory tier after each restore: "
                          f"{', '.join(str(int(u)) for u in r['memory_units'])} (vllm:tutti_memory_units)")
