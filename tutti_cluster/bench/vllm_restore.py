@@ -620,7 +620,7 @@ def run_bench(args: argparse.Namespace, emit: Any = print) -> dict[str, Any]:
         for row in rows:
             if row["system"] != "tutti-memory" or row["hit_tokens"] is None:
                 continue
-            # cached + the copy of the restored bytes at the round's median copy bandwidth.
+            # cached + the copy of the restored bytes at the rounds' median copy bandwidth.
             c = cached["ttft_s"]["median"]
             row["copy_floor_s"] = row["hit_tokens"] * token_kv_bytes(args) / (copy_limit["gbps"]["median"] * 1e9)
             row["floor_x_cached"] = (c + row["copy_floor_s"]) / c
