@@ -1,6 +1,7 @@
 """Same-run hardware limits: storage read and write bandwidth on the configured paths,
 host-to-GPU copy bandwidth when a GPU is used, and host memory copy bandwidth
-(:func:`host_copy_gbps`, for ``tutti bench tiers``'s memory tier).
+(:func:`host_copy_sweep`, for the memory tier in ``tutti bench tiers`` and
+``tutti bench vllm``).
 
 Storage is measured the way a perfect data path would use it: large sequential requests (1 MiB)
 from several threads at once (the best of several thread counts wins), with O_DIRECT where the file
@@ -256,3 +257,10 @@ def host_copy_gbps(threads: int, buf_bytes: int = 64 << 20, rounds: int = 4) -> 
             np.copyto(pairs[t][1], pairs[t][0])
 
     return threads * rounds * buf_bytes / timed_threads(threads, work) / 1e9
+
+
+def host_copy_sweep(buf_bytes: Callable[[int], int], rounds: int = 4) -> dict[int, float]:
+    """:func:`host_copy_gbps` with one thread and with every core (up to 16), each thread copying
+    ``buf_bytes(threads)`` bytes: GB/s by thread count (a limit takes the best)."""
+    cores = min(os.cpu_count() or 1, 16)
+    return {t: host_copy_gbps(t, buf_bytes(t), rounds) for t in sorted({1, cores})}

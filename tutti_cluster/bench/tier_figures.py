@@ -402,9 +402,8 @@ def run(plan: FigurePlan) -> dict[str, Any]:
         if plan.device.type == "cuda":
             ref = {"name": "host-to-GPU", "gbps": mem_lim.h2d_gbps}
         else:
-            cores = min(os.cpu_count() or 1, 16)
             buf = max(MIB, min(64 * MIB, plan.limit_bytes // 8))
-            by = {t: limits_mod.host_copy_gbps(t, buf) for t in sorted({1, cores})}
+            by = limits_mod.host_copy_sweep(lambda _: buf)
             ref = {"name": "host memory copy", "gbps": max(by.values()), "by_threads": by}
         progress.step("memory limit")
         progress.note(f"limit: {ref['name']} {ref['gbps']:.2f} GB/s")

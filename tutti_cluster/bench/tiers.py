@@ -414,9 +414,8 @@ def run(plan: Plan) -> dict[str, Any]:
         probe = limits_mod.StorageProbe(work, direct, plan.limit_bytes, 64 * MIB, plan.device)
         threads = sorted({8, 16, min(plan.cfg.queue_depth, 64)})
         lim = probe.sweep(threads, plan.limit_bytes)
-        cores = min(os.cpu_count() or 1, 16)
         copy_buf = max(MIB, min(64 * MIB, plan.limit_bytes // 8))
-        copy = {t: limits_mod.host_copy_gbps(t, copy_buf) for t in sorted({1, cores})}
+        copy = limits_mod.host_copy_sweep(lambda _: copy_buf)
         limits = {"storage_read_gbps": lim.storage_read_gbps, "storage_write_gbps": lim.storage_write_gbps,
                   "storage_read_gbps_by_threads": lim.read_by_threads, "host_copy_gbps": max(copy.values()),
                   "host_copy_gbps_by_threads": copy}

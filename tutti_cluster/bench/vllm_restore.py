@@ -215,13 +215,12 @@ def kv_bytes(args: argparse.Namespace) -> int:
 
 def host_copy_limit(nbytes: int) -> dict[str, Any]:
     """The host's memory copy bandwidth for ``nbytes`` (a restore's bytes), the best of one thread
-    and every core, each thread copying its share between buffers of its own (GB/s, each byte read
-    once and written once): what a restore from the memory tier cannot beat, since the forward
-    reads the KV from the engine's own blocks and every restored byte must be copied there."""
+    and every core (up to 16), each thread copying its share between buffers of its own (GB/s, each
+    byte read once and written once): what a restore from the memory tier cannot beat, since the
+    forward reads the KV from the engine's own blocks and every restored byte must be copied there."""
     from tutti_cluster.bench import limits  # numpy and torch: not at this module's import
 
-    cores = os.cpu_count() or 1
-    by = {t: limits.host_copy_gbps(t, max(1 << 20, nbytes // t), rounds=3) for t in sorted({1, cores})}
+    by = limits.host_copy_sweep(lambda t: max(1 << 20, nbytes // t), rounds=3)
     return {"gbps": max(by.values()), "by_threads": by}
 
 
